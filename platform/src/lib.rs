@@ -1,0 +1,1 @@
+//! Kernel-facing parts of herdless.
