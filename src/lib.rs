@@ -1,1 +1,9 @@
-//! herdless
+//! herdless: a job-token service for build tools.
+//!
+//! A broker owns a pool of job tokens and hands each one to exactly one
+//! waiting client, so exactly one process wakes per token. See
+//! `docs/PROTOCOL.md` for the wire format and the README for the command
+//! line.
+#![forbid(unsafe_code)]
+
+pub mod protocol;
