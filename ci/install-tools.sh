@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# Installs the system packages the test suite and ci/build-gnu-make-4.4.1.sh
+# need: GNU make (Debian's 4.3, also used to build 4.4.1), bmake, dpkg-dev
+# (dpkg-source), patch and xz-utils (to unpack the source package), and a C
+# toolchain. apt is skipped entirely when everything is already present.
+set -euo pipefail
+
+log() { printf '[install-tools] %s\n' "$*"; }
+
+# package:command pairs; an empty command means "check the package only".
+wanted=(
+  make:make
+  bmake:bmake
+  dpkg-dev:dpkg-source
+  patch:patch
+  xz-utils:xz
+  gcc:gcc
+  libc6-dev:
+)
+
+missing=()
+for entry in "${wanted[@]}"; do
+  pkg=${entry%%:*}
+  cmd=${entry#*:}
+  if [[ -n $cmd ]] && ! command -v "$cmd" >/dev/null 2>&1; then
+    missing+=("$pkg")
+  elif [[ $(dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null || true) != "install ok installed" ]]; then
+    missing+=("$pkg")
+  fi
+done
+
+if ((${#missing[@]} == 0)); then
+  log "all tools present, skipping apt"
+  exit 0
+fi
+
+sudo=()
+if ((EUID != 0)); then
+  if command -v sudo >/dev/null 2>&1; then
+    sudo=(sudo)
+  else
+    log "need root (or sudo) to install: ${missing[*]}" >&2
+    exit 1
+  fi
+fi
+
+export DEBIAN_FRONTEND=noninteractive
+logfile=$(mktemp)
+trap 'rm -f "$logfile"' EXIT
+
+run_quiet() {
+  if ! "$@" >"$logfile" 2>&1; then
+    log "failed: $*" >&2
+    tail -n 40 "$logfile" >&2
+    exit 1
+  fi
+}
+
+log "missing: ${missing[*]}"
+log "apt-get update"
+run_quiet "${sudo[@]}" apt-get update -q
+log "apt-get install ${missing[*]}"
+run_quiet "${sudo[@]}" apt-get install -y -q --no-install-recommends "${missing[@]}"
+
+for entry in "${wanted[@]}"; do
+  cmd=${entry#*:}
+  if [[ -n $cmd ]] && ! command -v "$cmd" >/dev/null 2>&1; then
+    log "still missing after install: $cmd" >&2
+    exit 1
+  fi
+done
+log "done"
