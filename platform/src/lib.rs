@@ -1,1 +1,63 @@
 //! Kernel-facing parts of herdless.
+//!
+//! Everything here talks to one kernel and is not already in mio: the ways a
+//! process can wait for a byte on a shared pipe ([`wait`]), a wake-one word in
+//! shared memory ([`SharedWord`]), peer credentials of a Unix socket
+//! ([`peer_cred`]), wake-up counting ([`process_ctx_switches`],
+//! [`self_rusage`]) and kernel capability detection ([`capabilities`]).
+//!
+//! # Backends
+//!
+//! The OS backend is chosen once, below, as the private module `sys`. Each
+//! backend provides the same items, without a trait:
+//!
+//! - `peer_cred(BorrowedFd) -> io::Result<PeerCred>`
+//! - `process_ctx_switches(i32) -> io::Result<CtxSwitches>`
+//! - `futex_support() -> Result<(), String>`,
+//!   `futex_wait(&AtomicU32, u32) -> io::Result<()>` and
+//!   `futex_wake_one(&AtomicU32) -> io::Result<()>`
+//! - `mode_support(Mode, &Kernel) -> Result<(), String>` for the modes that
+//!   depend on the OS
+//! - `Poller`, the OS's own readiness queue (epoll or kqueue) for one fd,
+//!   with `new(BorrowedFd, Mode, Trigger)` and `wait(bool)`
+//! - `reopen_nonblocking(BorrowedFd) -> io::Result<Option<OwnedFd>>`, a
+//!   private non-blocking open file description of a pipe, where the OS can
+//!   make one
+//! - `exclusive_pipe_read(&Kernel) -> bool`
+//!
+//! Everything that is the same on every Unix (poll, select, getrusage, uname,
+//! the shared mapping) lives in the shared files.
+
+#[cfg(target_os = "linux")]
+#[path = "linux.rs"]
+mod sys;
+
+#[cfg(any(
+    target_os = "freebsd",
+    target_os = "netbsd",
+    target_os = "openbsd",
+    target_os = "dragonfly",
+    target_os = "macos",
+    target_os = "ios",
+))]
+#[path = "bsd.rs"]
+mod sys;
+
+#[cfg(not(any(
+    target_os = "linux",
+    target_os = "freebsd",
+    target_os = "netbsd",
+    target_os = "openbsd",
+    target_os = "dragonfly",
+    target_os = "macos",
+    target_os = "ios",
+)))]
+compile_error!("herdless-platform does not support this OS");
+
+mod cred;
+mod kernel;
+mod usage;
+
+pub use cred::{peer_cred, PeerCred};
+pub use kernel::{kernel, parse_release, Kernel};
+pub use usage::{children_rusage, process_ctx_switches, self_rusage, CtxSwitches, Usage};
