@@ -6,4 +6,9 @@
 //! line.
 #![forbid(unsafe_code)]
 
+pub mod broker;
+pub mod log;
+pub mod pool;
 pub mod protocol;
+pub mod rundir;
+pub mod stats;

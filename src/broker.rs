@@ -1,0 +1,661 @@
+//! The broker: one thread, one mio loop, driving the [`Pool`] with sockets.
+//!
+//! Every readiness source is edge-triggered (mio's only mode): each event
+//! drains its source until `WouldBlock`. A grant is one frame written to one
+//! client's socket, so exactly one process wakes per token. There is no
+//! timer anywhere in the hand-off path: the loop sleeps in `epoll_wait` /
+//! `kevent` with no timeout and wakes only for I/O, a signal or a stop
+//! request.
+//!
+//! # Failure handling
+//!
+//! - A peer of another uid, a malformed or oversized frame, a wrong protocol
+//!   version, or a client that misuses the pool (releasing a token it does
+//!   not hold) gets an `Error` frame with the reason; the broker logs the
+//!   reason and closes that one connection. Its tokens return to the pool.
+//! - A connection that closes for any reason (exit, crash, `kill -9`) gives
+//!   back every token it held.
+//! - `EMFILE`/`ENFILE` from `accept`: a reserve descriptor is released to
+//!   accept the pending connection and tell it the broker is out of file
+//!   descriptors, so the client sees an error at once instead of hanging;
+//!   the clients already connected keep being served, and the loop does not
+//!   spin (no retry until the listener signals again).
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::io::{self, Read, Write};
+use std::os::fd::AsFd;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use mio::net::{UnixListener, UnixStream};
+use mio::{Events, Interest, Poll, Token, Waker};
+use serde::{Deserialize, Serialize};
+
+use crate::log;
+use crate::log::Level;
+use crate::pool::{ClientId, ClientInfo, Effect, Pool};
+use crate::protocol::{
+    FrameBuffer, HelloFlags, ProtocolError, Reply, Request, MAX_REPLY_PAYLOAD, PROTOCOL_VERSION,
+};
+
+const LISTENER: Token = Token(0);
+const WAKER: Token = Token(1);
+const SIGNALS: Token = Token(2);
+const FIRST_CONN: usize = 16;
+
+/// A client whose unsent replies pile up past this is not reading them;
+/// it is disconnected rather than allowed to grow the broker's memory.
+const MAX_PENDING_OUTPUT: usize = 4 * MAX_REPLY_PAYLOAD;
+
+/// How a broker is set up.
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// The `-j` figure: at most this many jobs at once in the tree. The
+    /// pool holds `jobs - 1` tokens; the last is the implicit token of the
+    /// process at the top of the tree.
+    pub jobs: u32,
+    /// Stop cleanly on SIGINT and SIGTERM (for `herdless serve`). A broker
+    /// embedded in `herdless run` leaves signals to its host.
+    pub handle_signals: bool,
+}
+
+impl Config {
+    /// A broker for `-j jobs`, leaving signals alone.
+    pub fn new(jobs: u32) -> Config {
+        Config {
+            jobs,
+            handle_signals: false,
+        }
+    }
+}
+
+/// Stops a running broker from another thread.
+#[derive(Clone, Debug)]
+pub struct Stopper {
+    waker: Arc<Waker>,
+    flag: Arc<AtomicBool>,
+}
+
+impl Stopper {
+    /// Asks the broker to shut down; `Broker::run` then returns its report.
+    pub fn stop(&self) {
+        self.flag.store(true, Ordering::SeqCst);
+        if let Err(e) = self.waker.wake() {
+            log!(Level::Error, "cannot wake the broker to stop it: {e}");
+        }
+    }
+}
+
+/// One client's line in a status report.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClientStatus {
+    pub id: u64,
+    pub pid: u32,
+    pub kind: String,
+    pub held: u32,
+    pub waiting: u32,
+}
+
+/// What `herdless status` shows, and what the broker reports when it stops.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Status {
+    /// The broker's process id.
+    pub pid: u32,
+    /// The `-j` figure.
+    pub jobs: u32,
+    /// Shared tokens (`jobs - 1`).
+    pub capacity: u32,
+    pub free: u32,
+    /// Tokens in use now, parent slots included.
+    pub in_use: u32,
+    pub waiting: u32,
+    /// `"E"` or `"I"` once the tree has aborted.
+    pub aborted: Option<String>,
+    pub grants: u64,
+    pub immediate: u64,
+    pub waits: u64,
+    pub wakeups: u64,
+    pub denied: u64,
+    pub cancelled: u64,
+    pub reclaimed: u64,
+    pub connections: u64,
+    pub max_in_use: u32,
+    pub wait_p50_us: f64,
+    pub wait_p99_us: f64,
+    pub wait_max_us: f64,
+    /// Tokens the broker cannot account for. Must be 0.
+    pub lost: i64,
+    pub clients: Vec<ClientStatus>,
+}
+
+struct Conn {
+    stream: UnixStream,
+    rx: FrameBuffer,
+    tx: Vec<u8>,
+    client: Option<ClientId>,
+    /// From the kernel where it tells (SO_PEERCRED), else from the hello.
+    pid: Option<u32>,
+}
+
+/// The broker. Build it with [`Broker::bind`], run it with [`Broker::run`].
+pub struct Broker {
+    poll: Poll,
+    listener: UnixListener,
+    conns: HashMap<Token, Conn>,
+    by_client: HashMap<ClientId, Token>,
+    next_token: usize,
+    pool: Pool,
+    config: Config,
+    epoch: Instant,
+    waker: Arc<Waker>,
+    stop: Arc<AtomicBool>,
+    signals: Option<(UnixStream, Vec<signal_hook::SigId>)>,
+    reserve: Option<File>,
+    uid: u32,
+    dirty: Vec<Token>,
+}
+
+fn ms_to_us(ns: u64) -> f64 {
+    (ns as f64 / 1000.0 * 10.0).round() / 10.0
+}
+
+impl Broker {
+    /// Listens on `socket` (whose directory the caller has made private,
+    /// see [`crate::rundir`]). A stale socket file left by a dead broker is
+    /// replaced; a live one is an `AddrInUse` error.
+    pub fn bind(socket: &Path, config: Config) -> io::Result<Broker> {
+        if config.jobs == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "-j must be at least 1",
+            ));
+        }
+        if socket.exists() {
+            if std::os::unix::net::UnixStream::connect(socket).is_ok() {
+                return Err(io::Error::new(
+                    io::ErrorKind::AddrInUse,
+                    format!("a broker is already listening on {}", socket.display()),
+                ));
+            }
+            std::fs::remove_file(socket)?;
+        }
+        let mut listener = UnixListener::bind(socket).map_err(|e| {
+            io::Error::new(
+                e.kind(),
+                format!("cannot listen on {}: {e}", socket.display()),
+            )
+        })?;
+        let poll = Poll::new()?;
+        poll.registry()
+            .register(&mut listener, LISTENER, Interest::READABLE)?;
+        let waker = Arc::new(Waker::new(poll.registry(), WAKER)?);
+        let signals = if config.handle_signals {
+            let (mut read, write) = UnixStream::pair()?;
+            let write = std::os::unix::net::UnixStream::from(std::os::fd::OwnedFd::from(write));
+            let mut ids = Vec::new();
+            for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+                ids.push(signal_hook::low_level::pipe::register(
+                    sig,
+                    write.try_clone()?,
+                )?);
+            }
+            poll.registry()
+                .register(&mut read, SIGNALS, Interest::READABLE)?;
+            Some((read, ids))
+        } else {
+            None
+        };
+        Ok(Broker {
+            poll,
+            listener,
+            conns: HashMap::new(),
+            by_client: HashMap::new(),
+            next_token: FIRST_CONN,
+            pool: Pool::new(config.jobs - 1),
+            config,
+            epoch: Instant::now(),
+            waker,
+            stop: Arc::new(AtomicBool::new(false)),
+            signals,
+            reserve: File::open("/dev/null").ok(),
+            uid: nix::unistd::geteuid().as_raw(),
+            dirty: Vec::new(),
+        })
+    }
+
+    /// A handle that stops this broker from another thread.
+    pub fn stopper(&self) -> Stopper {
+        Stopper {
+            waker: self.waker.clone(),
+            flag: self.stop.clone(),
+        }
+    }
+
+    /// Serves until stopped (by a [`Stopper`], or by SIGINT/SIGTERM when
+    /// the config asks for it), then closes every connection, takes back
+    /// every token and returns the final report.
+    pub fn run(mut self) -> io::Result<Status> {
+        let mut events = Events::with_capacity(256);
+        while !self.stop.load(Ordering::SeqCst) {
+            if let Err(e) = self.poll.poll(&mut events, None) {
+                if e.kind() == io::ErrorKind::Interrupted {
+                    continue;
+                }
+                return Err(e);
+            }
+            for event in events.iter() {
+                match event.token() {
+                    LISTENER => self.accept_all(),
+                    WAKER => {}
+                    SIGNALS => self.drain_signals(),
+                    token => self.conn_event(token, event.is_readable(), event.is_writable()),
+                }
+                self.flush_dirty();
+            }
+        }
+        Ok(self.shut_down())
+    }
+
+    fn now(&self) -> Duration {
+        self.epoch.elapsed()
+    }
+
+    fn drain_signals(&mut self) {
+        let Some((read, _)) = self.signals.as_mut() else {
+            return;
+        };
+        let mut buf = [0u8; 64];
+        loop {
+            match read.read(&mut buf) {
+                Ok(0) => break,
+                Ok(_) => {
+                    log!(Level::Info, "signal received; shutting down");
+                    self.stop.store(true, Ordering::SeqCst);
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(_) => break,
+            }
+        }
+    }
+
+    fn accept_all(&mut self) {
+        loop {
+            match self.listener.accept() {
+                Ok((stream, _)) => self.admit(stream),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) if e.raw_os_error() == Some(libc::ECONNABORTED) => {}
+                Err(e) if matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE)) => {
+                    if !self.refuse_for_lack_of_fds(&e) {
+                        // No reserve left: wait for the listener's next
+                        // edge rather than spin.
+                        return;
+                    }
+                }
+                Err(e) => {
+                    log!(Level::Error, "accept failed: {e}");
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Spends the reserve descriptor to accept one pending connection and
+    /// tell it why it cannot be served. Returns whether it accepted one.
+    fn refuse_for_lack_of_fds(&mut self, cause: &io::Error) -> bool {
+        let Some(reserve) = self.reserve.take() else {
+            log!(Level::Warn, "accept: {cause}; no reserve descriptor left");
+            return false;
+        };
+        drop(reserve);
+        let accepted = match self.listener.accept() {
+            Ok((mut stream, _)) => {
+                log!(
+                    Level::Warn,
+                    "accept: {cause}; refusing a new client, serving the {} connected",
+                    self.conns.len()
+                );
+                let mut frame = Vec::new();
+                Reply::Error {
+                    message: format!("broker is out of file descriptors ({cause}); try again"),
+                }
+                .encode(&mut frame);
+                let _ = stream.write(&frame);
+                true
+            }
+            Err(_) => false,
+        };
+        self.reserve = File::open("/dev/null").ok();
+        accepted
+    }
+
+    fn admit(&mut self, mut stream: UnixStream) {
+        let cred = herdless_platform::peer_cred(stream.as_fd());
+        let pid = match cred {
+            Ok(c) if c.uid != self.uid => {
+                let reason = format!(
+                    "peer uid {} is not the broker's uid {}; connection refused",
+                    c.uid, self.uid
+                );
+                log!(Level::Warn, "{reason}");
+                let mut frame = Vec::new();
+                Reply::Error { message: reason }.encode(&mut frame);
+                let _ = stream.write(&frame);
+                return;
+            }
+            Ok(c) => c.pid.and_then(|p| u32::try_from(p).ok()),
+            Err(e) => {
+                log!(
+                    Level::Warn,
+                    "cannot read peer credentials ({e}); connection refused"
+                );
+                return;
+            }
+        };
+        let token = Token(self.next_token);
+        self.next_token += 1;
+        if let Err(e) = self.poll.registry().register(
+            &mut stream,
+            token,
+            Interest::READABLE | Interest::WRITABLE,
+        ) {
+            log!(Level::Error, "cannot watch a new connection: {e}");
+            return;
+        }
+        self.conns.insert(
+            token,
+            Conn {
+                stream,
+                rx: FrameBuffer::default(),
+                tx: Vec::new(),
+                client: None,
+                pid,
+            },
+        );
+        // The client may have written its hello already; with
+        // edge-triggered readiness the registration reports it, but reading
+        // now saves a trip through the loop.
+        self.conn_event(token, true, false);
+    }
+
+    fn conn_event(&mut self, token: Token, readable: bool, writable: bool) {
+        if writable {
+            self.dirty.push(token);
+        }
+        if !readable {
+            return;
+        }
+        let mut buf = [0u8; 4096];
+        loop {
+            let Some(conn) = self.conns.get_mut(&token) else {
+                return;
+            };
+            match conn.stream.read(&mut buf) {
+                Ok(0) => {
+                    self.close(token, None);
+                    return;
+                }
+                Ok(n) => {
+                    conn.rx.extend(&buf[..n]);
+                    if !self.handle_frames(token) {
+                        return;
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    // ECONNRESET and friends: the peer is gone.
+                    log!(Level::Debug, "read from connection {}: {e}", token.0);
+                    self.close(token, None);
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Decodes and handles every complete frame; false when the connection
+    /// was closed.
+    fn handle_frames(&mut self, token: Token) -> bool {
+        loop {
+            let Some(conn) = self.conns.get_mut(&token) else {
+                return false;
+            };
+            match conn.rx.next_request() {
+                Ok(None) => return true,
+                Ok(Some(req)) => {
+                    if let Err(reason) = self.handle_request(token, req) {
+                        self.close(token, Some(reason));
+                        return false;
+                    }
+                }
+                Err(e) => {
+                    self.close(token, Some(protocol_reason(&e)));
+                    return false;
+                }
+            }
+        }
+    }
+
+    fn handle_request(&mut self, token: Token, req: Request) -> Result<(), String> {
+        let now = self.now();
+        let conn = self.conns.get_mut(&token).expect("live connection");
+        let Some(id) = conn.client else {
+            let Request::Hello {
+                version,
+                flags,
+                pid,
+                ppid,
+            } = req
+            else {
+                return Err(format!("expected a hello frame first, got {req}"));
+            };
+            if version != PROTOCOL_VERSION {
+                return Err(format!(
+                    "unsupported protocol version {version} (broker speaks {PROTOCOL_VERSION})"
+                ));
+            }
+            let pid = *conn.pid.get_or_insert(pid);
+            let info = ClientInfo {
+                pid,
+                ppid,
+                job_of_parent: flags.contains(HelloFlags::JOB_OF_PARENT),
+                observer: flags.contains(HelloFlags::OBSERVER),
+                label: if flags.contains(HelloFlags::OBSERVER) {
+                    "observer"
+                } else {
+                    "native"
+                },
+            };
+            let id = self.pool.connect(info);
+            conn.client = Some(id);
+            self.by_client.insert(id, token);
+            self.send(
+                token,
+                &Reply::Welcome {
+                    version: PROTOCOL_VERSION,
+                    capacity: self.pool.capacity(),
+                    client_id: id.0,
+                },
+            );
+            log!(
+                Level::Debug,
+                "client {id} (pid {pid}, parent {ppid}) connected"
+            );
+            self.apply_effects();
+            return Ok(());
+        };
+        let result = match req {
+            Request::Hello { .. } => return Err("second hello on one connection".into()),
+            Request::Acquire => self.pool.acquire(id, now),
+            Request::TryAcquire => self.pool.try_acquire(id),
+            Request::Cancel => self.pool.cancel(id),
+            Request::Release => self.pool.release(id, now),
+            Request::Abort { reason } => {
+                if self.pool.abort(reason) {
+                    log!(Level::Info, "client {id} aborted the tree ({reason})");
+                }
+                Ok(())
+            }
+            Request::Status => {
+                let status = self.status();
+                let json = serde_json::to_string(&status).expect("status serializes");
+                self.send(token, &Reply::Status { json });
+                Ok(())
+            }
+        };
+        result.map_err(|e| e.to_string())?;
+        self.apply_effects();
+        debug_assert_eq!(self.pool.check_invariants(), Ok(()));
+        Ok(())
+    }
+
+    fn apply_effects(&mut self) {
+        for effect in self.pool.take_effects() {
+            let (client, reply) = match effect {
+                Effect::Grant { client, .. } => (client, Reply::Grant),
+                Effect::Denied { client } => (client, Reply::Denied),
+                Effect::Cancelled { client, cancelled } => (client, Reply::Cancelled { cancelled }),
+                Effect::Aborted { client, reason } => (client, Reply::Aborted { reason }),
+            };
+            if let Some(&token) = self.by_client.get(&client) {
+                self.send(token, &reply);
+            }
+        }
+    }
+
+    fn send(&mut self, token: Token, reply: &Reply) {
+        if let Some(conn) = self.conns.get_mut(&token) {
+            reply.encode(&mut conn.tx);
+            self.dirty.push(token);
+        }
+    }
+
+    fn flush_dirty(&mut self) {
+        while let Some(token) = self.dirty.pop() {
+            let Some(conn) = self.conns.get_mut(&token) else {
+                continue;
+            };
+            match flush(conn) {
+                Ok(()) if conn.tx.len() > MAX_PENDING_OUTPUT => {
+                    self.close(token, Some("client does not read its replies".into()));
+                }
+                Ok(()) => {}
+                Err(e) => {
+                    log!(Level::Debug, "write to connection {}: {e}", token.0);
+                    self.close(token, None);
+                }
+            }
+        }
+    }
+
+    /// Closes a connection and returns its tokens to the pool. With a
+    /// reason, the client is told why and the reason is logged.
+    fn close(&mut self, token: Token, reason: Option<String>) {
+        let Some(mut conn) = self.conns.remove(&token) else {
+            return;
+        };
+        let who = match (conn.client, conn.pid) {
+            (Some(id), Some(pid)) => format!("client {id} (pid {pid})"),
+            (None, Some(pid)) => format!("connection from pid {pid}"),
+            _ => format!("connection {}", token.0),
+        };
+        if let Some(reason) = &reason {
+            log!(Level::Warn, "closing {who}: {reason}");
+            Reply::Error {
+                message: reason.clone(),
+            }
+            .encode(&mut conn.tx);
+            let _ = flush(&mut conn);
+        }
+        let _ = self.poll.registry().deregister(&mut conn.stream);
+        if let Some(id) = conn.client {
+            self.by_client.remove(&id);
+            let reclaimed = self.pool.disconnect(id, self.now());
+            if reclaimed > 0 {
+                log!(
+                    Level::Info,
+                    "{who} closed holding {reclaimed} token(s); taken back"
+                );
+            }
+            self.apply_effects();
+        }
+    }
+
+    fn status(&self) -> Status {
+        let stats = self.pool.stats();
+        let free = self.pool.free();
+        Status {
+            pid: std::process::id(),
+            jobs: self.config.jobs,
+            capacity: self.pool.capacity(),
+            free,
+            in_use: self.pool.capacity() - free + self.pool.slots_in_use() as u32,
+            waiting: self.pool.waiting() as u32,
+            aborted: self.pool.aborted().map(|r| (r.byte() as char).to_string()),
+            grants: stats.grants,
+            immediate: stats.immediate,
+            waits: stats.waits,
+            wakeups: stats.wakeups,
+            denied: stats.denied,
+            cancelled: stats.cancelled,
+            reclaimed: stats.reclaimed,
+            connections: stats.connections,
+            max_in_use: stats.max_in_use,
+            wait_p50_us: ms_to_us(stats.wait_ns.quantile(0.5)),
+            wait_p99_us: ms_to_us(stats.wait_ns.quantile(0.99)),
+            wait_max_us: ms_to_us(stats.wait_ns.max()),
+            lost: self.pool.unaccounted(),
+            clients: self
+                .pool
+                .holdings()
+                .into_iter()
+                .map(|h| ClientStatus {
+                    id: h.client.0,
+                    pid: h.pid,
+                    kind: h.label.to_string(),
+                    held: h.held,
+                    waiting: h.waiting,
+                })
+                .collect(),
+        }
+    }
+
+    /// Closes every connection, takes every token back and reports. `lost`
+    /// counts shared tokens that are not free once nobody holds any.
+    fn shut_down(mut self) -> Status {
+        let tokens: Vec<Token> = self.conns.keys().copied().collect();
+        for token in tokens {
+            self.close(token, None);
+        }
+        let mut report = self.status();
+        report.lost = i64::from(self.pool.capacity()) - i64::from(self.pool.free());
+        if let Some((_, ids)) = self.signals.take() {
+            for id in ids {
+                signal_hook::low_level::unregister(id);
+            }
+        }
+        report
+    }
+}
+
+fn flush(conn: &mut Conn) -> io::Result<()> {
+    let mut written = 0;
+    while written < conn.tx.len() {
+        match conn.stream.write(&conn.tx[written..]) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => written += n,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    conn.tx.drain(..written);
+    Ok(())
+}
+
+fn protocol_reason(e: &ProtocolError) -> String {
+    format!("malformed frame: {e}")
+}
