@@ -158,7 +158,7 @@ pub struct Broker {
     dirty: Vec<Token>,
 }
 
-fn ms_to_us(ns: u64) -> f64 {
+fn ns_to_us(ns: u64) -> f64 {
     (ns as f64 / 1000.0 * 10.0).round() / 10.0
 }
 
@@ -604,9 +604,9 @@ impl Broker {
             reclaimed: stats.reclaimed,
             connections: stats.connections,
             max_in_use: stats.max_in_use,
-            wait_p50_us: ms_to_us(stats.wait_ns.quantile(0.5)),
-            wait_p99_us: ms_to_us(stats.wait_ns.quantile(0.99)),
-            wait_max_us: ms_to_us(stats.wait_ns.max()),
+            wait_p50_us: ns_to_us(stats.wait_ns.quantile(0.5)),
+            wait_p99_us: ns_to_us(stats.wait_ns.quantile(0.99)),
+            wait_max_us: ns_to_us(stats.wait_ns.max()),
             lost: self.pool.unaccounted(),
             clients: self
                 .pool

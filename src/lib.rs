@@ -7,8 +7,11 @@
 #![forbid(unsafe_code)]
 
 pub mod broker;
+pub mod client;
 pub mod log;
 pub mod pool;
 pub mod protocol;
 pub mod rundir;
 pub mod stats;
+
+pub use client::{Client, Token};

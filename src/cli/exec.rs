@@ -1,0 +1,21 @@
+//! `herdless exec`: one job, one token.
+
+use anyhow::{Context, Result};
+
+use herdless::client::{Client, Options};
+
+use super::child;
+use super::ExecArgs;
+
+/// Takes a token as a job of the calling process (so it may run in the
+/// caller's implicit slot), runs the command, and gives the token back
+/// however the command ends. If `exec` itself is killed, its connection
+/// closes and the broker takes the token back.
+pub fn exec(args: ExecArgs) -> Result<u8> {
+    let client = Client::from_env_with(Options::default().job_of_parent(true))
+        .context("herdless exec needs a jobserver")?;
+    let token = client.acquire().context("cannot take a job token")?;
+    let outcome = child::run(&args.command, &[]);
+    drop(token);
+    Ok(outcome?.code())
+}

@@ -1,0 +1,115 @@
+//! Command-line interface: `herdless run | serve | exec | status`.
+//!
+//! Exit codes are set here and only here: a command's own status for `run`
+//! and `exec` (128 + N when it was killed by signal N), 125 when herdless
+//! itself fails, 126 when the command cannot be executed, 127 when it is
+//! not found, 2 for a usage error.
+
+mod child;
+mod exec;
+mod run;
+mod serve;
+mod status;
+
+use std::ffi::OsString;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+/// Exit code when herdless itself fails.
+pub const EXIT_FAILURE: u8 = 125;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "herdless",
+    version,
+    about = "A jobserver that wakes exactly one waiter per job token",
+    long_about = "herdless hands each job token of a parallel build to exactly one waiting \
+                  process, instead of waking every process that polls a shared pipe."
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Run CMD under a new broker allowing at most N jobs at once.
+    Run(RunArgs),
+    /// Run a standalone broker until SIGINT or SIGTERM.
+    Serve(ServeArgs),
+    /// Take one job token, run CMD, give the token back.
+    Exec(ExecArgs),
+    /// Show the broker's tokens, waiters and clients.
+    Status(StatusArgs),
+}
+
+#[derive(clap::Args, Debug)]
+struct RunArgs {
+    /// At most N jobs at once in the whole tree (as make's -j).
+    #[arg(short = 'j', long = "jobs", value_name = "N", value_parser = clap::value_parser!(u32).range(1..=65536))]
+    jobs: u32,
+    /// Print the broker's statistics to stderr when CMD ends.
+    #[arg(long)]
+    stats: bool,
+    /// The command to run, and its arguments.
+    #[arg(
+        required = true,
+        trailing_var_arg = true,
+        allow_hyphen_values = true,
+        value_name = "CMD"
+    )]
+    command: Vec<OsString>,
+}
+
+#[derive(clap::Args, Debug)]
+struct ServeArgs {
+    /// At most N jobs at once (as make's -j).
+    #[arg(short = 'j', long = "jobs", value_name = "N", value_parser = clap::value_parser!(u32).range(1..=65536))]
+    jobs: u32,
+    /// Listen on this path (its directory must be private: mode 0700).
+    #[arg(long, value_name = "PATH")]
+    socket: Option<PathBuf>,
+}
+
+#[derive(clap::Args, Debug)]
+struct ExecArgs {
+    /// The command to run, and its arguments.
+    #[arg(
+        required = true,
+        trailing_var_arg = true,
+        allow_hyphen_values = true,
+        value_name = "CMD"
+    )]
+    command: Vec<OsString>,
+}
+
+#[derive(clap::Args, Debug)]
+struct StatusArgs {
+    /// Print the report as JSON.
+    #[arg(long)]
+    json: bool,
+    /// The broker's socket (default: $HERDLESS_SOCKET).
+    #[arg(long, value_name = "PATH")]
+    socket: Option<PathBuf>,
+}
+
+/// Parses the command line, runs the subcommand and turns its outcome into
+/// the process's exit code.
+pub fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Run(args) => run::run(args),
+        Command::Serve(args) => serve::serve(args),
+        Command::Exec(args) => exec::exec(args),
+        Command::Status(args) => status::status(args),
+    };
+    match result {
+        Ok(code) => ExitCode::from(code),
+        Err(e) => {
+            eprintln!("herdless: {e:#}");
+            ExitCode::from(EXIT_FAILURE)
+        }
+    }
+}

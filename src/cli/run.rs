@@ -1,0 +1,81 @@
+//! `herdless run`: a broker for the life of one command.
+
+use anyhow::{Context, Result};
+
+use herdless::broker::{Broker, Config, Status};
+use herdless::client::SOCKET_ENV;
+use herdless::rundir::RunDir;
+
+use super::child;
+use super::RunArgs;
+
+/// Starts a broker in this process for `-j N`, runs the command with
+/// `HERDLESS_SOCKET` exported, and exits with the command's status.
+///
+/// The pool holds N − 1 tokens; the N-th is the command's implicit token.
+/// A command that is a make uses it for its first job; a command that
+/// runs its jobs through `herdless exec` lends it to one of them (the
+/// broker gives each exec the implicit slot of its parent process when no
+/// sibling holds it). Either way, at most N jobs run at once.
+pub fn run(args: RunArgs) -> Result<u8> {
+    let dir = RunDir::create().context("cannot prepare the socket directory")?;
+    let broker = Broker::bind(dir.socket(), Config::new(args.jobs))?;
+    let stopper = broker.stopper();
+    let thread = std::thread::Builder::new()
+        .name("herdless-broker".into())
+        .spawn(move || broker.run())
+        .context("cannot start the broker thread")?;
+    let env = [(SOCKET_ENV, dir.socket().as_os_str().to_owned())];
+    let outcome = child::run(&args.command, &env);
+    stopper.stop();
+    let report = thread
+        .join()
+        .map_err(|_| anyhow::anyhow!("the broker thread panicked"))??;
+    drop(dir);
+    let code = outcome?.code();
+    if args.stats {
+        print_report(&report);
+    }
+    if report.lost != 0 {
+        eprintln!("herdless: {} token(s) lost", report.lost);
+    }
+    Ok(code)
+}
+
+fn ms(us: f64) -> String {
+    if us >= 1000.0 {
+        format!("{:.1} ms", us / 1000.0)
+    } else {
+        format!("{us:.0} µs")
+    }
+}
+
+/// The final statistics, for a person, on stderr.
+pub fn print_report(r: &Status) {
+    let lines = [
+        format!(
+            "-j {} ({} shared token(s) and the command's implicit one)",
+            r.jobs, r.capacity
+        ),
+        format!(
+            "grants        {} ({} at once, {} after a wait)",
+            r.grants, r.immediate, r.wakeups
+        ),
+        format!("max in use    {}", r.max_in_use),
+        format!(
+            "wait          p50 {}, p99 {}, max {}",
+            ms(r.wait_p50_us),
+            ms(r.wait_p99_us),
+            ms(r.wait_max_us)
+        ),
+        format!("wake-ups      {} (one per grant that waited)", r.wakeups),
+        format!(
+            "taken back    {} from clients that died holding them",
+            r.reclaimed
+        ),
+        format!("tokens lost   {}", r.lost),
+    ];
+    for line in lines {
+        eprintln!("herdless: {line}");
+    }
+}

@@ -1,0 +1,55 @@
+//! `herdless status`: what the broker is doing now.
+
+use anyhow::{anyhow, Context, Result};
+
+use herdless::broker::Status;
+use herdless::client::{socket_from_env, Client};
+
+use super::StatusArgs;
+
+/// Prints the broker's report, as a table or as JSON.
+pub fn status(args: StatusArgs) -> Result<u8> {
+    let path = args
+        .socket
+        .or_else(socket_from_env)
+        .ok_or_else(|| anyhow!("no broker named: pass --socket or set HERDLESS_SOCKET"))?;
+    let json = Client::observe(&path)?.json()?;
+    if args.json {
+        println!("{json}");
+        return Ok(0);
+    }
+    let s: Status = serde_json::from_str(&json).context("the broker's status is not valid")?;
+    println!(
+        "broker    pid {}, -j {} ({} shared tokens)",
+        s.pid, s.jobs, s.capacity
+    );
+    println!(
+        "tokens    {} free, {} in use, {} waiting{}",
+        s.free,
+        s.in_use,
+        s.waiting,
+        s.aborted
+            .as_deref()
+            .map(|r| format!(", aborted ({r})"))
+            .unwrap_or_default()
+    );
+    println!(
+        "grants    {} ({} after a wait), {} wake-ups, max in use {}",
+        s.grants, s.waits, s.wakeups, s.max_in_use
+    );
+    println!(
+        "wait      p50 {:.0} µs, p99 {:.0} µs",
+        s.wait_p50_us, s.wait_p99_us
+    );
+    println!("clients   {}", s.clients.len());
+    if !s.clients.is_empty() {
+        println!("  {:>8}  {:>4}  {:>7}  kind", "pid", "held", "waiting");
+        for c in &s.clients {
+            println!(
+                "  {:>8}  {:>4}  {:>7}  {}",
+                c.pid, c.held, c.waiting, c.kind
+            );
+        }
+    }
+    Ok(0)
+}

@@ -1,0 +1,637 @@
+//! A connection to a herdless broker.
+//!
+//! The socket stays non-blocking; blocking calls wait in `poll(2)` on it, so
+//! the same descriptor can be handed to a caller's own poll loop. Several
+//! threads may wait at once: one of them reads (the *reader*), the others
+//! sleep on a condition variable until the reader has taken what arrived.
+//! Grants are fungible, so whichever thread reads one counts it in `ready`
+//! and whichever thread wants one takes it from there.
+
+use std::io::{self, Read, Write};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::sync::{Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use nix::poll::{PollFd, PollFlags, PollTimeout};
+
+use super::error::{Error, ErrorKind, Result};
+use crate::protocol::{AbortReason, FrameBuffer, HelloFlags, Reply, Request, PROTOCOL_VERSION};
+
+/// How long a broker may take to answer the handshake. This is not in the
+/// hand-off path: it only bounds how long a client waits on a broker that
+/// accepted the connection but never answers.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
+
+#[derive(Default)]
+struct State {
+    rx: FrameBuffer,
+    /// Acquire requests sent and not yet answered.
+    acquires: u32,
+    /// Try-acquire requests sent and not yet answered.
+    tries: u32,
+    /// Cancel requests sent and not yet answered.
+    cancels: u32,
+    /// Threads inside a blocking acquire.
+    wanting: u32,
+    /// Grants received and not yet handed out.
+    ready: u32,
+    /// Denials received and not yet seen by the try that asked.
+    denied: u32,
+    /// One thread is waiting in poll() on the socket.
+    reading: bool,
+    aborted: Option<AbortReason>,
+    /// Why the connection is unusable, once it is.
+    dead: Option<(ErrorKind, String)>,
+    status: Option<String>,
+}
+
+/// How a blocking wait may end early.
+#[derive(Clone, Copy)]
+pub(crate) struct Wait {
+    pub deadline: Option<Instant>,
+    pub interruptible: bool,
+}
+
+pub(crate) struct Native {
+    stream: UnixStream,
+    path: PathBuf,
+    state: Mutex<State>,
+    cond: Condvar,
+    write_lock: Mutex<()>,
+    capacity: u32,
+    client_id: u64,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic in another thread while holding the lock leaves counters that
+    // are still consistent (each update is a single statement).
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Waits until `fd` is readable or writable. `Ok(false)` on timeout.
+fn wait_fd(fd: BorrowedFd<'_>, flags: PollFlags, deadline: Option<Instant>) -> io::Result<bool> {
+    let timeout = match deadline {
+        None => PollTimeout::NONE,
+        Some(d) => {
+            let left = d.saturating_duration_since(Instant::now());
+            // Round up so a sub-millisecond remainder still waits.
+            let ms = left.as_micros().div_ceil(1000).min(i32::MAX as u128) as i32;
+            PollTimeout::try_from(ms).unwrap_or(PollTimeout::MAX)
+        }
+    };
+    let mut fds = [PollFd::new(fd, flags)];
+    match nix::poll::poll(&mut fds, timeout) {
+        Ok(0) => Ok(false),
+        Ok(_) => Ok(true),
+        Err(e) => Err(e.into()),
+    }
+}
+
+impl Native {
+    /// Connects, checks the broker is this user's, and shakes hands.
+    pub(crate) fn connect(path: &Path, flags: HelloFlags) -> Result<Native> {
+        let stream = UnixStream::connect(path).map_err(|e| {
+            let what = match e.kind() {
+                io::ErrorKind::NotFound => "no herdless broker: socket {} does not exist",
+                io::ErrorKind::ConnectionRefused => {
+                    "no herdless broker listening on {} (stale socket)"
+                }
+                _ => "cannot connect to the herdless broker at {}",
+            };
+            Error::io(
+                ErrorKind::Connect,
+                what.replace("{}", &path.display().to_string()),
+                e,
+            )
+        })?;
+        let uid = nix::unistd::geteuid().as_raw();
+        match herdless_platform::peer_cred(stream.as_fd()) {
+            Ok(c) if c.uid != uid => {
+                return Err(Error::new(
+                    ErrorKind::Connect,
+                    format!(
+                        "the broker at {} runs as uid {}, not as this user ({uid})",
+                        path.display(),
+                        c.uid
+                    ),
+                ))
+            }
+            Ok(_) => {}
+            Err(e) => {
+                return Err(Error::io(
+                    ErrorKind::Connect,
+                    format!("cannot check who runs the broker at {}", path.display()),
+                    e,
+                ))
+            }
+        }
+        stream
+            .set_nonblocking(true)
+            .map_err(|e| Error::io(ErrorKind::Io, "cannot make the socket non-blocking", e))?;
+        let native = Native {
+            stream,
+            path: path.to_path_buf(),
+            state: Mutex::new(State::default()),
+            cond: Condvar::new(),
+            write_lock: Mutex::new(()),
+            capacity: 0,
+            client_id: 0,
+        };
+        native.send(&Request::Hello {
+            version: PROTOCOL_VERSION,
+            flags,
+            pid: std::process::id(),
+            ppid: std::os::unix::process::parent_id(),
+        })?;
+        native.handshake()
+    }
+
+    fn handshake(mut self) -> Result<Native> {
+        let deadline = Instant::now() + HANDSHAKE_TIMEOUT;
+        let mut buf = [0u8; 256];
+        let state = self.state.get_mut().unwrap_or_else(|e| e.into_inner());
+        loop {
+            match state.rx.next_reply() {
+                Ok(Some(Reply::Welcome {
+                    version,
+                    capacity,
+                    client_id,
+                })) => {
+                    if version != PROTOCOL_VERSION {
+                        return Err(Error::new(
+                            ErrorKind::Protocol,
+                            format!(
+                                "broker speaks protocol {version}, this client {PROTOCOL_VERSION}"
+                            ),
+                        ));
+                    }
+                    self.capacity = capacity;
+                    self.client_id = client_id;
+                    return Ok(self);
+                }
+                Ok(Some(Reply::Error { message })) => {
+                    return Err(Error::new(
+                        ErrorKind::Refused,
+                        format!(
+                            "the broker at {} refused this client: {message}",
+                            self.path.display()
+                        ),
+                    ))
+                }
+                Ok(Some(other)) => {
+                    return Err(Error::new(
+                        ErrorKind::Protocol,
+                        format!("expected a welcome from the broker, got {other}"),
+                    ))
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    return Err(Error::new(
+                        ErrorKind::Protocol,
+                        format!("bad frame from the broker: {e}"),
+                    ))
+                }
+            }
+            match (&self.stream).read(&mut buf) {
+                Ok(0) => {
+                    return Err(Error::new(
+                        ErrorKind::BrokerGone,
+                        format!(
+                            "the broker at {} closed the connection during the handshake",
+                            self.path.display()
+                        ),
+                    ))
+                }
+                Ok(n) => state.rx.extend(&buf[..n]),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    let ready = wait_fd(self.stream.as_fd(), PollFlags::POLLIN, Some(deadline))
+                        .or_else(|e| {
+                            if e.kind() == io::ErrorKind::Interrupted {
+                                Ok(true)
+                            } else {
+                                Err(e)
+                            }
+                        })
+                        .map_err(|e| Error::io(ErrorKind::Io, "poll on the broker socket", e))?;
+                    if !ready {
+                        return Err(Error::new(
+                            ErrorKind::Connect,
+                            format!(
+                                "the broker at {} did not answer within {} s",
+                                self.path.display(),
+                                HANDSHAKE_TIMEOUT.as_secs()
+                            ),
+                        ));
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    return Err(Error::io(
+                        ErrorKind::BrokerGone,
+                        "reading the broker's welcome",
+                        e,
+                    ))
+                }
+            }
+        }
+    }
+
+    pub(crate) fn capacity(&self) -> u32 {
+        self.capacity
+    }
+
+    pub(crate) fn client_id(&self) -> u64 {
+        self.client_id
+    }
+
+    pub(crate) fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub(crate) fn raw_fd(&self) -> RawFd {
+        self.stream.as_raw_fd()
+    }
+
+    pub(crate) fn fd(&self) -> BorrowedFd<'_> {
+        self.stream.as_fd()
+    }
+
+    fn send(&self, req: &Request) -> Result<()> {
+        let mut frame = Vec::with_capacity(32);
+        req.encode(&mut frame);
+        let _guard = lock(&self.write_lock);
+        let mut written = 0;
+        while written < frame.len() {
+            match (&self.stream).write(&frame[written..]) {
+                Ok(n) => written += n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    // The broker reads eagerly; this only waits for it to
+                    // catch up with a burst.
+                    match wait_fd(self.stream.as_fd(), PollFlags::POLLOUT, None) {
+                        Ok(_) => {}
+                        Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                        Err(e) => {
+                            return Err(Error::io(
+                                ErrorKind::BrokerGone,
+                                "writing to the broker",
+                                e,
+                            ))
+                        }
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    return Err(Error::io(
+                        ErrorKind::BrokerGone,
+                        format!("the broker at {} is gone", self.path.display()),
+                        e,
+                    ))
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads whatever has arrived, without blocking, and folds it into the
+    /// state.
+    fn drain(&self, st: &mut State) {
+        let mut buf = [0u8; 4096];
+        while st.dead.is_none() {
+            match (&self.stream).read(&mut buf) {
+                Ok(0) => {
+                    st.dead = Some((
+                        ErrorKind::BrokerGone,
+                        format!(
+                            "the broker at {} closed the connection",
+                            self.path.display()
+                        ),
+                    ));
+                }
+                Ok(n) => st.rx.extend(&buf[..n]),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    st.dead = Some((
+                        ErrorKind::BrokerGone,
+                        format!("the broker at {} is gone: {e}", self.path.display()),
+                    ));
+                }
+            }
+        }
+        loop {
+            match st.rx.next_reply() {
+                Ok(None) => break,
+                Ok(Some(reply)) => Self::fold(st, reply),
+                Err(e) => {
+                    st.dead = Some((
+                        ErrorKind::Protocol,
+                        format!("bad frame from the broker: {e}"),
+                    ));
+                    break;
+                }
+            }
+        }
+    }
+
+    fn fold(st: &mut State, reply: Reply) {
+        match reply {
+            Reply::Grant => {
+                // A try is answered at once and no acquire is sent while
+                // one is outstanding, so a grant answers the try first.
+                if st.tries > 0 {
+                    st.tries -= 1;
+                } else {
+                    st.acquires = st.acquires.saturating_sub(1);
+                }
+                st.ready += 1;
+            }
+            Reply::Denied => {
+                st.tries = st.tries.saturating_sub(1);
+                st.denied += 1;
+            }
+            Reply::Cancelled { cancelled } => {
+                st.cancels = st.cancels.saturating_sub(1);
+                if cancelled {
+                    st.acquires = st.acquires.saturating_sub(1);
+                }
+            }
+            Reply::Aborted { reason } => {
+                st.aborted.get_or_insert(reason);
+                // The broker ends every pending request with the abort.
+                st.acquires = 0;
+                st.tries = 0;
+            }
+            Reply::Status { json } => st.status = Some(json),
+            Reply::Error { message } => {
+                st.dead = Some((
+                    ErrorKind::Refused,
+                    format!("the broker closed this client: {message}"),
+                ));
+            }
+            Reply::Welcome { .. } => {
+                st.dead = Some((
+                    ErrorKind::Protocol,
+                    "a second welcome from the broker".into(),
+                ));
+            }
+        }
+    }
+
+    fn check(st: &State) -> Result<()> {
+        if let Some(reason) = st.aborted {
+            return Err(Error::new(
+                ErrorKind::Aborted(reason),
+                format!("the build was aborted ({reason})"),
+            ));
+        }
+        if let Some((kind, msg)) = &st.dead {
+            return Err(Error::new(*kind, msg.clone()));
+        }
+        Ok(())
+    }
+
+    /// Blocks until `done` holds, the connection dies, or the wait ends.
+    /// Returns `Ok(false)` when the deadline passed.
+    fn wait_until<'a>(
+        &'a self,
+        mut st: MutexGuard<'a, State>,
+        wait: Wait,
+        done: impl Fn(&State) -> bool,
+    ) -> (MutexGuard<'a, State>, Result<bool>) {
+        loop {
+            if done(&st) || st.dead.is_some() || st.aborted.is_some() {
+                return (st, Ok(true));
+            }
+            if st.reading {
+                st = match wait.deadline {
+                    None => self.cond.wait(st).unwrap_or_else(|e| e.into_inner()),
+                    Some(d) => {
+                        let left = d.saturating_duration_since(Instant::now());
+                        if left.is_zero() {
+                            return (st, Ok(false));
+                        }
+                        self.cond
+                            .wait_timeout(st, left)
+                            .unwrap_or_else(|e| e.into_inner())
+                            .0
+                    }
+                };
+                continue;
+            }
+            st.reading = true;
+            drop(st);
+            let polled = wait_fd(self.stream.as_fd(), PollFlags::POLLIN, wait.deadline);
+            st = lock(&self.state);
+            st.reading = false;
+            self.drain(&mut st);
+            self.cond.notify_all();
+            match polled {
+                Ok(true) => {}
+                Ok(false) => {
+                    if done(&st) {
+                        return (st, Ok(true));
+                    }
+                    return (st, Ok(false));
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {
+                    if wait.interruptible && !done(&st) {
+                        return (
+                            st,
+                            Err(Error::new(
+                                ErrorKind::Interrupted,
+                                "interrupted by a signal",
+                            )),
+                        );
+                    }
+                }
+                Err(e) => {
+                    return (
+                        st,
+                        Err(Error::io(ErrorKind::Io, "poll on the broker socket", e)),
+                    )
+                }
+            }
+        }
+    }
+
+    /// Takes one token from the pool, waiting as `wait` allows. `Ok(false)`
+    /// when the deadline passed (the request is withdrawn first, so no
+    /// token is left behind at the broker).
+    pub(crate) fn acquire(&self, wait: Wait) -> Result<bool> {
+        let mut st = lock(&self.state);
+        self.drain(&mut st);
+        if st.ready > 0 {
+            st.ready -= 1;
+            return Ok(true);
+        }
+        Self::check(&st)?;
+        st.wanting += 1;
+        let result = loop {
+            if st.ready > 0 {
+                st.ready -= 1;
+                break Ok(true);
+            }
+            if let Err(e) = Self::check(&st) {
+                break Err(e);
+            }
+            // Wait for an outstanding try to be answered before asking, so
+            // every grant can be matched to its request.
+            if st.tries == 0 {
+                while st.acquires + st.ready < st.wanting {
+                    if let Err(e) = self.send(&Request::Acquire) {
+                        st.dead.get_or_insert((e.kind(), e.to_string()));
+                        break;
+                    }
+                    st.acquires += 1;
+                }
+            }
+            let (guard, r) = self.wait_until(st, wait, |s| {
+                s.ready > 0 || s.tries == 0 && s.acquires + s.ready < s.wanting
+            });
+            st = guard;
+            match r {
+                Ok(true) => {}
+                Ok(false) => {
+                    st.wanting -= 1;
+                    let (guard, got) = self.withdraw(st);
+                    st = guard;
+                    if got {
+                        st.ready -= 1;
+                        return Ok(true);
+                    }
+                    return Ok(false);
+                }
+                Err(e) => break Err(e),
+            }
+        };
+        st.wanting -= 1;
+        result
+    }
+
+    /// After a timeout: cancels requests nobody wants any more and waits
+    /// for the answers. Returns whether a grant is ready after all.
+    fn withdraw<'a>(&'a self, mut st: MutexGuard<'a, State>) -> (MutexGuard<'a, State>, bool) {
+        while st.acquires > st.cancels && st.acquires + st.ready > st.wanting {
+            if self.send(&Request::Cancel).is_err() {
+                break;
+            }
+            st.cancels += 1;
+        }
+        let no_deadline = Wait {
+            deadline: None,
+            interruptible: false,
+        };
+        let (guard, _) = self.wait_until(st, no_deadline, |s| s.cancels == 0);
+        st = guard;
+        let got = st.ready > 0;
+        (st, got)
+    }
+
+    /// Asks for a token without waiting for one to be released.
+    pub(crate) fn try_acquire(&self) -> Result<bool> {
+        let mut st = lock(&self.state);
+        self.drain(&mut st);
+        if st.ready > 0 {
+            st.ready -= 1;
+            return Ok(true);
+        }
+        Self::check(&st)?;
+        if st.acquires > 0 {
+            // A grant for the pending acquire will come; asking again could
+            // not be told apart from it.
+            return Ok(false);
+        }
+        self.send(&Request::TryAcquire)?;
+        st.tries += 1;
+        let no_deadline = Wait {
+            deadline: None,
+            interruptible: false,
+        };
+        let (mut st, r) = self.wait_until(st, no_deadline, |s| s.tries == 0);
+        r?;
+        if st.ready > 0 {
+            st.ready -= 1;
+            return Ok(true);
+        }
+        if st.denied > 0 {
+            st.denied -= 1;
+            return Ok(false);
+        }
+        Self::check(&st)?;
+        Ok(false)
+    }
+
+    /// Non-blocking: takes a grant that has arrived, or makes sure one is
+    /// requested so the socket becomes readable when it is granted.
+    pub(crate) fn take_grant(&self) -> Result<bool> {
+        let mut st = lock(&self.state);
+        self.drain(&mut st);
+        if st.ready > 0 {
+            st.ready -= 1;
+            return Ok(true);
+        }
+        Self::check(&st)?;
+        if st.acquires == 0 && st.tries == 0 {
+            self.send(&Request::Acquire)?;
+            st.acquires += 1;
+        }
+        Ok(false)
+    }
+
+    /// Withdraws a request left by `take_grant` or an interrupted acquire
+    /// that is no longer wanted. Returns whether a grant had arrived anyway
+    /// (the caller now holds that token).
+    pub(crate) fn cancel_pending(&self) -> Result<bool> {
+        let mut st = lock(&self.state);
+        self.drain(&mut st);
+        let wanting = st.wanting;
+        st.wanting = 0;
+        let (mut st, got) = self.withdraw(st);
+        st.wanting = wanting;
+        if got {
+            st.ready -= 1;
+        }
+        Self::check(&st).map(|()| got)
+    }
+
+    pub(crate) fn release(&self) -> Result<()> {
+        self.send(&Request::Release)
+    }
+
+    pub(crate) fn abort(&self, reason: AbortReason) -> Result<()> {
+        self.send(&Request::Abort { reason })
+    }
+
+    /// The abort posted to the tree, if one has reached this client.
+    pub(crate) fn aborted(&self) -> Option<AbortReason> {
+        let mut st = lock(&self.state);
+        if !st.reading {
+            self.drain(&mut st);
+        }
+        st.aborted
+    }
+
+    /// The broker's status report, as JSON.
+    pub(crate) fn status(&self) -> Result<String> {
+        let mut st = lock(&self.state);
+        st.status = None;
+        self.send(&Request::Status)?;
+        let no_deadline = Wait {
+            deadline: None,
+            interruptible: false,
+        };
+        let (mut st, r) = self.wait_until(st, no_deadline, |s| s.status.is_some());
+        r?;
+        match st.status.take() {
+            Some(json) => Ok(json),
+            None => {
+                if let Some((kind, msg)) = &st.dead {
+                    return Err(Error::new(*kind, msg.clone()));
+                }
+                Err(Error::new(ErrorKind::Protocol, "no status from the broker"))
+            }
+        }
+    }
+}
