@@ -4,7 +4,7 @@
 //! waiting client, so exactly one process wakes per token. See
 //! `docs/PROTOCOL.md` for the wire format and the README for the command
 //! line.
-#![forbid(unsafe_code)]
+#![deny(unsafe_code)]
 
 pub mod broker;
 pub mod client;
