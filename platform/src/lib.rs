@@ -8,25 +8,30 @@
 //!
 //! # Backends
 //!
-//! The OS backend is chosen once, below, as the private module `sys`. Each
-//! backend provides the same items, without a trait:
+//! The OS backend is chosen once, below, as the private module `sys`:
+//! `linux.rs` for Linux, `bsd.rs` for FreeBSD, NetBSD, OpenBSD, DragonFly
+//! and Apple systems (which share kqueue), and a `compile_error!` for
+//! anything else. Each backend provides the same items, without a trait:
 //!
 //! - `peer_cred(BorrowedFd) -> io::Result<PeerCred>`
 //! - `process_ctx_switches(i32) -> io::Result<CtxSwitches>`
-//! - `futex_support() -> Result<(), String>`,
-//!   `futex_wait(&AtomicU32, u32) -> io::Result<()>` and
-//!   `futex_wake_one(&AtomicU32) -> io::Result<()>`
-//! - `mode_support(Mode, &Kernel) -> Result<(), String>` for the modes that
-//!   depend on the OS
+//! - `mode_support(Mode, &Kernel) -> Result<(), String>` for the modes
+//!   that depend on the OS (epoll, kqueue), the `Err` being the reason
+//! - `futex_support(&Kernel) -> Result<(), String>`,
+//!   `futex_wait(&AtomicU32, u32) -> io::Result<()>` (sleeps only while the
+//!   word holds the expected value) and
+//!   `futex_wake_one(&AtomicU32) -> io::Result<()>`, on a word that other
+//!   processes may map
 //! - `Poller`, the OS's own readiness queue (epoll or kqueue) for one fd,
-//!   with `new(BorrowedFd, Mode, Trigger)` and `wait(bool)`
-//! - `reopen_nonblocking(BorrowedFd) -> io::Result<Option<OwnedFd>>`, a
-//!   private non-blocking open file description of a pipe, where the OS can
-//!   make one
+//!   with `new(BorrowedFd, Mode, Trigger) -> io::Result<Poller>` and
+//!   `wait(&mut self) -> io::Result<()>`
+//! - `reopen_pipe(BorrowedFd, nonblocking: bool) ->
+//!   io::Result<Option<OwnedFd>>`, a private open file description of a
+//!   pipe, where the OS can make one
 //! - `exclusive_pipe_read(&Kernel) -> bool`
 //!
-//! Everything that is the same on every Unix (poll, select, getrusage, uname,
-//! the shared mapping) lives in the shared files.
+//! Everything that is the same on every Unix (poll, select, getrusage,
+//! uname, the shared mapping) lives in the shared files.
 
 #[cfg(target_os = "linux")]
 #[path = "linux.rs"]
@@ -54,10 +59,15 @@ mod sys;
 )))]
 compile_error!("herdless-platform does not support this OS");
 
+mod caps;
 mod cred;
 mod kernel;
+mod shared_word;
 mod usage;
+pub mod wait;
 
+pub use caps::{capabilities, Capabilities};
 pub use cred::{peer_cred, PeerCred};
 pub use kernel::{kernel, parse_release, Kernel};
+pub use shared_word::SharedWord;
 pub use usage::{children_rusage, process_ctx_switches, self_rusage, CtxSwitches, Usage};
