@@ -395,7 +395,13 @@ impl Broker {
             };
             match conn.stream.read(&mut buf) {
                 Ok(0) => {
-                    self.close(token, None);
+                    let reason = (!conn.rx.is_empty()).then(|| {
+                        format!(
+                            "peer closed the connection in the middle of a frame ({} bytes unread)",
+                            conn.rx.len()
+                        )
+                    });
+                    self.close(token, reason);
                     return;
                 }
                 Ok(n) => {

@@ -1,0 +1,174 @@
+//! Bad input (DESIGN §4.7): a raw socket sends garbage, a wrong version, a
+//! 1 MiB frame, or hangs up mid-frame. That one connection is closed with a
+//! logged reason; the other clients keep being served; nothing is lost.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::time::Duration;
+
+use common::{Helper, Serve};
+use herdless::protocol::{decode_reply, HelloFlags, Reply, Request};
+
+#[test]
+fn helper_process() {
+    common::helper_main();
+}
+
+/// Sends `bytes`, then reads until the broker closes; returns what it said.
+fn send_raw(serve: &Serve, bytes: &[u8], hang_up: bool) -> Vec<Reply> {
+    let mut s = UnixStream::connect(&serve.socket).unwrap();
+    s.set_read_timeout(Some(common::PATIENCE)).unwrap();
+    // A large frame may be refused before it is all written.
+    let _ = s.write_all(bytes);
+    if hang_up {
+        drop(s);
+        return Vec::new();
+    }
+    let mut got = Vec::new();
+    let _ = s.read_to_end(&mut got);
+    let mut replies = Vec::new();
+    let mut at = 0;
+    while let Ok(Some((reply, n))) = decode_reply(&got[at..]) {
+        replies.push(reply);
+        at += n;
+    }
+    replies
+}
+
+fn hello(version: u16) -> Vec<u8> {
+    let mut v = Vec::new();
+    Request::Hello {
+        version,
+        flags: HelloFlags::empty(),
+        pid: std::process::id(),
+        ppid: 1,
+    }
+    .encode(&mut v);
+    v
+}
+
+fn error_of(replies: &[Reply]) -> String {
+    match replies.last() {
+        Some(Reply::Error { message }) => message.clone(),
+        other => panic!("expected an error reply, got {other:?}"),
+    }
+}
+
+#[test]
+fn bad_peers_are_cut_off_and_the_rest_go_on() {
+    let serve = Serve::start(2); // one shared token
+    let mut holder = Helper::spawn(&serve.socket, "hold", 1);
+    assert_eq!(holder.line(), "held 1");
+    let mut waiter = Helper::spawn(&serve.socket, "acquire", 1);
+    assert_eq!(waiter.line(), "waiting");
+    serve.wait_for("the waiter to queue", |s| s.waiting == 1);
+
+    // Garbage instead of a hello.
+    let r = send_raw(&serve, b"GET / HTTP/1.1\r\n\r\n", false);
+    assert!(error_of(&r).contains("malformed frame"), "{r:?}");
+
+    // A wrong protocol version.
+    let r = send_raw(&serve, &hello(9), false);
+    assert!(
+        error_of(&r).contains("unsupported protocol version 9 (broker speaks 1)"),
+        "{r:?}"
+    );
+
+    // A 1 MiB frame, after a valid hello: refused from its header alone.
+    let mut big = hello(1);
+    big.extend_from_slice(&(1u32 << 20).to_le_bytes());
+    big.push(0x02);
+    big.extend(std::iter::repeat_n(0u8, 1 << 20));
+    let r = send_raw(&serve, &big, false);
+    assert!(matches!(r.first(), Some(Reply::Welcome { .. })), "{r:?}");
+    assert!(error_of(&r).contains("1048576-byte payload"), "{r:?}");
+
+    // A frame other than hello first.
+    let mut acquire = Vec::new();
+    Request::Acquire.encode(&mut acquire);
+    let r = send_raw(&serve, &acquire, false);
+    assert!(error_of(&r).contains("expected a hello"), "{r:?}");
+
+    // Half a hello, then hang up.
+    let h = hello(1);
+    send_raw(&serve, &h[..7], true);
+
+    // A client releasing a token it does not hold.
+    let mut misuse = hello(1);
+    Request::Release.encode(&mut misuse);
+    let r = send_raw(&serve, &misuse, false);
+    assert!(error_of(&r).contains("does not hold"), "{r:?}");
+
+    // The well-behaved clients were never disturbed: the waiter is still
+    // queued, and gets the token as soon as the holder lets go.
+    let s = serve.wait_for("bad peers gone", |s| s.clients.len() == 2);
+    assert_eq!((s.free, s.waiting), (0, 1));
+    holder.finish();
+    assert_eq!(waiter.line(), "got");
+    waiter.finish();
+    let s = serve.wait_for("all free", |s| s.clients.is_empty());
+    assert_eq!(s.free, s.capacity);
+    assert_eq!(s.lost, 0);
+
+    let (status, log) = serve.stop();
+    assert!(status.success());
+    for reason in [
+        "malformed frame: frame of kind 0x2f",
+        "unsupported protocol version 9",
+        "1048576-byte payload; the limit is 64",
+        "expected a hello frame first",
+        "in the middle of a frame (7 bytes unread)",
+        "released a token it does not hold",
+    ] {
+        assert!(
+            log.contains(reason),
+            "no log line for {reason:?} in:\n{log}"
+        );
+    }
+    assert!(log.contains("tokens lost   0"), "{log}");
+}
+
+#[test]
+fn a_peer_of_another_user_is_refused() {
+    if !nix::unistd::geteuid().is_root() {
+        eprintln!("skipped: needs root to connect as another user");
+        return;
+    }
+    let serve = Serve::start(2);
+    // Let another user reach the socket for this test only: the broker's
+    // own check must then turn it away.
+    let dir = serve.socket.parent().unwrap();
+    std::fs::set_permissions(dir, std::os::unix::fs::PermissionsExt::from_mode(0o711)).unwrap();
+    std::fs::set_permissions(
+        &serve.socket,
+        std::os::unix::fs::PermissionsExt::from_mode(0o777),
+    )
+    .unwrap();
+    let said = connect_as_nobody(&serve.socket);
+    assert!(said.contains("is not the broker's uid"), "{said}");
+    let (_, log) = serve.stop();
+    assert!(
+        log.contains("peer uid 65534 is not the broker's uid 0"),
+        "{log}"
+    );
+}
+
+/// Connects as uid 65534 (through `setpriv` from util-linux, running
+/// this test binary's `raw-hello` role) and returns what the broker said.
+fn connect_as_nobody(socket: &std::path::Path) -> String {
+    let out = std::process::Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups", "--"])
+        .arg(std::env::current_exe().unwrap())
+        .args(["--exact", "helper_process", "--nocapture"])
+        .env("HERDLESS_TEST_ROLE", "raw-hello")
+        .env("HERDLESS_SOCKET", socket)
+        .output()
+        .expect("run setpriv (util-linux)");
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}

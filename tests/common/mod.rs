@@ -1,0 +1,314 @@
+//! Shared pieces of the integration tests: a broker in its own process,
+//! client processes that act out a role, and status polling.
+//!
+//! Client processes are this very test binary, run again with
+//! `HERDLESS_TEST_ROLE` set: its `helper_process` test then plays the role
+//! with the real client library and exits, so each client is a separate
+//! process with its own connection, as in a real build.
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use herdless::broker::Status;
+use herdless::client::{Client, Options};
+
+pub const BIN: &str = env!("CARGO_BIN_EXE_herdless");
+
+/// A liveness bound for things that must happen "promptly": generous, so
+/// a loaded machine does not fail a test, but finite, so a hang does.
+pub const PATIENCE: Duration = Duration::from_secs(30);
+
+/// PATH with the herdless binary's directory first.
+pub fn path_with_bin() -> std::ffi::OsString {
+    let dir = Path::new(BIN).parent().unwrap();
+    let mut paths = vec![dir.to_path_buf()];
+    paths.extend(std::env::split_paths(
+        &std::env::var_os("PATH").unwrap_or_default(),
+    ));
+    std::env::join_paths(paths).unwrap()
+}
+
+/// A `herdless serve` process.
+pub struct Serve {
+    pub child: Child,
+    pub socket: PathBuf,
+    stderr: Option<thread::JoinHandle<String>>,
+}
+
+impl Serve {
+    pub fn start(jobs: u32) -> Serve {
+        Serve::start_with(jobs, |_| {})
+    }
+
+    pub fn start_with(jobs: u32, tweak: impl FnOnce(&mut Command)) -> Serve {
+        let mut cmd = Command::new(BIN);
+        cmd.args(["serve", "-j", &jobs.to_string()])
+            .env("HERDLESS_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        tweak(&mut cmd);
+        let mut child = cmd.spawn().expect("spawn herdless serve");
+        let mut out = BufReader::new(child.stdout.take().unwrap());
+        let mut line = String::new();
+        out.read_line(&mut line).expect("read the export line");
+        let socket = line
+            .trim()
+            .strip_prefix("export HERDLESS_SOCKET=")
+            .unwrap_or_else(|| panic!("unexpected first line from serve: {line:?}"))
+            .trim_matches('\'')
+            .into();
+        let mut err = child.stderr.take().unwrap();
+        let stderr = thread::spawn(move || {
+            let mut s = String::new();
+            let _ = err.read_to_string(&mut s);
+            s
+        });
+        Serve {
+            child,
+            socket,
+            stderr: Some(stderr),
+        }
+    }
+
+    pub fn pid(&self) -> i32 {
+        self.child.id() as i32
+    }
+
+    pub fn status(&self) -> Status {
+        let json = Client::observe(&self.socket)
+            .expect("observe")
+            .json()
+            .expect("status");
+        serde_json::from_str(&json).expect("status json")
+    }
+
+    /// Polls status until `pred` holds; panics after PATIENCE.
+    pub fn wait_for(&self, what: &str, pred: impl Fn(&Status) -> bool) -> Status {
+        let start = Instant::now();
+        loop {
+            let s = self.status();
+            if pred(&s) {
+                return s;
+            }
+            assert!(
+                start.elapsed() < PATIENCE,
+                "timed out waiting for {what}; last status: {s:#?}"
+            );
+            thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// Stops the broker with SIGTERM; returns its exit status and stderr.
+    pub fn stop(mut self) -> (std::process::ExitStatus, String) {
+        signal(self.pid(), libc::SIGTERM);
+        let status =
+            wait_timeout(&mut self.child, PATIENCE).expect("serve did not stop on SIGTERM");
+        let err = self.stderr.take().unwrap().join().unwrap();
+        (status, err)
+    }
+
+    /// Kills the broker with SIGKILL and reaps it.
+    pub fn kill(mut self) -> String {
+        signal(self.pid(), libc::SIGKILL);
+        let _ = self.child.wait();
+        self.stderr.take().unwrap().join().unwrap()
+    }
+}
+
+impl Drop for Serve {
+    fn drop(&mut self) {
+        if self.stderr.is_some() {
+            signal(self.pid(), libc::SIGKILL);
+            let _ = self.child.wait();
+        }
+    }
+}
+
+pub fn signal(pid: i32, sig: i32) {
+    let _ = nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::try_from(sig).unwrap(),
+    );
+}
+
+/// Waits for a child with a bound; None when it is still running.
+pub fn wait_timeout(child: &mut Child, limit: Duration) -> Option<std::process::ExitStatus> {
+    let start = Instant::now();
+    loop {
+        if let Some(status) = child.try_wait().expect("try_wait") {
+            return Some(status);
+        }
+        if start.elapsed() > limit {
+            return None;
+        }
+        thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// A client process playing a role (see `helper_main`).
+pub struct Helper {
+    pub child: Child,
+    pub stdin: Option<ChildStdin>,
+    pub stdout: BufReader<ChildStdout>,
+}
+
+impl Helper {
+    /// Starts this test binary as a client process of `socket`.
+    pub fn spawn(socket: &Path, role: &str, count: u32) -> Helper {
+        let mut child = Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "helper_process",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env("HERDLESS_TEST_ROLE", role)
+            .env("HERDLESS_TEST_COUNT", count.to_string())
+            .env("HERDLESS_SOCKET", socket)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn helper");
+        let stdin = child.stdin.take();
+        let stdout = BufReader::new(child.stdout.take().unwrap());
+        Helper {
+            child,
+            stdin,
+            stdout,
+        }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// The next line the role printed (with libtest's noise skipped).
+    pub fn line(&mut self) -> String {
+        loop {
+            let mut line = String::new();
+            let n = self.stdout.read_line(&mut line).expect("read helper");
+            if n == 0 {
+                return String::new();
+            }
+            if let Some(at) = line.find("role: ") {
+                return line[at + 6..].trim().to_string();
+            }
+        }
+    }
+
+    /// Closes stdin: the role gives back what it holds and exits.
+    pub fn finish(mut self) -> std::process::ExitStatus {
+        drop(self.stdin.take());
+        wait_timeout(&mut self.child, PATIENCE).expect("helper did not exit")
+    }
+
+    pub fn kill(mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Helper {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn say(msg: impl std::fmt::Display) {
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "role: {msg}").unwrap();
+    out.flush().unwrap();
+}
+
+fn wait_stdin_eof() {
+    let mut buf = Vec::new();
+    let _ = std::io::stdin().read_to_end(&mut buf);
+}
+
+/// The body of every test binary's `helper_process` test. Returns at once
+/// when the binary runs as a test rather than as a helper.
+///
+/// Roles (shared tokens only, never the implicit one):
+/// - `hold`: take `HERDLESS_TEST_COUNT` tokens, say `held N`, keep them
+///   until stdin closes, then give them back;
+/// - `acquire`: say `waiting`, take one token, say `got`, keep it until
+///   stdin closes;
+/// - `acquire-report`: take one token and say `got`, or say `error KIND`.
+pub fn helper_main() {
+    let Ok(role) = std::env::var("HERDLESS_TEST_ROLE") else {
+        return;
+    };
+    let count: u32 = std::env::var("HERDLESS_TEST_COUNT")
+        .ok()
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(1);
+    if role == "raw-hello" {
+        // A hello on a raw socket, bypassing the client's own checks, to
+        // see what the broker itself answers.
+        let path = std::env::var_os("HERDLESS_SOCKET").unwrap();
+        let mut s = std::os::unix::net::UnixStream::connect(path).expect("connect");
+        let mut hello = Vec::new();
+        herdless::protocol::Request::Hello {
+            version: herdless::protocol::PROTOCOL_VERSION,
+            flags: herdless::protocol::HelloFlags::empty(),
+            pid: std::process::id(),
+            ppid: 1,
+        }
+        .encode(&mut hello);
+        s.write_all(&hello).expect("send hello");
+        let mut got = Vec::new();
+        let _ = s.read_to_end(&mut got);
+        match herdless::protocol::decode_reply(&got) {
+            Ok(Some((reply, _))) => say(format!("{reply:?}")),
+            other => say(format!("undecodable answer {other:?}")),
+        }
+        std::process::exit(0);
+    }
+    let client = match Client::from_env_with(Options::default().implicit_token(false)) {
+        Ok(c) => c,
+        Err(e) => {
+            say(format!("error {:?} {e}", e.kind()));
+            std::process::exit(3);
+        }
+    };
+    match role.as_str() {
+        "hold" => {
+            let tokens: Vec<_> = (0..count)
+                .map(|_| client.acquire().expect("acquire"))
+                .collect();
+            say(format!("held {}", tokens.len()));
+            wait_stdin_eof();
+            drop(tokens);
+        }
+        "acquire" => {
+            say("waiting");
+            let t = client.acquire().expect("acquire");
+            say("got");
+            wait_stdin_eof();
+            drop(t);
+        }
+        "acquire-report" => {
+            say("waiting");
+            match client.acquire() {
+                Ok(t) => {
+                    say("got");
+                    wait_stdin_eof();
+                    drop(t);
+                }
+                Err(e) => {
+                    say(format!("error {:?}", e.kind()));
+                    std::process::exit(4);
+                }
+            }
+        }
+        other => panic!("unknown role {other}"),
+    }
+    std::process::exit(0);
+}
