@@ -6,7 +6,6 @@ mod common;
 
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
-use std::time::Duration;
 
 use common::{Helper, Serve};
 use herdless::protocol::{decode_reply, HelloFlags, Reply, Request};
