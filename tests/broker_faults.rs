@@ -1,0 +1,136 @@
+//! The broker's own failures and exits: killed under its clients, out of
+//! file descriptors, stopped by a signal.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{Helper, Serve, PATIENCE};
+use herdless::client::{Client, ErrorKind, Options};
+
+#[test]
+fn helper_process() {
+    common::helper_main();
+}
+
+#[test]
+fn clients_blocked_on_a_killed_broker_get_an_error_at_once() {
+    let serve = Serve::start(2);
+    let mut holder = Helper::spawn(&serve.socket, "hold", 1);
+    assert_eq!(holder.line(), "held 1");
+    let mut waiters: Vec<Helper> = (0..3)
+        .map(|_| {
+            let mut w = Helper::spawn(&serve.socket, "acquire-report", 1);
+            assert_eq!(w.line(), "waiting");
+            w
+        })
+        .collect();
+    // One waiter in this process too, on another thread.
+    let socket = serve.socket.clone();
+    let in_process = std::thread::spawn(move || {
+        let c = Client::connect_with(&socket, Options::default().implicit_token(false)).unwrap();
+        c.acquire().map(|_| ()).map_err(|e| e.kind())
+    });
+    serve.wait_for("4 waiters", |s| s.waiting == 4);
+
+    serve.kill();
+    for w in &mut waiters {
+        assert_eq!(w.line(), "error BrokerGone");
+    }
+    for mut w in waiters {
+        let status = common::wait_timeout(&mut w.child, PATIENCE).expect("waiter hung");
+        assert_eq!(status.code(), Some(4));
+    }
+    assert_eq!(in_process.join().unwrap(), Err(ErrorKind::BrokerGone));
+    // The holder's next call fails too.
+    holder.kill();
+}
+
+#[test]
+fn serve_stops_cleanly_on_sigint_and_sigterm() {
+    for sig in [libc::SIGINT, libc::SIGTERM] {
+        let serve = Serve::start(3);
+        let socket = serve.socket.clone();
+        let mut holder = Helper::spawn(&socket, "hold", 2);
+        assert_eq!(holder.line(), "held 2");
+        common::signal(serve.pid(), sig);
+        let mut serve = serve;
+        let status =
+            common::wait_timeout(&mut serve.child, PATIENCE).expect("serve ignored the signal");
+        assert!(status.success(), "{sig}: {status:?}");
+        assert!(!socket.exists(), "socket left behind");
+        assert!(!socket.parent().unwrap().exists(), "directory left behind");
+        drop(serve);
+        holder.kill();
+    }
+}
+
+/// CPU time (user + system, in clock ticks) used so far by `pid`.
+fn cpu_ticks(pid: i32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let after_comm = &stat[stat.rfind(')').unwrap() + 2..];
+    let fields: Vec<&str> = after_comm.split(' ').collect();
+    // utime and stime are fields 14 and 15 of stat(5), 12 and 13 here.
+    fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap()
+}
+
+#[cfg(target_os = "linux")]
+#[test]
+fn out_of_file_descriptors_keeps_serving_and_does_not_spin() {
+    // A broker allowed 16 descriptors: a few for itself, a handful of clients.
+    let serve = Serve::start_with(2, |cmd| {
+        let bin = cmd.get_program().to_owned();
+        let args: Vec<_> = cmd.get_args().map(|a| a.to_owned()).collect();
+        *cmd = std::process::Command::new("prlimit");
+        cmd.arg("--nofile=16:16")
+            .arg("--")
+            .arg(bin)
+            .args(args)
+            .env("HERDLESS_LOG", "info")
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped());
+    });
+    let mut holder = Helper::spawn(&serve.socket, "hold", 1);
+    assert_eq!(holder.line(), "held 1");
+    let mut waiter = Helper::spawn(&serve.socket, "acquire", 1);
+    assert_eq!(waiter.line(), "waiting");
+
+    // Open connections until the broker refuses one.
+    let mut extra = Vec::new();
+    let refused = loop {
+        assert!(extra.len() < 64, "the broker never ran out of descriptors");
+        match Client::connect_with(&serve.socket, Options::default().implicit_token(false)) {
+            Ok(c) => extra.push(c),
+            Err(e) => break e,
+        }
+    };
+    assert_eq!(refused.kind(), ErrorKind::Refused, "{refused}");
+    assert!(
+        refused.to_string().contains("out of file descriptors"),
+        "{refused}"
+    );
+
+    // Idle at the limit: the broker must not spin.
+    let before = cpu_ticks(serve.pid());
+    std::thread::sleep(Duration::from_millis(1000));
+    let used = cpu_ticks(serve.pid()) - before;
+    assert!(
+        used < 20,
+        "broker used {used} ticks in 1 s while idle at its fd limit"
+    );
+
+    // The clients it has are still served.
+    holder.finish();
+    assert_eq!(waiter.line(), "got");
+    waiter.finish();
+    // And once descriptors free up, new clients get in again.
+    extra.clear();
+    let again = Client::connect_with(&serve.socket, Options::default().implicit_token(false));
+    assert!(again.is_ok(), "{:?}", again.err());
+    drop(again);
+    let (status, log) = serve.stop();
+    assert!(status.success(), "{log}");
+    assert!(log.contains("refusing a new client"), "{log}");
+    assert!(log.contains("tokens lost   0"), "{log}");
+}

@@ -1,0 +1,233 @@
+//! `herdless run` and `herdless exec` as a user runs them: real shells,
+//! real processes, jobs that record how many of them run at once.
+
+mod common;
+
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+
+use common::{path_with_bin, signal, wait_timeout, BIN, PATIENCE};
+
+/// A shell snippet for one job: registers itself in `$dir/running`,
+/// records how many jobs are running, works a little, unregisters, and
+/// counts itself done. Counts only ever under-estimate concurrency, so
+/// "at most N" is exact and "N is reached" is conservative.
+const JOB: &str = r#"
+dir=$1
+mkdir "$dir/running/$$"
+set -- "$dir"/running/*
+echo "$#" >> "$dir/peaks"
+sleep 0.2
+rmdir "$dir/running/$$"
+echo x >> "$dir/done"
+"#;
+
+fn herdless(args: &[&str]) -> Command {
+    let mut cmd = Command::new(BIN);
+    cmd.args(args).env("PATH", path_with_bin());
+    cmd
+}
+
+fn output_within(mut cmd: Command) -> Output {
+    let mut child = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    if wait_timeout(&mut child, PATIENCE * 2).is_none() {
+        let _ = child.kill();
+        panic!("command did not finish: {cmd:?}");
+    }
+    child.wait_with_output().unwrap()
+}
+
+fn peaks(dir: &Path) -> (usize, u32) {
+    let done = std::fs::read_to_string(dir.join("done")).unwrap_or_default();
+    let peaks = std::fs::read_to_string(dir.join("peaks")).unwrap_or_default();
+    let max = peaks
+        .lines()
+        .map(|l| l.trim().parse::<u32>().unwrap())
+        .max()
+        .unwrap_or(0);
+    (done.lines().count(), max)
+}
+
+fn stat_line<'a>(stderr: &'a str, key: &str) -> &'a str {
+    stderr
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("herdless: ")
+                .and_then(|l| l.strip_prefix(key))
+        })
+        .unwrap_or_else(|| panic!("no {key:?} line in:\n{stderr}"))
+        .trim()
+}
+
+fn tempdir() -> tempdir::Dir {
+    tempdir::Dir::new()
+}
+
+mod tempdir {
+    pub struct Dir(pub std::path::PathBuf);
+    impl Dir {
+        pub fn new() -> Dir {
+            let p = std::env::temp_dir().join(format!(
+                "herdless-test-{}-{}",
+                std::process::id(),
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .unwrap()
+                    .as_nanos()
+            ));
+            std::fs::create_dir_all(p.join("running")).unwrap();
+            Dir(p)
+        }
+    }
+    impl Drop for Dir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+}
+
+#[test]
+fn sixty_four_execs_under_j4_run_four_at_a_time() {
+    let dir = tempdir();
+    let script = format!(
+        r#"for i in $(seq 64); do herdless exec sh -c '{JOB}' job "{}" & done; wait"#,
+        dir.0.display()
+    );
+    let out = output_within({
+        let mut c = herdless(&["run", "-j", "4", "--stats", "--", "sh", "-c", &script]);
+        c.env_remove("HERDLESS_SOCKET");
+        c
+    });
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let (done, max) = peaks(&dir.0);
+    assert_eq!(done, 64, "every job finished");
+    assert_eq!(max, 4, "at most 4 at once, and 4 reached");
+    assert_eq!(stat_line(&stderr, "tokens lost"), "0");
+    assert_eq!(stat_line(&stderr, "max in use"), "4");
+    assert!(stat_line(&stderr, "grants").starts_with("64 "), "{stderr}");
+}
+
+#[test]
+fn nested_jobs_progress_with_zero_spare_tokens() {
+    // -j 1: no shared token at all. Each exec runs in its parent's
+    // implicit slot, so nesting and sequences never wait for ever.
+    let out = output_within(herdless(&[
+        "run",
+        "-j",
+        "1",
+        "--",
+        "sh",
+        "-c",
+        "herdless exec herdless exec herdless exec echo deep; \
+         herdless exec false; echo after-false=$?; \
+         herdless exec sh -c 'kill -KILL $$'; echo after-kill=$?; \
+         herdless exec true && echo done",
+    ]));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{out:?}");
+    assert_eq!(
+        stdout.lines().collect::<Vec<_>>(),
+        ["deep", "after-false=1", "after-kill=137", "done"]
+    );
+}
+
+#[test]
+fn run_passes_on_the_exit_status() {
+    let code = |args: &[&str]| output_within(herdless(args)).status.code();
+    assert_eq!(
+        code(&["run", "-j", "2", "--", "sh", "-c", "exit 7"]),
+        Some(7)
+    );
+    assert_eq!(code(&["run", "-j", "2", "--", "true"]), Some(0));
+    assert_eq!(
+        code(&["run", "-j", "2", "--", "sh", "-c", "kill -TERM $$"]),
+        Some(143)
+    );
+    assert_eq!(
+        code(&["run", "-j", "2", "--", "/nonexistent/command"]),
+        Some(127)
+    );
+    assert_eq!(code(&["run", "-j", "2", "--", "/"]), Some(126));
+    assert_eq!(code(&["run", "-j", "0", "--", "true"]), Some(2));
+}
+
+#[test]
+fn run_exports_a_private_socket_and_removes_it() {
+    let out = output_within(herdless(&[
+        "run",
+        "-j",
+        "3",
+        "--",
+        "sh",
+        "-c",
+        r#"echo "$HERDLESS_SOCKET"; stat -c %a "$(dirname "$HERDLESS_SOCKET")"; herdless status --json"#,
+    ]));
+    assert!(out.status.success(), "{out:?}");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let mut lines = stdout.lines();
+    let socket = lines.next().unwrap();
+    assert_eq!(lines.next(), Some("700"));
+    let status: herdless::broker::Status = serde_json::from_str(lines.next().unwrap()).unwrap();
+    assert_eq!((status.jobs, status.capacity, status.free), (3, 2, 2));
+    assert!(!Path::new(socket).exists(), "socket {socket} left behind");
+    assert!(!Path::new(socket).parent().unwrap().exists());
+}
+
+#[test]
+fn run_forwards_signals_to_the_command() {
+    for (sig, name) in [
+        (libc::SIGTERM, "TERM"),
+        (libc::SIGINT, "INT"),
+        (libc::SIGHUP, "HUP"),
+    ] {
+        let script = format!(
+            "trap 'echo got-{name}; exit 3' {name}; echo ready; while :; do sleep 0.05; done"
+        );
+        let mut child = herdless(&["run", "-j", "2", "--", "sh", "-c", &script])
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+        let mut line = String::new();
+        std::io::BufRead::read_line(&mut out, &mut line).unwrap();
+        assert_eq!(line.trim(), "ready");
+        signal(child.id() as i32, sig);
+        let status = wait_timeout(&mut child, PATIENCE).expect("run did not end");
+        line.clear();
+        std::io::BufRead::read_line(&mut out, &mut line).unwrap();
+        assert_eq!(line.trim(), format!("got-{name}"));
+        assert_eq!(status.code(), Some(3), "{name}");
+    }
+}
+
+#[test]
+fn exec_without_a_broker_fails_at_once() {
+    let out = output_within({
+        let mut c = herdless(&["exec", "true"]);
+        c.env_remove("HERDLESS_SOCKET")
+            .env_remove("MAKEFLAGS")
+            .env_remove("MFLAGS")
+            .env_remove("CARGO_MAKEFLAGS");
+        c
+    });
+    assert_eq!(out.status.code(), Some(125));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("needs a jobserver"), "{stderr}");
+
+    let out = output_within({
+        let mut c = herdless(&["exec", "true"]);
+        c.env("HERDLESS_SOCKET", "/nonexistent/broker.sock");
+        c
+    });
+    assert_eq!(out.status.code(), Some(125));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("/nonexistent/broker.sock does not exist"),
+        "{stderr}"
+    );
+}
