@@ -34,6 +34,7 @@ use mio::net::{UnixListener, UnixStream};
 use mio::{Events, Interest, Poll, Token, Waker};
 use serde::{Deserialize, Serialize};
 
+use crate::bridge::{Bridge, ClassicStatus};
 use crate::log;
 use crate::log::Level;
 use crate::pool::{ClientId, ClientInfo, Effect, Pool};
@@ -44,6 +45,8 @@ use crate::protocol::{
 const LISTENER: Token = Token(0);
 const WAKER: Token = Token(1);
 const SIGNALS: Token = Token(2);
+const CLASSIC_OFFERS: Token = Token(3);
+const CLASSIC_RETURNS: Token = Token(4);
 const FIRST_CONN: usize = 16;
 
 /// A client whose unsent replies pile up past this is not reading them;
@@ -126,9 +129,13 @@ pub struct Status {
     pub wait_p50_us: f64,
     pub wait_p99_us: f64,
     pub wait_max_us: f64,
-    /// Tokens the broker cannot account for. Must be 0.
+    /// Tokens the broker cannot account for, classic ones included. Must
+    /// be 0.
     pub lost: i64,
     pub clients: Vec<ClientStatus>,
+    /// The classic bridge, when there is one.
+    #[serde(default)]
+    pub classic: Option<ClassicStatus>,
 }
 
 struct Conn {
@@ -156,6 +163,8 @@ pub struct Broker {
     reserve: Option<File>,
     uid: u32,
     dirty: Vec<Token>,
+    bridge: Option<Bridge>,
+    native_grants: u64,
 }
 
 fn ns_to_us(ns: u64) -> f64 {
@@ -223,7 +232,42 @@ impl Broker {
             reserve: File::open("/dev/null").ok(),
             uid: nix::unistd::geteuid().as_raw(),
             dirty: Vec::new(),
+            bridge: None,
+            native_grants: 0,
         })
+    }
+
+    /// Serves classic jobserver clients from the same pool through
+    /// `bridge` (see [`crate::bridge`]).
+    pub fn with_bridge(mut self, mut bridge: Bridge) -> io::Result<Broker> {
+        bridge.attach(&mut self.pool);
+        let (offers, returns) = bridge.watched_fds();
+        let registry = self.poll.registry();
+        registry.register(
+            &mut mio::unix::SourceFd(&offers),
+            CLASSIC_OFFERS,
+            Interest::READABLE,
+        )?;
+        if let Some(fd) = returns {
+            registry.register(
+                &mut mio::unix::SourceFd(&fd),
+                CLASSIC_RETURNS,
+                Interest::READABLE,
+            )?;
+        }
+        self.bridge = Some(bridge);
+        self.rebalance();
+        Ok(self)
+    }
+
+    /// Lets the bridge move tokens between the pipe and native waiters,
+    /// then carries out what that changed.
+    fn rebalance(&mut self) {
+        let now = self.now();
+        if let Some(bridge) = self.bridge.as_mut() {
+            bridge.balance(&mut self.pool, self.native_grants, now);
+            self.apply_effects();
+        }
     }
 
     /// A handle that stops this broker from another thread.
@@ -251,8 +295,17 @@ impl Broker {
                     LISTENER => self.accept_all(),
                     WAKER => {}
                     SIGNALS => self.drain_signals(),
+                    CLASSIC_OFFERS => {}
+                    CLASSIC_RETURNS => {
+                        let now = self.now();
+                        if let Some(bridge) = self.bridge.as_mut() {
+                            bridge.on_returns(&mut self.pool, now);
+                        }
+                        self.apply_effects();
+                    }
                     token => self.conn_event(token, event.is_readable(), event.is_writable()),
                 }
+                self.rebalance();
                 self.flush_dirty();
             }
         }
@@ -519,7 +572,38 @@ impl Broker {
     }
 
     fn apply_effects(&mut self) {
-        for effect in self.pool.take_effects() {
+        loop {
+            let effects = self.pool.take_effects();
+            if effects.is_empty() {
+                return;
+            }
+            for effect in effects {
+                self.apply(effect);
+            }
+        }
+    }
+
+    fn apply(&mut self, effect: Effect) {
+        let bridge_id = self.bridge.as_ref().and_then(Bridge::client);
+        let now = self.now();
+        match (&effect, self.bridge.as_mut()) {
+            (Effect::Grant { client, waited, .. }, Some(bridge)) if Some(*client) == bridge_id => {
+                bridge.on_grant(&mut self.pool, *waited, self.native_grants, now);
+                return;
+            }
+            (Effect::Aborted { client, reason }, Some(bridge)) if Some(*client) == bridge_id => {
+                bridge.on_abort(&mut self.pool, *reason, now);
+                return;
+            }
+            (Effect::Denied { client } | Effect::Cancelled { client, .. }, _)
+                if Some(*client) == bridge_id =>
+            {
+                return;
+            }
+            (Effect::Grant { .. }, _) => self.native_grants += 1,
+            _ => {}
+        }
+        {
             let (client, reply) = match effect {
                 Effect::Grant { client, .. } => (client, Reply::Grant),
                 Effect::Denied { client } => (client, Reply::Denied),
@@ -614,6 +698,7 @@ impl Broker {
             wait_p99_us: ns_to_us(stats.wait_ns.quantile(0.99)),
             wait_max_us: ns_to_us(stats.wait_ns.max()),
             lost: self.pool.unaccounted(),
+            classic: self.bridge.as_ref().map(|b| b.status(&self.pool)),
             clients: self
                 .pool
                 .holdings()
@@ -636,8 +721,19 @@ impl Broker {
         for token in tokens {
             self.close(token, None);
         }
+        let now = self.now();
+        let mut classic = None;
+        if let Some(mut bridge) = self.bridge.take() {
+            bridge.drain(&mut self.pool, now);
+            let _ = self.pool.take_effects();
+            classic = Some(bridge.status(&self.pool));
+        }
         let mut report = self.status();
-        report.lost = i64::from(self.pool.capacity()) - i64::from(self.pool.free());
+        report.classic = classic;
+        // Every connection is closed and the pipe drained: whatever is not
+        // free now is lost (classic tokens that never came back).
+        report.lost = i64::from(self.pool.capacity()) - i64::from(self.pool.free())
+            + report.classic.as_ref().map_or(0, |c| i64::from(c.lost));
         if let Some((_, ids)) = self.signals.take() {
             for id in ids {
                 signal_hook::low_level::unregister(id);

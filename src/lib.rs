@@ -6,8 +6,11 @@
 //! line.
 #![deny(unsafe_code)]
 
+pub mod bridge;
 pub mod broker;
 pub mod client;
+#[allow(unsafe_code)]
+pub mod ffi;
 pub mod log;
 pub mod pool;
 pub mod protocol;

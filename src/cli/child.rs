@@ -2,6 +2,7 @@
 
 use std::ffi::OsString;
 use std::io;
+use std::os::fd::OwnedFd;
 use std::os::unix::process::ExitStatusExt;
 use std::process::{Command, ExitStatus};
 
@@ -39,6 +40,16 @@ impl Outcome {
 /// Spawns `argv` with `env` added, passes SIGINT, SIGTERM and SIGHUP on
 /// to it while it runs, and waits for it.
 pub fn run(argv: &[OsString], env: &[(&str, OsString)]) -> Result<Outcome> {
+    run_inheriting(argv, env, Vec::new())
+}
+
+/// [`run`], with `inherit`: descriptors (without close-on-exec) that the
+/// command inherits and that this process closes once it is spawned.
+pub fn run_inheriting(
+    argv: &[OsString],
+    env: &[(&str, OsString)],
+    inherit: Vec<OwnedFd>,
+) -> Result<Outcome> {
     let (program, args) = argv
         .split_first()
         .ok_or_else(|| anyhow!("no command given"))?;
@@ -50,7 +61,9 @@ pub fn run(argv: &[OsString], env: &[(&str, OsString)]) -> Result<Outcome> {
     for (k, v) in env {
         cmd.env(k, v);
     }
-    let mut child = match cmd.spawn() {
+    let spawned = cmd.spawn();
+    drop(inherit);
+    let mut child = match spawned {
         Ok(child) => child,
         Err(e) => {
             handle.close();

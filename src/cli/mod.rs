@@ -53,6 +53,18 @@ struct RunArgs {
     /// Print the broker's statistics to stderr when CMD ends.
     #[arg(long)]
     stats: bool,
+    /// How classic jobserver clients (make, cargo, …) reach the pool:
+    /// inherited descriptors (every classic client reads these) or a named
+    /// FIFO (GNU make 4.4 and later).
+    #[arg(long, value_enum, default_value = "pipe")]
+    style: herdless::bridge::Style,
+    /// Whose flags to export: GNU make's MAKEFLAGS and CARGO_MAKEFLAGS, or
+    /// bmake's -J (default: bmake when CMD is bmake or bsdmake).
+    #[arg(long, value_enum)]
+    flavor: Option<herdless::bridge::Flavor>,
+    /// Export no classic jobserver: only native clients take tokens.
+    #[arg(long)]
+    no_classic: bool,
     /// The command to run, and its arguments.
     #[arg(
         required = true,

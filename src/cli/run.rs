@@ -2,6 +2,9 @@
 
 use anyhow::{Context, Result};
 
+use std::os::fd::AsRawFd;
+
+use herdless::bridge::{is_classic_client, Bridge, Flavor};
 use herdless::broker::{Broker, Config, Status};
 use herdless::client::SOCKET_ENV;
 use herdless::rundir::RunDir;
@@ -19,14 +22,32 @@ use super::RunArgs;
 /// sibling holds it). Either way, at most N jobs run at once.
 pub fn run(args: RunArgs) -> Result<u8> {
     let dir = RunDir::create().context("cannot prepare the socket directory")?;
-    let broker = Broker::bind(dir.socket(), Config::new(args.jobs))?;
+    let mut broker = Broker::bind(dir.socket(), Config::new(args.jobs))?;
+    let mut env = vec![(SOCKET_ENV, dir.socket().as_os_str().to_owned())];
+    let mut inherit = Vec::new();
+    if !args.no_classic {
+        let program = &args.command[0];
+        let flavor = args.flavor.unwrap_or_else(|| Flavor::for_command(program));
+        let bridge = Bridge::create(
+            dir.dir(),
+            args.style,
+            flavor,
+            args.jobs,
+            is_classic_client(program),
+        )
+        .context("cannot set up the classic jobserver")?;
+        let fds = bridge.inheritable_fds()?;
+        let raw = fds.as_ref().map(|(r, w)| (r.as_raw_fd(), w.as_raw_fd()));
+        env.extend(bridge.env(raw, std::env::var_os("MAKEFLAGS").as_deref()));
+        inherit.extend(fds.into_iter().flat_map(|(r, w)| [r, w]));
+        broker = broker.with_bridge(bridge)?;
+    }
     let stopper = broker.stopper();
     let thread = std::thread::Builder::new()
         .name("herdless-broker".into())
         .spawn(move || broker.run())
         .context("cannot start the broker thread")?;
-    let env = [(SOCKET_ENV, dir.socket().as_os_str().to_owned())];
-    let outcome = child::run(&args.command, &env);
+    let outcome = child::run_inheriting(&args.command, &env, inherit);
     stopper.stop();
     let report = thread
         .join()
@@ -75,6 +96,13 @@ pub fn print_report(r: &Status) {
         ),
         format!("tokens lost   {}", r.lost),
     ];
+    let classic = r.classic.as_ref().map(|c| {
+        format!(
+            "classic       {} {} jobserver: {} offered, {} returned, {} taken back, {} lost",
+            c.flavor, c.style, c.offered, c.returned, c.taken_back, c.lost
+        )
+    });
+    let lines = lines.into_iter().chain(classic);
     for line in lines {
         eprintln!("herdless: {line}");
     }

@@ -1,0 +1,561 @@
+//! The classic bridge: the broker's pool, served to classic jobserver
+//! clients (GNU make, bmake, cargo, rustc, gcc) through a pipe or a FIFO.
+//!
+//! # Channels
+//!
+//! Everything lives in the broker's private directory, as FIFOs (mode
+//! 0600), so that the broker can hold its own non-blocking file
+//! descriptions of them while the classic clients get ordinary blocking
+//! ones:
+//!
+//! - **pipe style** (`--jobserver-auth=R,W`, bmake's `-J R,W`): two FIFOs.
+//!   Clients read tokens from `offers` (fd R) and write them back into
+//!   `returns` (fd W). Splitting the two directions lets the broker see
+//!   every returned token, and every bmake abort token, the moment it is
+//!   written. R and W are the only descriptors herdless lets a command
+//!   inherit.
+//! - **fifo style** (`--jobserver-auth=fifo:PATH`, GNU make ≥ 4.4): one
+//!   FIFO that clients open by path, for both directions.
+//!
+//! # Sharing one pool
+//!
+//! The classic side is one client of the [`Pool`], labelled `classic`; the
+//! tokens it holds are those in the pipe plus those held by classic
+//! clients, so conservation (DESIGN §4.1) holds across both worlds. The
+//! classic protocol cannot tell the broker when a client *takes* a token
+//! from the pipe, so the bridge works from what it can see: how many bytes
+//! are in the pipe (`FIONREAD`), what comes back, and the native queue.
+//!
+//! - While no native client waits, every free token goes into the pipe:
+//!   classic clients see the whole pool, as under a plain jobserver.
+//! - While native clients wait, tokens that sit unread in the pipe are
+//!   taken back and granted to them, except one *offer* kept for classic
+//!   clients once any have been seen at work. The offer is taken back
+//!   after it has been passed over for a full round of native grants, or at
+//!   once if nothing else could free a token. When the pipe is empty, the
+//!   bridge queues for its next token in the pool's FIFO like any waiter,
+//!   so a classic client waits at most about one round of native grants.
+//!
+//! What the classic protocol cannot do: a classic client killed while
+//! holding tokens takes them with it (no connection to close), and every
+//! classic reader blocked on the pipe may be woken by each write (the herd
+//! herdless removes for native clients). At exit the bridge drains both
+//! FIFOs and reports the tokens that never came back.
+
+use std::ffi::{OsStr, OsString};
+use std::fs::{File, OpenOptions};
+use std::io::{self, Read, Write};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::log;
+use crate::log::Level;
+use crate::pool::{ClientId, ClientInfo, Pool};
+use crate::protocol::AbortReason;
+
+/// How classic clients reach the pool.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Style {
+    /// Inherited descriptors `R,W`: every classic client reads these.
+    Pipe,
+    /// A named FIFO (`fifo:PATH`): GNU make 4.4 and later only.
+    Fifo,
+}
+
+/// Which make's conventions the exported flags follow.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Flavor {
+    /// GNU make, cargo, rustc, gcc: `MAKEFLAGS=-jN --jobserver-auth=…`.
+    Gnu,
+    /// bmake: `MAKEFLAGS=-j N -J R,W`, with `E` and `I` abort tokens.
+    Bmake,
+}
+
+impl Flavor {
+    /// bmake for a command named `bmake`, `bsdmake` or `pmake`; GNU
+    /// otherwise.
+    pub fn for_command(program: &OsStr) -> Flavor {
+        match command_name(program).as_deref() {
+            Some("bmake" | "bsdmake" | "pmake") => Flavor::Bmake,
+            _ => Flavor::Gnu,
+        }
+    }
+}
+
+fn command_name(program: &OsStr) -> Option<String> {
+    Path::new(program)
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+}
+
+/// Whether a command is itself a classic jobserver client, expected to
+/// take tokens from the pipe from the start.
+pub fn is_classic_client(program: &OsStr) -> bool {
+    matches!(
+        command_name(program).as_deref(),
+        Some("make" | "gmake" | "bmake" | "bsdmake" | "pmake" | "cargo" | "ninja" | "rustc")
+    )
+}
+
+/// The token byte. GNU make writes back whatever it read; bmake uses `+`.
+const TOKEN: u8 = b'+';
+
+/// The classic side, for status reports.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClassicStatus {
+    pub style: String,
+    pub flavor: String,
+    /// Tokens on the classic side: in the pipe plus held by classic clients.
+    pub tokens: u32,
+    /// Tokens unread in the pipe.
+    pub in_pipe: u32,
+    /// Tokens classic clients have taken and not given back.
+    pub held: u32,
+    pub offered: u64,
+    pub returned: u64,
+    pub taken_back: u64,
+    /// At exit: classic tokens that never came back.
+    pub lost: u32,
+}
+
+struct Offer {
+    native_grants_at: u64,
+    patience: u64,
+}
+
+/// The classic bridge. Made by [`Bridge::create`]; the broker drives it.
+pub struct Bridge {
+    style: Style,
+    flavor: Flavor,
+    jobs: u32,
+    offers_path: PathBuf,
+    returns_path: Option<PathBuf>,
+    /// The broker's own non-blocking read-write description of `offers`.
+    offers: File,
+    /// The broker's own non-blocking description of `returns` (pipe style).
+    returns: Option<File>,
+    /// Blocking descriptions for the command to inherit (pipe style).
+    child_ends: Option<(File, File)>,
+    client: Option<ClientId>,
+    queued: bool,
+    offer: Option<Offer>,
+    seen: bool,
+    aborted: Option<AbortReason>,
+    offered: u64,
+    returned: u64,
+    taken_back: u64,
+    lost: u32,
+}
+
+fn mkfifo(path: &Path) -> io::Result<()> {
+    nix::unistd::mkfifo(path, nix::sys::stat::Mode::from_bits_truncate(0o600)).map_err(|e| {
+        io::Error::new(
+            io::Error::from(e).kind(),
+            format!("cannot make FIFO {}: {e}", path.display()),
+        )
+    })
+}
+
+fn open_private(path: &Path) -> io::Result<File> {
+    // Read-write, so the broker's description never sees end-of-file or a
+    // broken pipe, and opening never blocks.
+    OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)
+        .map_err(|e| io::Error::new(e.kind(), format!("cannot open {}: {e}", path.display())))
+}
+
+impl Bridge {
+    /// Makes the FIFOs in `dir` (the broker's private directory) for `-j
+    /// jobs`. `classic_expected` says the command is itself a classic
+    /// client, so the bridge keeps an offer for it from the start.
+    pub fn create(
+        dir: &Path,
+        style: Style,
+        flavor: Flavor,
+        jobs: u32,
+        classic_expected: bool,
+    ) -> io::Result<Bridge> {
+        if style == Style::Fifo && flavor == Flavor::Bmake {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "bmake does not read fifo: jobservers; use --style pipe",
+            ));
+        }
+        let offers_path = dir.join(match style {
+            Style::Pipe => "offers.fifo",
+            Style::Fifo => "jobserver.fifo",
+        });
+        mkfifo(&offers_path)?;
+        let offers = open_private(&offers_path)?;
+        let (returns_path, returns, child_ends) = match style {
+            Style::Fifo => (None, None, None),
+            Style::Pipe => {
+                let path = dir.join("returns.fifo");
+                mkfifo(&path)?;
+                let returns = open_private(&path)?;
+                // Ordinary blocking descriptions for the command. Opening
+                // cannot block: the broker holds both FIFOs open read-write.
+                let r = OpenOptions::new().read(true).open(&offers_path)?;
+                let w = OpenOptions::new().write(true).open(&path)?;
+                (Some(path), Some(returns), Some((r, w)))
+            }
+        };
+        Ok(Bridge {
+            style,
+            flavor,
+            jobs,
+            offers_path,
+            returns_path,
+            offers,
+            returns,
+            child_ends,
+            client: None,
+            queued: false,
+            offer: None,
+            seen: classic_expected,
+            aborted: None,
+            offered: 0,
+            returned: 0,
+            taken_back: 0,
+            lost: 0,
+        })
+    }
+
+    /// The descriptors the command must inherit (pipe style), as
+    /// duplicates without close-on-exec; `None` for the fifo style. Drop
+    /// them once the command is spawned.
+    pub fn inheritable_fds(&self) -> io::Result<Option<(OwnedFd, OwnedFd)>> {
+        let Some((r, w)) = &self.child_ends else {
+            return Ok(None);
+        };
+        // dup(2) never sets FD_CLOEXEC on the new descriptor.
+        let r = nix::unistd::dup(r.as_fd()).map_err(io::Error::from)?;
+        let w = nix::unistd::dup(w.as_fd()).map_err(io::Error::from)?;
+        Ok(Some((r, w)))
+    }
+
+    /// The environment to export, given the inherited descriptors (pipe
+    /// style) and the command's current `MAKEFLAGS`, whose content is kept
+    /// (the jobserver flags are appended, and the last ones win).
+    pub fn env(
+        &self,
+        fds: Option<(RawFd, RawFd)>,
+        makeflags: Option<&OsStr>,
+    ) -> Vec<(&'static str, OsString)> {
+        let auth = match (self.style, fds) {
+            (Style::Fifo, _) => format!("--jobserver-auth=fifo:{}", self.offers_path.display()),
+            (Style::Pipe, Some((r, w))) => match self.flavor {
+                Flavor::Gnu => format!("--jobserver-auth={r},{w}"),
+                Flavor::Bmake => format!("-J {r},{w}"),
+            },
+            (Style::Pipe, None) => unreachable!("pipe style exports descriptors"),
+        };
+        let jobs = match self.flavor {
+            Flavor::Gnu => format!("-j{}", self.jobs),
+            Flavor::Bmake => format!("-j {}", self.jobs),
+        };
+        let mut flags = makeflags.map(|m| m.to_os_string()).unwrap_or_default();
+        if !flags.is_empty() {
+            flags.push(" ");
+        }
+        flags.push(format!("{jobs} {auth}"));
+        let mut env = vec![("MAKEFLAGS", flags.clone())];
+        if self.flavor == Flavor::Gnu {
+            env.push(("CARGO_MAKEFLAGS", flags));
+        }
+        env
+    }
+
+    /// Joins the pool as the `classic` client.
+    pub fn attach(&mut self, pool: &mut Pool) {
+        let id = pool.connect(ClientInfo {
+            pid: std::process::id(),
+            ppid: 0,
+            job_of_parent: false,
+            observer: false,
+            label: "classic",
+        });
+        self.client = Some(id);
+    }
+
+    /// The bridge's client id in the pool.
+    pub fn client(&self) -> Option<ClientId> {
+        self.client
+    }
+
+    /// The descriptors the broker watches for readability.
+    pub fn watched_fds(&self) -> (RawFd, Option<RawFd>) {
+        (
+            self.offers.as_raw_fd(),
+            self.returns.as_ref().map(|f| f.as_raw_fd()),
+        )
+    }
+
+    fn in_pipe(&self) -> u32 {
+        herdless_platform::bytes_readable(self.offers.as_fd())
+            .map(|n| u32::try_from(n).unwrap_or(u32::MAX))
+            .unwrap_or(0)
+    }
+
+    /// Writes one granted token into the pipe (the pool has already
+    /// counted it as the bridge's). `waited`: the grant answered the
+    /// bridge's queued request.
+    pub fn on_grant(
+        &mut self,
+        pool: &mut Pool,
+        waited: bool,
+        native_grants: u64,
+        now: std::time::Duration,
+    ) {
+        if waited {
+            self.queued = false;
+        }
+        let id = self.client.expect("attached");
+        match (&self.offers).write(&[TOKEN]) {
+            Ok(1) => {
+                self.offered += 1;
+                let waiting = (pool.waiting() as u64).saturating_sub(u64::from(self.queued));
+                self.offer = Some(Offer {
+                    native_grants_at: native_grants,
+                    patience: waiting.max(1),
+                });
+            }
+            other => {
+                log!(
+                    Level::Warn,
+                    "cannot put a token into the jobserver pipe: {other:?}"
+                );
+                let _ = pool.release(id, now);
+            }
+        }
+    }
+
+    /// Reads the tokens classic clients gave back (pipe style) and returns
+    /// them to the pool; an abort token (bmake) aborts the tree.
+    pub fn on_returns(&mut self, pool: &mut Pool, now: std::time::Duration) {
+        let Some(returns) = &self.returns else {
+            return;
+        };
+        let mut got = Vec::new();
+        let mut buf = [0u8; 512];
+        loop {
+            match (&*returns).read(&mut buf) {
+                Ok(0) => break,
+                Ok(n) => got.extend_from_slice(&buf[..n]),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(_) => break,
+            }
+        }
+        if !got.is_empty() {
+            self.seen = true;
+        }
+        for b in got {
+            self.take_in(pool, b, now, "returned");
+        }
+    }
+
+    /// Accounts for one byte read from the classic side.
+    fn take_in(&mut self, pool: &mut Pool, byte: u8, now: std::time::Duration, how: &str) {
+        let id = self.client.expect("attached");
+        if self.flavor == Flavor::Bmake && byte != TOKEN {
+            let reason = AbortReason::from_byte(byte).unwrap_or(AbortReason::Error);
+            if pool.abort(reason) {
+                log!(Level::Info, "a bmake posted an abort token ({reason})");
+            } else {
+                // Another make read the stopper and put it back: keep it in
+                // the pipe for the next one.
+                self.write_stopper(reason);
+            }
+            return;
+        }
+        if pool.held_by(id).unwrap_or(0) == 0 {
+            log!(
+                Level::Warn,
+                "a classic client wrote a token it never took (byte {byte:#04x}); ignored"
+            );
+            return;
+        }
+        match how {
+            "returned" => self.returned += 1,
+            _ => self.taken_back += 1,
+        }
+        let _ = pool.release(id, now);
+    }
+
+    /// Takes up to `n` unread tokens back out of the pipe into the pool.
+    fn take_back(&mut self, pool: &mut Pool, n: u32, now: std::time::Duration) -> u32 {
+        let mut got = 0;
+        let mut byte = [0u8; 1];
+        while got < n {
+            match (&self.offers).read(&mut byte) {
+                Ok(1) => {
+                    got += 1;
+                    self.take_in(pool, byte[0], now, "taken back");
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                // Empty: a classic client took it first.
+                _ => break,
+            }
+        }
+        got
+    }
+
+    /// Rebalances the pool between native waiters and the pipe; called
+    /// after every event the broker handles. `native_grants` counts grants
+    /// to native clients so far.
+    pub fn balance(&mut self, pool: &mut Pool, native_grants: u64, now: std::time::Duration) {
+        let Some(id) = self.client else {
+            return;
+        };
+        if self.aborted.is_some() || pool.aborted().is_some() {
+            return;
+        }
+        let tokens = pool.held_by(id).unwrap_or(0);
+        let mut in_pipe = self.in_pipe();
+        if tokens > in_pipe {
+            // Some token left the pipe: classic clients are at work.
+            self.seen = true;
+        }
+        let natives_waiting = pool.waiting().saturating_sub(usize::from(self.queued));
+        if natives_waiting == 0 {
+            // Nobody native is waiting: the whole free pool goes to the pipe.
+            while pool.free() > 0 && !self.queued {
+                if pool.try_acquire(id).is_err() {
+                    break;
+                }
+                // The grant effect writes the token (see on_grant); count it
+                // now so the loop ends.
+                if pool.free() == 0 {
+                    break;
+                }
+            }
+            return;
+        }
+        if !self.seen {
+            in_pipe -= self.take_back(pool, in_pipe, now);
+            self.offer = None;
+            let _ = in_pipe;
+            return;
+        }
+        if in_pipe > 1 {
+            in_pipe -= self.take_back(pool, in_pipe - 1, now);
+        }
+        if in_pipe >= 1 {
+            let natives_holding = pool.capacity() - pool.free() - pool.held_by(id).unwrap_or(0);
+            let classic_holding = pool.held_by(id).unwrap_or(0).saturating_sub(in_pipe);
+            let stale = self
+                .offer
+                .as_ref()
+                .is_none_or(|o| native_grants.saturating_sub(o.native_grants_at) >= o.patience);
+            if stale || (natives_holding == 0 && classic_holding == 0) {
+                in_pipe -= self.take_back(pool, 1, now);
+                self.offer = None;
+            }
+        }
+        if in_pipe == 0 && !self.queued && pool.aborted().is_none() {
+            if pool.free() > 0 {
+                // Taken back tokens went to natives; any left free is ours.
+                let _ = pool.try_acquire(id);
+            } else if pool.acquire(id, now).is_ok() {
+                self.queued = true;
+            }
+        }
+    }
+
+    /// The tree aborted: with bmake, empty the pipe and leave the stopper
+    /// token in it, as bmake itself does, so every make stops.
+    pub fn on_abort(&mut self, pool: &mut Pool, reason: AbortReason, now: std::time::Duration) {
+        self.queued = false;
+        self.aborted = Some(reason);
+        let n = self.in_pipe();
+        self.take_back(pool, n, now);
+        if self.flavor == Flavor::Bmake {
+            self.write_stopper(reason);
+        } else {
+            log!(
+                Level::Info,
+                "abort ({reason}): GNU make has no abort token; classic clients are not told"
+            );
+        }
+    }
+
+    fn write_stopper(&self, reason: AbortReason) {
+        if let Err(e) = (&self.offers).write(&[reason.byte()]) {
+            log!(Level::Warn, "cannot put the abort token into the pipe: {e}");
+        }
+    }
+
+    /// At shutdown: drains both FIFOs, gives every token found back to the
+    /// pool, and counts those that never came back as lost.
+    pub fn drain(&mut self, pool: &mut Pool, now: std::time::Duration) {
+        let Some(id) = self.client else {
+            return;
+        };
+        self.on_returns(pool, now);
+        let mut buf = [0u8; 512];
+        loop {
+            match (&self.offers).read(&mut buf) {
+                Ok(0) => break,
+                Ok(n) => {
+                    for &b in &buf[..n] {
+                        if b == TOKEN || self.flavor == Flavor::Gnu {
+                            if pool.held_by(id).unwrap_or(0) > 0 {
+                                let _ = pool.release(id, now);
+                            }
+                        }
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(_) => break,
+            }
+        }
+        self.lost = pool.held_by(id).unwrap_or(0);
+        if self.lost > 0 {
+            log!(
+                Level::Warn,
+                "{} classic token(s) never came back (a classic client exited or was killed holding them)",
+                self.lost
+            );
+        }
+        pool.disconnect(id, now);
+        self.client = None;
+    }
+
+    /// The classic side's figures.
+    pub fn status(&self, pool: &Pool) -> ClassicStatus {
+        let tokens = self.client.and_then(|id| pool.held_by(id)).unwrap_or(0);
+        let in_pipe = if self.client.is_some() {
+            self.in_pipe().min(tokens)
+        } else {
+            0
+        };
+        ClassicStatus {
+            style: format!("{:?}", self.style).to_lowercase(),
+            flavor: format!("{:?}", self.flavor).to_lowercase(),
+            tokens,
+            in_pipe,
+            held: tokens - in_pipe,
+            offered: self.offered,
+            returned: self.returned,
+            taken_back: self.taken_back,
+            lost: self.lost,
+        }
+    }
+}
+
+impl Drop for Bridge {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.offers_path);
+        if let Some(p) = &self.returns_path {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+}
