@@ -4,7 +4,8 @@
 //! process can wait for a byte on a shared pipe ([`wait`]), a wake-one word in
 //! shared memory ([`SharedWord`]), peer credentials of a Unix socket
 //! ([`peer_cred`]), wake-up counting ([`process_ctx_switches`],
-//! [`self_rusage`]) and kernel capability detection ([`capabilities`]).
+//! [`self_rusage`]), a clock shared by all processes ([`monotonic`]) and
+//! kernel capability detection ([`capabilities`]).
 //!
 //! # Backends
 //!
@@ -60,6 +61,7 @@ mod sys;
 compile_error!("herdless-platform does not support this OS");
 
 mod caps;
+mod clock;
 mod cred;
 mod kernel;
 mod pipe;
@@ -68,6 +70,7 @@ mod usage;
 pub mod wait;
 
 pub use caps::{capabilities, Capabilities};
+pub use clock::monotonic;
 pub use cred::{peer_cred, PeerCred};
 pub use kernel::{kernel, parse_release, Kernel};
 pub use pipe::bytes_readable;
