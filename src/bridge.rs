@@ -201,10 +201,23 @@ impl Bridge {
                 let path = dir.join("returns.fifo");
                 mkfifo(&path)?;
                 let returns = open_private(&path)?;
-                // Ordinary blocking descriptions for the command. Opening
+                // The command's own descriptions, as each make makes its
+                // pipe: blocking for GNU make (older versions fail on
+                // EAGAIN), non-blocking for bmake (its sub-makes read
+                // without polling first and would otherwise hang). Opening
                 // cannot block: the broker holds both FIFOs open read-write.
-                let r = OpenOptions::new().read(true).open(&offers_path)?;
-                let w = OpenOptions::new().write(true).open(&path)?;
+                let flags = match flavor {
+                    Flavor::Gnu => 0,
+                    Flavor::Bmake => libc::O_NONBLOCK,
+                };
+                let r = OpenOptions::new()
+                    .read(true)
+                    .custom_flags(flags)
+                    .open(&offers_path)?;
+                let w = OpenOptions::new()
+                    .write(true)
+                    .custom_flags(flags)
+                    .open(&path)?;
                 (Some(path), Some(returns), Some((r, w)))
             }
         };
@@ -519,9 +532,15 @@ impl Bridge {
         }
         self.lost = pool.held_by(id).unwrap_or(0);
         if self.lost > 0 {
+            let why = match self.aborted {
+                Some(_) if self.flavor == Flavor::Bmake => {
+                    "a bmake posting an abort token empties the pipe first"
+                }
+                _ => "a classic client exited or was killed holding them",
+            };
             log!(
                 Level::Warn,
-                "{} classic token(s) never came back (a classic client exited or was killed holding them)",
+                "{} classic token(s) never came back ({why})",
                 self.lost
             );
         }

@@ -102,7 +102,11 @@ pub fn print_report(r: &Status) {
             c.flavor, c.style, c.offered, c.returned, c.taken_back, c.lost
         )
     });
-    let lines = lines.into_iter().chain(classic);
+    let aborted = r
+        .aborted
+        .as_ref()
+        .map(|a| format!("aborted       {a} (every client was told)"));
+    let lines = lines.into_iter().chain(classic).chain(aborted);
     for line in lines {
         eprintln!("herdless: {line}");
     }

@@ -1,0 +1,398 @@
+//! The classic bridge with the real programs: GNU make 4.3 (pipe style),
+//! GNU make 4.4.1 (fifo style), bmake `-J`, cargo, and native jobs mixed
+//! with classic ones, all under one `herdless run -j N`.
+
+mod common;
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+
+use common::{path_with_bin, wait_timeout, BIN, PATIENCE};
+
+/// The job every Makefile runs: registers itself, records how many jobs
+/// run at once, works a little, unregisters, counts itself done. The counts
+/// only ever under-estimate concurrency, so "at most N" is exact.
+const JOB_SH: &str = r#"#!/bin/sh
+dir=$1
+mkdir "$dir/running/$$"
+set -- "$dir"/running/*
+echo "$#" >> "$dir/peaks"
+sleep ${JOB_SLEEP:-0.15}
+rmdir "$dir/running/$$"
+echo x >> "$dir/done"
+"#;
+
+struct Tree {
+    dir: PathBuf,
+}
+
+impl Tree {
+    fn new(name: &str) -> Tree {
+        let dir = std::env::temp_dir().join(format!("herdless-{name}-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        fs::create_dir_all(dir.join("running")).unwrap();
+        fs::write(dir.join("job.sh"), JOB_SH).unwrap();
+        Tree { dir }
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.dir.join(name)
+    }
+
+    /// A Makefile (GNU and bmake syntax alike) of `n` jobs named `p1..pn`.
+    fn flat_makefile(&self, name: &str, prefix: &str, n: usize) {
+        let targets: Vec<String> = (1..=n).map(|i| format!("{prefix}{i}")).collect();
+        let mut mk = format!("all: {}\n", targets.join(" "));
+        for t in &targets {
+            mk += &format!("{t}:\n\t@sh {0}/job.sh {0}\n", self.dir.display());
+        }
+        fs::write(self.path(name), mk).unwrap();
+    }
+
+    /// A recursive tree: the top Makefile runs `branches` sub-makes of
+    /// `per` jobs each.
+    fn recursive_makefile(&self, branches: usize, per: usize) {
+        let subs: Vec<String> = (1..=branches).map(|b| format!("branch{b}")).collect();
+        let mut top = format!("all: {}\n", subs.join(" "));
+        for (b, sub) in subs.iter().enumerate() {
+            let file = format!("sub{}.mk", b + 1);
+            self.flat_makefile(&file, &format!("b{}j", b + 1), per);
+            top += &format!("{sub}:\n\t@${{MAKE}} -f {}\n", self.path(&file).display());
+        }
+        fs::write(self.path("Makefile"), top).unwrap();
+    }
+
+    /// (jobs done, most running at once)
+    fn counts(&self) -> (usize, u32) {
+        let done = fs::read_to_string(self.path("done")).unwrap_or_default();
+        let peaks = fs::read_to_string(self.path("peaks")).unwrap_or_default();
+        let max = peaks
+            .lines()
+            .filter_map(|l| l.trim().parse().ok())
+            .max()
+            .unwrap_or(0);
+        (done.lines().count(), max)
+    }
+}
+
+impl Drop for Tree {
+    fn drop(&mut self) {
+        let _ = fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn gnu_make_44() -> PathBuf {
+    let path = std::env::var_os("HERDLESS_GNU_MAKE_44")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("target/tools/gnu-make-4.4.1/bin/make")
+        });
+    assert!(
+        path.exists(),
+        "GNU make 4.4.1 not found at {}: run `bash ci/build-gnu-make-4.4.1.sh` (CI does)",
+        path.display()
+    );
+    path
+}
+
+fn require(tool: &str) {
+    let ok = Command::new("sh")
+        .args(["-c", &format!("command -v {tool}")])
+        .stdout(Stdio::null())
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false);
+    assert!(
+        ok,
+        "{tool} is not installed: `bash ci/install-tools.sh` installs it (CI does)"
+    );
+}
+
+/// `herdless run ARGS…` in `dir`, bounded in time.
+fn run(dir: &Path, args: &[&str]) -> Output {
+    let mut child = Command::new(BIN)
+        .arg("run")
+        .args(args)
+        .current_dir(dir)
+        .env("PATH", path_with_bin())
+        .env_remove("MAKEFLAGS")
+        .env_remove("MFLAGS")
+        .env_remove("CARGO_MAKEFLAGS")
+        .env_remove("MAKELEVEL")
+        .env_remove("HERDLESS_SOCKET")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    if wait_timeout(&mut child, PATIENCE * 4).is_none() {
+        let _ = child.kill();
+        panic!("herdless run {args:?} did not finish");
+    }
+    child.wait_with_output().unwrap()
+}
+
+fn stat(stderr: &str, key: &str) -> String {
+    stderr
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("herdless: ")
+                .and_then(|l| l.strip_prefix(key))
+        })
+        .unwrap_or_else(|| panic!("no {key:?} line in:\n{stderr}"))
+        .trim()
+        .to_string()
+}
+
+fn check(tree: &Tree, out: &Output, jobs: usize, limit: u32) {
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let (done, max) = tree.counts();
+    assert_eq!(done, jobs, "every job ran\n{stderr}");
+    assert_eq!(
+        max, limit,
+        "at most {limit} jobs at once, and {limit} reached\n{stderr}"
+    );
+    assert_eq!(stat(&stderr, "tokens lost"), "0", "{stderr}");
+    assert!(stat(&stderr, "classic").ends_with(" 0 lost"), "{stderr}");
+}
+
+#[test]
+fn gnu_make_43_pipe_style() {
+    require("make");
+    let tree = Tree::new("gnu43");
+    tree.flat_makefile("Makefile", "j", 40);
+    let out = run(&tree.dir, &["-j", "4", "--stats", "--", "make", "-s"]);
+    check(&tree, &out, 40, 4);
+}
+
+#[test]
+fn gnu_make_43_pipe_style_recursive() {
+    require("make");
+    let tree = Tree::new("gnu43r");
+    tree.recursive_makefile(8, 5);
+    let out = run(&tree.dir, &["-j", "4", "--stats", "--", "make", "-s"]);
+    check(&tree, &out, 40, 4);
+}
+
+#[test]
+fn gnu_make_44_fifo_style() {
+    let make = gnu_make_44();
+    let tree = Tree::new("gnu44");
+    tree.flat_makefile("Makefile", "j", 40);
+    let out = run(
+        &tree.dir,
+        &[
+            "-j",
+            "4",
+            "--style",
+            "fifo",
+            "--stats",
+            "--",
+            make.to_str().unwrap(),
+            "-s",
+        ],
+    );
+    check(&tree, &out, 40, 4);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stat(&stderr, "classic").starts_with("gnu fifo"), "{stderr}");
+}
+
+#[test]
+fn gnu_make_44_fifo_style_recursive() {
+    let make = gnu_make_44();
+    let tree = Tree::new("gnu44r");
+    tree.recursive_makefile(8, 5);
+    let out = run(
+        &tree.dir,
+        &[
+            "-j",
+            "4",
+            "--style",
+            "fifo",
+            "--stats",
+            "--",
+            make.to_str().unwrap(),
+            "-s",
+        ],
+    );
+    check(&tree, &out, 40, 4);
+}
+
+#[test]
+fn bmake_pipe_style() {
+    require("bmake");
+    let tree = Tree::new("bmake");
+    tree.flat_makefile("Makefile", "j", 40);
+    let out = run(&tree.dir, &["-j", "4", "--stats", "--", "bmake"]);
+    check(&tree, &out, 40, 4);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stat(&stderr, "classic").starts_with("bmake pipe"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn bmake_pipe_style_recursive() {
+    require("bmake");
+    let tree = Tree::new("bmaker");
+    tree.recursive_makefile(8, 5);
+    let out = run(&tree.dir, &["-j", "4", "--stats", "--", "bmake"]);
+    check(&tree, &out, 40, 4);
+}
+
+#[test]
+fn a_failing_bmake_job_stops_every_branch() {
+    require("bmake");
+    let tree = Tree::new("bmakeabort");
+    tree.recursive_makefile(8, 5);
+    // Branch 1's first job fails at once; every other job takes a while.
+    let sub1 = tree.path("sub1.mk");
+    let mk = fs::read_to_string(&sub1).unwrap();
+    let mk = mk.replacen(
+        &format!("b1j1:\n\t@sh {0}/job.sh {0}\n", tree.dir.display()),
+        "b1j1:\n\t@echo failing; exit 1\n",
+        1,
+    );
+    fs::write(&sub1, mk).unwrap();
+    let out = run(&tree.dir, &["-j", "4", "--stats", "--", "bmake"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    // bmake's own status for a failed build, passed on by herdless.
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    let (done, _) = tree.counts();
+    assert!(
+        done < 39,
+        "the abort stopped the other branches ({done} jobs ran)\n{stderr}"
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        format!("{stdout}{stderr}").contains("Error code 1"),
+        "bmake reports the failed job:\n{stdout}{stderr}"
+    );
+    // The broker saw bmake's E token and told the tree.
+    assert_eq!(
+        stat(&stderr, "aborted"),
+        "E (every client was told)",
+        "{stderr}"
+    );
+}
+
+#[test]
+fn cargo_build_runs_at_most_two_rustc() {
+    require("cargo");
+    let tree = Tree::new("cargo");
+    let ws = tree.path("ws");
+    let members: Vec<String> = (1..=4).map(|i| format!("c{i}")).collect();
+    fs::create_dir_all(&ws).unwrap();
+    fs::write(
+        ws.join("Cargo.toml"),
+        format!(
+            "[workspace]\nresolver = \"2\"\nmembers = [{}]\n",
+            members
+                .iter()
+                .map(|m| format!("\"{m}\""))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+    )
+    .unwrap();
+    for m in &members {
+        fs::create_dir_all(ws.join(m).join("src")).unwrap();
+        fs::write(
+            ws.join(m).join("Cargo.toml"),
+            format!("[package]\nname = \"{m}\"\nversion = \"0.1.0\"\nedition = \"2021\"\n"),
+        )
+        .unwrap();
+        // Enough code that each rustc runs for a moment.
+        let body: String = (0..200)
+            .map(|i| {
+                format!("pub fn f{i}(x: u64) -> u64 {{ x.wrapping_mul({i}).rotate_left(3) }}\n")
+            })
+            .collect();
+        fs::write(ws.join(m).join("src/lib.rs"), body).unwrap();
+    }
+    // A wrapper records how many rustc compile at once.
+    let wrapper = tree.path("rustc-wrapper.sh");
+    fs::write(
+        &wrapper,
+        format!(
+            r#"#!/bin/sh
+dir={0}
+mkdir "$dir/running/$$"
+n=$(ls "$dir/running" | wc -l)
+echo "$n" >> "$dir/peaks"
+"$@"
+rc=$?
+rmdir "$dir/running/$$"
+exit $rc
+"#,
+            tree.dir.display()
+        ),
+    )
+    .unwrap();
+    fs::set_permissions(
+        &wrapper,
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
+    let out = Command::new(BIN)
+        .args([
+            "run",
+            "-j",
+            "2",
+            "--stats",
+            "--",
+            "cargo",
+            "build",
+            "--offline",
+            "-q",
+        ])
+        .current_dir(&ws)
+        .env("PATH", path_with_bin())
+        .env("RUSTC_WRAPPER", &wrapper)
+        .env("CARGO_TARGET_DIR", tree.path("target"))
+        .env("CARGO_BUILD_JOBS", "64")
+        .env_remove("MAKEFLAGS")
+        .env_remove("MFLAGS")
+        .env_remove("CARGO_MAKEFLAGS")
+        .env_remove("HERDLESS_SOCKET")
+        .env_remove("RUSTC_WORKSPACE_WRAPPER")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let (_, max) = tree.counts();
+    assert_eq!(max, 2, "at most 2 rustc at once, and 2 reached\n{stderr}");
+    assert_eq!(stat(&stderr, "tokens lost"), "0", "{stderr}");
+}
+
+#[test]
+fn native_and_classic_jobs_share_one_limit() {
+    require("make");
+    let tree = Tree::new("mixed");
+    // Plain make jobs, a sub-make, and a recipe that starts six native
+    // jobs at once through `herdless exec`.
+    tree.flat_makefile("sub.mk", "s", 6);
+    let d = tree.dir.display();
+    let natives: String = (0..6)
+        .map(|_| format!("herdless exec sh {d}/job.sh {d} & "))
+        .collect();
+    let mut mk = String::from("all: p1 p2 p3 p4 p5 p6 natives sub\n");
+    for i in 1..=6 {
+        mk += &format!("p{i}:\n\t@sh {d}/job.sh {d}\n");
+    }
+    mk += &format!("natives:\n\t@{natives} wait\n");
+    mk += &format!("sub:\n\t@${{MAKE}} -f {d}/sub.mk\n");
+    fs::write(tree.path("Makefile"), mk).unwrap();
+    let out = run(&tree.dir, &["-j", "3", "--stats", "--", "make", "-s"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let (done, max) = tree.counts();
+    assert_eq!(done, 18, "{stderr}");
+    assert!(
+        max <= 3,
+        "never more than 3 at once in total: {max}\n{stderr}"
+    );
+    assert_eq!(stat(&stderr, "tokens lost"), "0", "{stderr}");
+}
