@@ -29,12 +29,18 @@
 //! - While no native client waits, every free token goes into the pipe:
 //!   classic clients see the whole pool, as under a plain jobserver.
 //! - While native clients wait, tokens that sit unread in the pipe are
-//!   taken back and granted to them, except one *offer* kept for classic
-//!   clients once any have been seen at work. The offer is taken back
-//!   after it has been passed over for a full round of native grants, or at
-//!   once if nothing else could free a token. When the pipe is empty, the
-//!   bridge queues for its next token in the pool's FIFO like any waiter,
-//!   so a classic client waits at most about one round of native grants.
+//!   taken back and granted to them, except one *offer* for classic
+//!   clients: the bridge queues for a token in the pool's FIFO like any
+//!   waiter, and writes it into the pipe when its turn comes. An offer
+//!   nobody reads is taken back after a full round of native grants (or at
+//!   once if nothing else could free a token), and each ignored offer
+//!   doubles the number of rounds before the next one, up to
+//!   [`MAX_BACKOFF`]; an offer that is read resets that. So a classic client
+//!   that starts waiting while natives contend gets a token within at most
+//!   2^`MAX_BACKOFF` rounds of native grants, usually within one, and a
+//!   tree with no classic client at all leaves a token idle only rarely.
+//!   Every figure here counts grants, never time: nothing in the bridge
+//!   sleeps or uses a timer.
 //!
 //! What the classic protocol cannot do: a classic client killed while
 //! holding tokens takes them with it (no connection to close), and every
@@ -128,6 +134,9 @@ struct Offer {
     patience: u64,
 }
 
+/// The most doublings of the gap between offers nobody reads.
+pub const MAX_BACKOFF: u32 = 4;
+
 /// The classic bridge. Made by [`Bridge::create`]; the broker drives it.
 pub struct Bridge {
     style: Style,
@@ -144,7 +153,11 @@ pub struct Bridge {
     client: Option<ClientId>,
     queued: bool,
     offer: Option<Offer>,
-    seen: bool,
+    /// Tokens the bridge believes are in the pipe; fewer means classic
+    /// clients took some.
+    expected_in_pipe: u32,
+    backoff: u32,
+    next_offer_at: u64,
     aborted: Option<AbortReason>,
     offered: u64,
     returned: u64,
@@ -233,7 +246,9 @@ impl Bridge {
             client: None,
             queued: false,
             offer: None,
-            seen: classic_expected,
+            expected_in_pipe: 0,
+            backoff: if classic_expected { 0 } else { 1 },
+            next_offer_at: 0,
             aborted: None,
             offered: 0,
             returned: 0,
@@ -335,6 +350,7 @@ impl Bridge {
         match (&self.offers).write(&[TOKEN]) {
             Ok(1) => {
                 self.offered += 1;
+                self.expected_in_pipe += 1;
                 let waiting = (pool.waiting() as u64).saturating_sub(u64::from(self.queued));
                 self.offer = Some(Offer {
                     native_grants_at: native_grants,
@@ -368,7 +384,7 @@ impl Bridge {
             }
         }
         if !got.is_empty() {
-            self.seen = true;
+            self.classic_active();
         }
         for b in got {
             self.take_in(pool, b, now, "returned");
@@ -411,6 +427,7 @@ impl Bridge {
             match (&self.offers).read(&mut byte) {
                 Ok(1) => {
                     got += 1;
+                    self.expected_in_pipe = self.expected_in_pipe.saturating_sub(1);
                     self.take_in(pool, byte[0], now, "taken back");
                 }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
@@ -419,6 +436,12 @@ impl Bridge {
             }
         }
         got
+    }
+
+    /// Classic clients were seen at work: offer again at every turn.
+    fn classic_active(&mut self) {
+        self.backoff = 0;
+        self.next_offer_at = 0;
     }
 
     /// Rebalances the pool between native waiters and the pipe; called
@@ -431,54 +454,56 @@ impl Bridge {
         if self.aborted.is_some() || pool.aborted().is_some() {
             return;
         }
-        let tokens = pool.held_by(id).unwrap_or(0);
         let mut in_pipe = self.in_pipe();
-        if tokens > in_pipe {
-            // Some token left the pipe: classic clients are at work.
-            self.seen = true;
+        if in_pipe < self.expected_in_pipe {
+            // Some token left the pipe: a classic client took it.
+            self.classic_active();
         }
+        self.expected_in_pipe = in_pipe;
         let natives_waiting = pool.waiting().saturating_sub(usize::from(self.queued));
         if natives_waiting == 0 {
             // Nobody native is waiting: the whole free pool goes to the pipe.
+            self.offer = None;
             while pool.free() > 0 && !self.queued {
                 if pool.try_acquire(id).is_err() {
                     break;
                 }
-                // The grant effect writes the token (see on_grant); count it
-                // now so the loop ends.
-                if pool.free() == 0 {
-                    break;
+            }
+            return;
+        }
+        // Natives wait: keep at most the current offer in the pipe.
+        let tokens = pool.held_by(id).unwrap_or(0);
+        let natives_holding = pool.capacity() - pool.free() - tokens;
+        let classic_holding = tokens.saturating_sub(in_pipe);
+        let keep = match &self.offer {
+            Some(o) if in_pipe > 0 => {
+                let ignored = native_grants.saturating_sub(o.native_grants_at) >= o.patience;
+                let deadlock = natives_holding == 0 && classic_holding == 0;
+                if ignored || deadlock {
+                    // Nobody read it: back off before the next offer.
+                    self.backoff = (self.backoff + 1).min(MAX_BACKOFF);
+                    let round = natives_waiting as u64;
+                    self.next_offer_at = native_grants + round * ((1u64 << self.backoff) - 1);
+                    self.offer = None;
+                    0
+                } else {
+                    1
                 }
             }
-            return;
+            _ => 0,
+        };
+        if in_pipe > keep {
+            in_pipe -= self.take_back(pool, in_pipe - keep, now);
         }
-        if !self.seen {
-            in_pipe -= self.take_back(pool, in_pipe, now);
+        if in_pipe == 0 {
             self.offer = None;
-            let _ = in_pipe;
-            return;
-        }
-        if in_pipe > 1 {
-            in_pipe -= self.take_back(pool, in_pipe - 1, now);
-        }
-        if in_pipe >= 1 {
-            let natives_holding = pool.capacity() - pool.free() - pool.held_by(id).unwrap_or(0);
-            let classic_holding = pool.held_by(id).unwrap_or(0).saturating_sub(in_pipe);
-            let stale = self
-                .offer
-                .as_ref()
-                .is_none_or(|o| native_grants.saturating_sub(o.native_grants_at) >= o.patience);
-            if stale || (natives_holding == 0 && classic_holding == 0) {
-                in_pipe -= self.take_back(pool, 1, now);
-                self.offer = None;
-            }
-        }
-        if in_pipe == 0 && !self.queued && pool.aborted().is_none() {
-            if pool.free() > 0 {
-                // Taken back tokens went to natives; any left free is ours.
-                let _ = pool.try_acquire(id);
-            } else if pool.acquire(id, now).is_ok() {
-                self.queued = true;
+            if !self.queued && native_grants >= self.next_offer_at {
+                if pool.free() > 0 {
+                    // Taken-back tokens went to natives; any left is ours.
+                    let _ = pool.try_acquire(id);
+                } else if pool.acquire(id, now).is_ok() {
+                    self.queued = true;
+                }
             }
         }
     }

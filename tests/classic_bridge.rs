@@ -396,3 +396,109 @@ fn native_and_classic_jobs_share_one_limit() {
     );
     assert_eq!(stat(&stderr, "tokens lost"), "0", "{stderr}");
 }
+
+#[test]
+fn helper_process() {
+    if std::env::var("HERDLESS_TEST_ROLE").as_deref() == Ok("starve-driver") {
+        starve_driver();
+    }
+    common::helper_main();
+}
+
+/// Runs as the command of `herdless run`: four native clients take and
+/// give back tokens without pause while this process, a classic client,
+/// reads one token from the pipe. Prints how many native grants happened
+/// while it waited, and how many in all.
+fn starve_driver() -> ! {
+    use herdless::client::{Client, Options};
+    use std::io::{Read, Write};
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    use std::sync::Arc;
+
+    let flags = std::env::var("MAKEFLAGS").unwrap();
+    let auth = flags.rsplit("--jobserver-auth=").next().unwrap();
+    let (r, w) = auth.split_once(',').unwrap();
+    let (r, w): (i32, i32) = (r.trim().parse().unwrap(), w.trim().parse().unwrap());
+    let stop = Arc::new(AtomicBool::new(false));
+    let native = Arc::new(AtomicU64::new(0));
+    let socket = std::env::var("HERDLESS_SOCKET").unwrap();
+    let churners: Vec<_> = (0..4)
+        .map(|_| {
+            let (stop, native, socket) = (stop.clone(), native.clone(), socket.clone());
+            std::thread::spawn(move || {
+                let c = Client::connect_with(&socket, Options::default().implicit_token(false))
+                    .unwrap();
+                let mut n = 0u64;
+                while !stop.load(Ordering::SeqCst) && n < 20_000 {
+                    let t = c.acquire().unwrap();
+                    native.fetch_add(1, Ordering::SeqCst);
+                    drop(t);
+                    n += 1;
+                }
+            })
+        })
+        .collect();
+    // Let the natives contend before the classic client asks.
+    while native.load(Ordering::SeqCst) < 200 {
+        std::thread::yield_now();
+    }
+    let before = native.load(Ordering::SeqCst);
+    let mut rf = inherited(r);
+    let mut byte = [0u8; 1];
+    rf.read_exact(&mut byte).unwrap();
+    let waited = native.load(Ordering::SeqCst) - before;
+    let mut wf = inherited(w);
+    wf.write_all(&byte).unwrap();
+    stop.store(true, Ordering::SeqCst);
+    for c in churners {
+        c.join().unwrap();
+    }
+    println!("role: waited {waited} of {}", native.load(Ordering::SeqCst));
+    std::process::exit(0);
+
+    /// An inherited descriptor, reopened through /proc (the FIFO behind
+    /// it) so no raw descriptor is adopted.
+    fn inherited(fd: i32) -> std::fs::File {
+        std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(format!("/proc/self/fd/{fd}"))
+            .unwrap()
+    }
+}
+
+#[cfg(target_os = "linux")]
+#[test]
+fn a_classic_client_is_not_starved_by_contending_natives() {
+    let out = Command::new(BIN)
+        .args(["run", "-j", "3", "--"])
+        .arg(std::env::current_exe().unwrap())
+        .args(["--exact", "helper_process", "--nocapture"])
+        .env("HERDLESS_TEST_ROLE", "starve-driver")
+        .env_remove("MAKEFLAGS")
+        .env_remove("HERDLESS_SOCKET")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stdout}{stderr}");
+    let line = stdout
+        .lines()
+        .find_map(|l| l.split("role: waited ").nth(1))
+        .unwrap_or_else(|| panic!("{stdout}"));
+    let (waited, total) = line.split_once(" of ").unwrap();
+    let (waited, total): (u64, u64) = (waited.parse().unwrap(), total.trim().parse().unwrap());
+    eprintln!("classic client waited through {waited} of {total} native grants");
+    // An offer comes at least every 2^MAX_BACKOFF rounds of (at most four)
+    // native grants; allow two such gaps, for an offer the reader was too
+    // slow to take. A starving bridge would show all 80 000.
+    let bound = 2 * (1 << herdless::bridge::MAX_BACKOFF) * 4;
+    assert!(
+        waited <= bound,
+        "the classic client waited through {waited} native grants (bound {bound})"
+    );
+    assert!(
+        total < 80_000,
+        "natives were still contending when it got its token"
+    );
+}
