@@ -502,3 +502,36 @@ fn a_classic_client_is_not_starved_by_contending_natives() {
         "natives were still contending when it got its token"
     );
 }
+
+#[test]
+fn a_native_abort_stops_bmake_through_the_stopper_token() {
+    require("bmake");
+    let tree = Tree::new("nativeabort");
+    tree.recursive_makefile(8, 5);
+    // Branch 1's first job is a native job that fails and aborts the tree;
+    // the recipe itself succeeds, so bmake learns of the failure only from
+    // the `E` token herdless puts into its pipe.
+    let sub1 = tree.path("sub1.mk");
+    let mk = fs::read_to_string(&sub1).unwrap().replacen(
+        &format!("b1j1:\n\t@sh {0}/job.sh {0}\n", tree.dir.display()),
+        "b1j1:\n\t@herdless exec --abort-on-failure false || true\n",
+        1,
+    );
+    fs::write(&sub1, mk).unwrap();
+    let out = run(&tree.dir, &["-j", "4", "--stats", "--", "bmake"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "bmake stopped on the E token\n{stderr}"
+    );
+    let (done, _) = tree.counts();
+    assert!(
+        done < 39,
+        "the abort stopped the other branches ({done} jobs ran)\n{stderr}"
+    );
+    assert_eq!(
+        stat(&stderr, "aborted"),
+        "E (every client was told)",
+        "{stderr}"
+    );
+}

@@ -3,6 +3,7 @@
 use anyhow::{Context, Result};
 
 use herdless::client::{Client, Options};
+use herdless::protocol::AbortReason;
 
 use super::child;
 use super::ExecArgs;
@@ -15,7 +16,18 @@ pub fn exec(args: ExecArgs) -> Result<u8> {
     let client = Client::from_env_with(Options::default().job_of_parent(true))
         .context("herdless exec needs a jobserver")?;
     let token = client.acquire().context("cannot take a job token")?;
-    let outcome = child::run(&args.command, &[]);
+    let outcome = child::run(&args.command, &[])?;
     drop(token);
-    Ok(outcome?.code())
+    let code = outcome.code();
+    if args.abort_on_failure && code != 0 {
+        let reason = if code == 128 + libc::SIGINT as u8 {
+            AbortReason::Interrupt
+        } else {
+            AbortReason::Error
+        };
+        client
+            .abort(reason)
+            .context("cannot post the abort to the tree")?;
+    }
+    Ok(code)
 }

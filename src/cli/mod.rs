@@ -87,6 +87,11 @@ struct ServeArgs {
 
 #[derive(clap::Args, Debug)]
 struct ExecArgs {
+    /// When CMD fails, abort the whole tree: every native client is told,
+    /// and bmakes find an `E` token in their pipe (`I` when CMD was
+    /// interrupted by SIGINT).
+    #[arg(long)]
+    abort_on_failure: bool,
     /// The command to run, and its arguments.
     #[arg(
         required = true,
