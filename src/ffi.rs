@@ -1,0 +1,451 @@
+//! The C ABI, declared in `include/herdless.h` (generated from this file by
+//! cbindgen; `tests/ffi.rs` fails when the two differ).
+//!
+//! A make calls these functions where it reads and writes its token pipe
+//! today. The handle is a [`Client`] made with
+//! `Options::default().implicit_token(false)`: the embedding make keeps its
+//! implicit token itself, so every successful acquire here is one token from
+//! the shared pool.
+//!
+//! # Conventions
+//!
+//! - Functions that return `int` return 0 (or a documented non-negative
+//!   value) on success and a negative `errno` value on failure; the two
+//!   constructors return NULL and set `errno`.
+//! - Each handle counts the tokens it holds. A release with none held is
+//!   refused with `-EINVAL` before anything reaches the broker, so a double
+//!   release cannot mint a token (nor make the broker drop the connection).
+//! - NULL handles give `-EINVAL`; no call can crash on one.
+//! - No panic crosses the boundary: every function runs under
+//!   `catch_unwind`, and a caught panic (a bug in herdless) returns
+//!   `-ENOTRECOVERABLE`.
+//!
+//! # Implementation notes
+//!
+//! Only `Client`'s public API is used, so the C ABI works with whichever
+//! backend `Client::from_env` picks (a herdless broker, or a classic
+//! jobserver named in `MAKEFLAGS`).
+
+use std::ffi::{c_char, c_int, CStr, OsStr};
+use std::os::fd::AsRawFd;
+use std::os::unix::ffi::OsStrExt;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::ptr;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use nix::errno::Errno;
+
+use crate::client::{self, Client, Options, Token};
+use crate::protocol::AbortReason;
+
+/// Passed as `timeout_ms` to `herdless_acquire`: wait until a token is
+/// granted, the tree aborts, the broker goes away or a signal arrives.
+pub const HERDLESS_WAIT_FOREVER: c_int = -1;
+
+/// What a caught panic returns: a bug in herdless, not in the caller.
+const PANICKED: c_int = -libc::ENOTRECOVERABLE;
+
+/// The room for a path in `sockaddr_un` (108 bytes on Linux, 104 on the
+/// BSDs and macOS), terminating NUL included.
+const SUN_PATH_LEN: usize =
+    std::mem::size_of::<libc::sockaddr_un>() - std::mem::offset_of!(libc::sockaddr_un, sun_path);
+
+/// A connection to the jobserver, and the count of tokens taken through it.
+///
+/// Opaque: made by `herdless_client_from_env` or `herdless_client_connect`,
+/// ended by `herdless_client_free`, which closes the connection; the broker
+/// then takes back every token still held through it (as it does when the
+/// process dies, however it dies).
+///
+/// Thread safety: every function except `herdless_client_free` may be
+/// called on one handle from several threads at once; each grant goes to
+/// exactly one of the callers. `herdless_client_free` must be the last
+/// call on a handle, with no other call in progress.
+///
+/// fork: a child must not use its parent's handle (the connection and its
+/// tokens belong to the parent). The socket is close-on-exec.
+#[allow(non_camel_case_types)]
+pub struct herdless_client {
+    client: Client,
+    /// Tokens taken through this handle and not yet released.
+    held: AtomicU32,
+}
+
+impl herdless_client {
+    fn took(&self, token: Token) {
+        // The handle's count, not the Token value, stands for it now.
+        token.forget();
+        self.held.fetch_add(1, Ordering::AcqRel);
+    }
+
+    fn took_maybe(&self, token: client::Result<Option<Token>>, none: c_int) -> c_int {
+        match token {
+            Ok(Some(t)) => {
+                self.took(t);
+                0
+            }
+            Ok(None) => none,
+            Err(e) => -e.errno(),
+        }
+    }
+}
+
+/// Runs `f`, turning a panic into [`PANICKED`].
+fn guard(f: impl FnOnce() -> c_int) -> c_int {
+    catch_unwind(AssertUnwindSafe(f)).unwrap_or(PANICKED)
+}
+
+/// Turns a constructor's outcome into a pointer, setting `errno` on failure.
+fn into_handle(made: std::thread::Result<Result<Client, c_int>>) -> *mut herdless_client {
+    let errno = match made {
+        Ok(Ok(client)) => {
+            return Box::into_raw(Box::new(herdless_client {
+                client,
+                held: AtomicU32::new(0),
+            }))
+        }
+        Ok(Err(errno)) => errno,
+        Err(_) => -PANICKED,
+    };
+    Errno::set_raw(errno);
+    ptr::null_mut()
+}
+
+fn options() -> Options {
+    Options::default().implicit_token(false)
+}
+
+/// Borrows the handle behind `c`, or `None` for NULL.
+///
+/// # Safety
+///
+/// `c` is NULL or a handle from `herdless_client_from_env` or
+/// `herdless_client_connect` that has not been freed, and it is not freed
+/// while the returned reference lives.
+unsafe fn handle<'a>(c: *const herdless_client) -> Option<&'a herdless_client> {
+    // SAFETY: by this function's contract `c` is NULL or points to a live
+    // `herdless_client` made by `Box::into_raw`; the handle is only ever
+    // accessed through shared references (its fields are `Sync`).
+    unsafe { c.as_ref() }
+}
+
+/// Connects to the jobserver named in the environment: the herdless broker
+/// in `HERDLESS_SOCKET` (or, where supported, a classic jobserver named in
+/// `MAKEFLAGS`).
+///
+/// Returns a new handle, owned by the caller (free it with
+/// `herdless_client_free`), or NULL with `errno` set: `ENOENT` when the
+/// environment names no jobserver, `ECONNREFUSED` when nobody listens on
+/// the socket or the broker refuses this client, another value when the
+/// connection fails otherwise. `herdless_strerror(-errno)` describes it.
+#[no_mangle]
+pub extern "C" fn herdless_client_from_env() -> *mut herdless_client {
+    into_handle(catch_unwind(|| {
+        Client::from_env_with(options()).map_err(|e| e.errno())
+    }))
+}
+
+/// Connects to the herdless broker listening on the Unix socket
+/// `socket_path` (a NUL-terminated path).
+///
+/// Returns a new handle, owned by the caller (free it with
+/// `herdless_client_free`), or NULL with `errno` set: `EINVAL` when
+/// `socket_path` is NULL or empty, `ENAMETOOLONG` when it does not fit in a
+/// `sockaddr_un`, `ENOENT` when it does not exist, `ECONNREFUSED` when
+/// nobody listens there or the broker refuses this client.
+///
+/// # Safety
+///
+/// `socket_path` is NULL or points to a NUL-terminated string that stays
+/// valid and unchanged during the call.
+#[no_mangle]
+pub unsafe extern "C" fn herdless_client_connect(
+    socket_path: *const c_char,
+) -> *mut herdless_client {
+    if socket_path.is_null() {
+        Errno::set_raw(libc::EINVAL);
+        return ptr::null_mut();
+    }
+    // SAFETY: not NULL, and by this function's contract a NUL-terminated
+    // string valid for the whole call; it is copied before returning.
+    let path = unsafe { CStr::from_ptr(socket_path) };
+    let path = OsStr::from_bytes(path.to_bytes());
+    into_handle(catch_unwind(|| {
+        if path.is_empty() {
+            return Err(libc::EINVAL);
+        }
+        if path.len() >= SUN_PATH_LEN {
+            return Err(libc::ENAMETOOLONG);
+        }
+        Client::connect_with(path, options()).map_err(|e| e.errno())
+    }))
+}
+
+/// Takes one token from the shared pool, waiting at most `timeout_ms`
+/// milliseconds (`HERDLESS_WAIT_FOREVER`, -1, waits as long as it takes; 0
+/// asks once, through the queue). The caller's implicit token is never
+/// involved: keep it yourself.
+///
+/// Returns 0 when a token is now held through `c` (give it back with
+/// `herdless_release`), or:
+/// - `-ETIMEDOUT`: the time ran out; the request was withdrawn, no token is
+///   held or owed;
+/// - `-EINTR`: a signal handler ran during the wait (`SA_RESTART` makes no
+///   difference). No token is lost: the request stays queued at the
+///   broker and the next `herdless_acquire`, `herdless_try_acquire` or
+///   `herdless_take_grant` picks up its grant; `herdless_cancel` withdraws
+///   it instead;
+/// - `-ECANCELED`: the tree was aborted (see `herdless_aborted`);
+/// - `-ECONNRESET`: the broker went away;
+/// - `-EINVAL`: `c` is NULL or `timeout_ms` is below -1.
+///
+/// # Safety
+///
+/// `c` is NULL or a live handle (not yet freed, and not freed during the
+/// call).
+#[no_mangle]
+pub unsafe extern "C" fn herdless_acquire(c: *mut herdless_client, timeout_ms: c_int) -> c_int {
+    // SAFETY: this function's contract is `handle`'s.
+    let Some(c) = (unsafe { handle(c) }) else {
+        return -libc::EINVAL;
+    };
+    guard(|| {
+        let deadline = match timeout_ms {
+            HERDLESS_WAIT_FOREVER => None,
+            ms if ms < 0 => return -libc::EINVAL,
+            ms => Some(Instant::now() + Duration::from_millis(ms.unsigned_abs().into())),
+        };
+        c.took_maybe(c.client.acquire_interruptible(deadline), -libc::ETIMEDOUT)
+    })
+}
+
+/// Takes one token from the shared pool if one is free now (or a grant for
+/// an earlier request has arrived). Never waits for a token to be
+/// released; it does wait for the broker's answer, a round trip. While a
+/// request is queued (left by `herdless_take_grant` or an interrupted
+/// acquire) it does not ask again: it returns 0 only once that request's
+/// grant has arrived.
+///
+/// Returns 0 when a token is now held through `c`, `-EAGAIN` when none is
+/// free, or `-ECANCELED`, `-ECONNRESET`, `-EINVAL` as `herdless_acquire`.
+///
+/// # Safety
+///
+/// `c` is NULL or a live handle.
+#[no_mangle]
+pub unsafe extern "C" fn herdless_try_acquire(c: *mut herdless_client) -> c_int {
+    // SAFETY: this function's contract is `handle`'s.
+    let Some(c) = (unsafe { handle(c) }) else {
+        return -libc::EINVAL;
+    };
+    guard(|| c.took_maybe(c.client.try_acquire(), -libc::EAGAIN))
+}
+
+/// Gives back one token taken through `c`.
+///
+/// Returns 0, or `-EINVAL` when `c` is NULL or holds no token (a double
+/// release; nothing is sent), or `-ECONNRESET` when the broker is gone
+/// (it has taken the token back already; the handle counts it as given
+/// back).
+///
+/// # Safety
+///
+/// `c` is NULL or a live handle.
+#[no_mangle]
+pub unsafe extern "C" fn herdless_release(c: *mut herdless_client) -> c_int {
+    // SAFETY: this function's contract is `handle`'s.
+    let Some(c) = (unsafe { handle(c) }) else {
+        return -libc::EINVAL;
+    };
+    guard(|| {
+        let counted = c
+            .held
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1));
+        if counted.is_err() {
+            return -libc::EINVAL;
+        }
+        match c.client.release_raw() {
+            Ok(()) => 0,
+            Err(e) => -e.errno(),
+        }
+    })
+}
+
+/// The descriptor to watch for reading in the caller's own `poll`,
+/// `select` or `pselect`: it becomes readable when a grant for a pending
+/// request has arrived (or an abort, or the broker's end, which the next
+/// call reports). Use it only to wait; read from it only through
+/// `herdless_take_grant`. It stays owned by the handle and valid until
+/// `herdless_client_free`.
+///
+/// Returns the descriptor (0 or more), or `-EINVAL` when `c` is NULL.
+///
+/// # Safety
+///
+/// `c` is NULL or a live handle.
+#[no_mangle]
+pub unsafe extern "C" fn herdless_fd(c: *const herdless_client) -> c_int {
+    // SAFETY: this function's contract is `handle`'s.
+    let Some(c) = (unsafe { handle(c) }) else {
+        return -libc::EINVAL;
+    };
+    guard(|| c.client.as_raw_fd())
+}
+
+/// Non-blocking, for a caller's own poll loop: takes a token if a grant
+/// has arrived; otherwise makes sure one request is queued at the broker,
+/// so that `herdless_fd` becomes readable when it is granted.
+///
+/// Returns 0 when a token is now held through `c`; `-EAGAIN` when none has
+/// arrived yet (wait for `herdless_fd` to become readable, then call this
+/// again); `-ECANCELED`, `-ECONNRESET`, `-EINVAL` as `herdless_acquire`.
+/// A request it leaves queued stays until granted and taken, withdrawn by
+/// `herdless_cancel`, or the handle is freed.
+///
+/// # Safety
+///
+/// `c` is NULL or a live handle.
+#[no_mangle]
+pub unsafe extern "C" fn herdless_take_grant(c: *mut herdless_client) -> c_int {
+    // SAFETY: this function's contract is `handle`'s.
+    let Some(c) = (unsafe { handle(c) }) else {
+        return -libc::EINVAL;
+    };
+    guard(|| c.took_maybe(c.client.take_grant(), -libc::EAGAIN))
+}
+
+/// Withdraws a request left queued by `herdless_take_grant` or by an
+/// acquire that a signal interrupted, when the caller no longer wants the
+/// token (a make whose last jobs are running, for instance), so that it
+/// goes to another waiter instead of idling here. Waits for the broker's
+/// answer, a round trip.
+///
+/// Returns 0 when nothing is owed any more, 1 when the grant had arrived
+/// already: a token is now held through `c` (use it, or give it back with
+/// `herdless_release`), or `-ECANCELED`, `-ECONNRESET`, `-EINVAL` as
+/// `herdless_acquire`.
+///
+/// # Safety
+///
+/// `c` is NULL or a live handle.
+#[no_mangle]
+pub unsafe extern "C" fn herdless_cancel(c: *mut herdless_client) -> c_int {
+    // SAFETY: this function's contract is `handle`'s.
+    let Some(c) = (unsafe { handle(c) }) else {
+        return -libc::EINVAL;
+    };
+    guard(|| match c.client.cancel_pending() {
+        Ok(Some(t)) => {
+            c.took(t);
+            1
+        }
+        Ok(None) => 0,
+        Err(e) => -e.errno(),
+    })
+}
+
+/// Aborts the whole tree: `reason` is `'E'` (a job failed) or `'I'` (the
+/// build was interrupted). Every client is told (native clients by
+/// message, bmake children by an `E` or `I` token), waiting acquires end
+/// with `-ECANCELED`, and no token is granted after it. The first abort
+/// wins; later ones succeed and change nothing. Tokens held stay held until
+/// released or freed.
+///
+/// Returns 0, or `-EINVAL` when `c` is NULL or `reason` is neither `'E'`
+/// nor `'I'`, or `-ECONNRESET` when the broker is gone.
+///
+/// # Safety
+///
+/// `c` is NULL or a live handle.
+#[no_mangle]
+pub unsafe extern "C" fn herdless_abort(c: *mut herdless_client, reason: c_char) -> c_int {
+    // SAFETY: this function's contract is `handle`'s.
+    let Some(c) = (unsafe { handle(c) }) else {
+        return -libc::EINVAL;
+    };
+    guard(|| {
+        // `c_char` is signed on some targets: compare the byte.
+        let Some(reason) = AbortReason::from_byte(reason as u8) else {
+            return -libc::EINVAL;
+        };
+        match c.client.abort(reason) {
+            Ok(()) => 0,
+            Err(e) => -e.errno(),
+        }
+    })
+}
+
+/// Whether an abort has reached this client: 0 when not (yet), `'E'` or
+/// `'I'` when it has; `-EINVAL` when `c` is NULL. Never waits: it reads
+/// what has arrived. A waiting `herdless_acquire` ends with `-ECANCELED`
+/// as soon as the abort arrives.
+///
+/// # Safety
+///
+/// `c` is NULL or a live handle.
+#[no_mangle]
+pub unsafe extern "C" fn herdless_aborted(c: *const herdless_client) -> c_int {
+    // SAFETY: this function's contract is `handle`'s.
+    let Some(c) = (unsafe { handle(c) }) else {
+        return -libc::EINVAL;
+    };
+    guard(|| {
+        c.client
+            .aborted()
+            .map_or(0, |reason| c_int::from(reason.byte()))
+    })
+}
+
+/// Closes the connection and frees the handle. Tokens still held through
+/// it, and a grant that arrived for a request nobody took, go back to the
+/// pool (the broker takes back whatever a closed connection held). NULL is
+/// ignored.
+///
+/// # Safety
+///
+/// `c` is NULL or a live handle, and no other call on it is in progress
+/// or follows: after this call the pointer dangles.
+#[no_mangle]
+pub unsafe extern "C" fn herdless_client_free(c: *mut herdless_client) {
+    if c.is_null() {
+        return;
+    }
+    // SAFETY: not NULL, and by this function's contract made by
+    // `Box::into_raw` in `into_handle` and used by nobody after this call,
+    // so ownership can return to a Box.
+    let handle = unsafe { Box::from_raw(c) };
+    // A panic while closing must not unwind into C; the handle is gone
+    // either way.
+    let _ = catch_unwind(AssertUnwindSafe(move || drop(handle)));
+}
+
+/// A static, NUL-terminated English description of `code` (negative, as
+/// the functions return it, or a positive `errno`). Never NULL; the
+/// string must not be freed. Safe from any thread.
+#[no_mangle]
+pub extern "C" fn herdless_strerror(code: c_int) -> *const c_char {
+    describe(code).as_ptr()
+}
+
+fn describe(code: c_int) -> &'static CStr {
+    let errno = i32::try_from(code.unsigned_abs()).unwrap_or(i32::MAX);
+    match errno {
+        0 => c"success",
+        libc::ETIMEDOUT => c"timed out: no token was granted in time (the request was withdrawn)",
+        libc::EAGAIN => c"no token is free now",
+        libc::EINTR => c"interrupted by a signal (the request stays queued; no token is lost)",
+        libc::ECONNRESET => c"the herdless broker went away",
+        libc::ECONNREFUSED => c"no herdless broker listens there, or it refused this client",
+        libc::ENOENT => c"no jobserver: HERDLESS_SOCKET is not set or its socket does not exist",
+        libc::EINVAL => c"invalid argument: a NULL handle, no token held, or a bad value",
+        libc::ECANCELED => c"the build was aborted",
+        libc::EPROTO => c"the herdless broker sent something this client does not understand",
+        libc::EBADF => c"the jobserver named in the environment is unusable",
+        libc::ENAMETOOLONG => c"the socket path is too long for a Unix socket",
+        libc::EACCES => c"permission denied",
+        libc::ENOTRECOVERABLE => c"internal error in herdless (a bug)",
+        libc::EIO => c"input/output error",
+        _ => c"unknown error",
+    }
+}

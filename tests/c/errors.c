@@ -1,0 +1,201 @@
+/* Feeds every function of the C ABI bad arguments and checks the codes:
+ * NULL handles, bad socket paths, no jobserver in the environment, double
+ * release, release without a token, bad timeouts and abort reasons, and
+ * what every call says after an abort.
+ *
+ * Run under `herdless run -j 2` (one shared token). Prints "errors: ok". */
+#define _POSIX_C_SOURCE 200809L
+
+#include <errno.h>
+#include <limits.h>
+#include <string.h>
+
+#include "check.h"
+
+/* The signatures, exactly as the API was specified: a mismatch in the
+ * header is a compile error here (-Werror). */
+static herdless_client *(*const sig_from_env)(void) = herdless_client_from_env;
+static herdless_client *(*const sig_connect)(const char *) =
+    herdless_client_connect;
+static int (*const sig_acquire)(herdless_client *, int) = herdless_acquire;
+static int (*const sig_try_acquire)(herdless_client *) = herdless_try_acquire;
+static int (*const sig_release)(herdless_client *) = herdless_release;
+static int (*const sig_fd)(const herdless_client *) = herdless_fd;
+static int (*const sig_take_grant)(herdless_client *) = herdless_take_grant;
+static int (*const sig_abort)(herdless_client *, char) = herdless_abort;
+static int (*const sig_aborted)(const herdless_client *) = herdless_aborted;
+static void (*const sig_free)(herdless_client *) = herdless_client_free;
+static const char *(*const sig_strerror)(int) = herdless_strerror;
+static int (*const sig_cancel)(herdless_client *) = herdless_cancel;
+
+static void signatures(void) {
+    CHECK(sig_from_env && sig_connect && sig_acquire && sig_try_acquire &&
+          sig_release && sig_fd && sig_take_grant && sig_abort &&
+          sig_aborted && sig_free && sig_strerror && sig_cancel);
+    CHECK_EQ(HERDLESS_WAIT_FOREVER, -1);
+}
+
+static void null_handles(void) {
+    CHECK_EQ(herdless_acquire(NULL, -1), -EINVAL);
+    CHECK_EQ(herdless_acquire(NULL, 0), -EINVAL);
+    CHECK_EQ(herdless_try_acquire(NULL), -EINVAL);
+    CHECK_EQ(herdless_release(NULL), -EINVAL);
+    CHECK_EQ(herdless_fd(NULL), -EINVAL);
+    CHECK_EQ(herdless_take_grant(NULL), -EINVAL);
+    CHECK_EQ(herdless_cancel(NULL), -EINVAL);
+    CHECK_EQ(herdless_abort(NULL, 'E'), -EINVAL);
+    CHECK_EQ(herdless_aborted(NULL), -EINVAL);
+    herdless_client_free(NULL);
+}
+
+static void strerror_always_answers(void) {
+    static const int codes[] = {0,          -EINVAL,   -ETIMEDOUT, -EAGAIN,
+                                -EINTR,     -ECONNRESET, -ECANCELED, -ENOENT,
+                                EINVAL,     -9999,     INT_MAX,    INT_MIN,
+                                -ENOTRECOVERABLE};
+    for (size_t i = 0; i < sizeof codes / sizeof codes[0]; i++) {
+        const char *s = herdless_strerror(codes[i]);
+        CHECK(s != NULL && s[0] != '\0');
+    }
+    CHECK(strcmp(herdless_strerror(-EINVAL), herdless_strerror(EINVAL)) == 0);
+    CHECK(strstr(herdless_strerror(-ECANCELED), "abort") != NULL);
+}
+
+/* A constructor that must fail: NULL, and errno is want. */
+#define CHECK_NO_CLIENT(call, want)          \
+    do {                                     \
+        errno = 0;                           \
+        herdless_client *c_ = (call);        \
+        CHECK(c_ == NULL);                   \
+        CHECK_EQ(errno, (want));             \
+        herdless_client_free(c_);            \
+    } while (0)
+
+static void bad_connections(const char *regular_file) {
+    char long_path[300];
+    memset(long_path, 'x', sizeof long_path - 1);
+    long_path[0] = '/';
+    long_path[sizeof long_path - 1] = '\0';
+
+    CHECK_NO_CLIENT(herdless_client_connect(NULL), EINVAL);
+    CHECK_NO_CLIENT(herdless_client_connect(""), EINVAL);
+    CHECK_NO_CLIENT(herdless_client_connect("/nonexistent/herdless/socket"),
+                    ENOENT);
+    CHECK_NO_CLIENT(herdless_client_connect(long_path), ENAMETOOLONG);
+    /* Exists, but nobody listens: not a socket at all. */
+    CHECK_NO_CLIENT(herdless_client_connect(regular_file), ECONNREFUSED);
+
+    /* No jobserver in the environment: neither a broker nor a classic
+     * jobserver (herdless run may name its classic bridge too). */
+    const char *saved = getenv("HERDLESS_SOCKET");
+    REQUIRE(saved != NULL);
+    char *socket = strdup(saved);
+    REQUIRE(socket != NULL);
+    static const char *const classic[] = {"MAKEFLAGS", "MFLAGS",
+                                          "CARGO_MAKEFLAGS"};
+    char *classic_saved[3];
+    for (int i = 0; i < 3; i++) {
+        const char *v = getenv(classic[i]);
+        classic_saved[i] = v ? strdup(v) : NULL;
+        REQUIRE(unsetenv(classic[i]) == 0);
+    }
+    REQUIRE(unsetenv("HERDLESS_SOCKET") == 0);
+    CHECK_NO_CLIENT(herdless_client_from_env(), ENOENT);
+    REQUIRE(setenv("HERDLESS_SOCKET", "", 1) == 0);
+    CHECK_NO_CLIENT(herdless_client_from_env(), ENOENT);
+    REQUIRE(setenv("HERDLESS_SOCKET", "/nonexistent/herdless/socket", 1) == 0);
+    CHECK_NO_CLIENT(herdless_client_from_env(), ENOENT);
+    REQUIRE(setenv("HERDLESS_SOCKET", socket, 1) == 0);
+    for (int i = 0; i < 3; i++) {
+        if (classic_saved[i]) {
+            REQUIRE(setenv(classic[i], classic_saved[i], 1) == 0);
+            free(classic_saved[i]);
+        }
+    }
+
+    /* The real socket works by path too. */
+    herdless_client *c = herdless_client_connect(socket);
+    CHECK(c != NULL);
+    herdless_client_free(c);
+    free(socket);
+}
+
+static void token_misuse(herdless_client *c) {
+    CHECK(herdless_fd(c) >= 0);
+    CHECK_EQ(herdless_aborted(c), 0);
+
+    /* Release without a token: refused, and the connection still works. */
+    CHECK_EQ(herdless_release(c), -EINVAL);
+    CHECK_EQ(herdless_release(c), -EINVAL);
+
+    CHECK_EQ(herdless_acquire(c, -2), -EINVAL);
+    CHECK_EQ(herdless_acquire(c, INT_MIN), -EINVAL);
+
+    CHECK_EQ(herdless_acquire(c, HERDLESS_WAIT_FOREVER), 0);
+    CHECK_EQ(herdless_release(c), 0);
+    CHECK_EQ(herdless_release(c), -EINVAL); /* double release */
+
+    /* -j 2: one shared token. */
+    CHECK_EQ(herdless_try_acquire(c), 0);
+    CHECK_EQ(herdless_try_acquire(c), -EAGAIN);
+    CHECK_EQ(herdless_acquire(c, 0), -ETIMEDOUT);
+    CHECK_EQ(herdless_acquire(c, 1), -ETIMEDOUT);
+    CHECK_EQ(herdless_cancel(c), 0); /* nothing pending */
+    CHECK_EQ(herdless_release(c), 0);
+    CHECK_EQ(herdless_release(c), -EINVAL);
+
+    /* The timed-out requests were withdrawn: the token is free. */
+    CHECK_EQ(herdless_try_acquire(c), 0);
+    CHECK_EQ(herdless_release(c), 0);
+
+    /* A second handle counts its own tokens. */
+    herdless_client *d = herdless_client_from_env();
+    REQUIRE(d != NULL);
+    CHECK_EQ(herdless_acquire(c, -1), 0);
+    CHECK_EQ(herdless_release(d), -EINVAL);
+    CHECK_EQ(herdless_release(c), 0);
+    herdless_client_free(d);
+
+    CHECK_EQ(herdless_abort(c, 'X'), -EINVAL);
+    CHECK_EQ(herdless_abort(c, 'e'), -EINVAL);
+    CHECK_EQ(herdless_abort(c, 0), -EINVAL);
+    CHECK_EQ(herdless_abort(c, (char)0xC5), -EINVAL);
+    CHECK_EQ(herdless_aborted(c), 0);
+}
+
+static void after_abort(herdless_client *c) {
+    herdless_client *other = herdless_client_from_env();
+    REQUIRE(other != NULL);
+    CHECK_EQ(herdless_acquire(c, -1), 0); /* held across the abort */
+
+    CHECK_EQ(herdless_abort(c, 'I'), 0);
+    /* The abort reaches every client; a wait ends with it. */
+    CHECK_EQ(herdless_acquire(other, -1), -ECANCELED);
+    CHECK_EQ(herdless_aborted(other), 'I');
+    CHECK_EQ(herdless_acquire(c, -1), -ECANCELED);
+    CHECK_EQ(herdless_aborted(c), 'I');
+    CHECK_EQ(herdless_try_acquire(c), -ECANCELED);
+    CHECK_EQ(herdless_take_grant(c), -ECANCELED);
+    /* The first reason wins. */
+    CHECK_EQ(herdless_abort(other, 'E'), 0);
+    CHECK_EQ(herdless_aborted(c), 'I');
+    /* The token held before the abort can still be given back, once. */
+    CHECK_EQ(herdless_release(c), 0);
+    CHECK_EQ(herdless_release(c), -EINVAL);
+    herdless_client_free(other);
+}
+
+int main(int argc, char **argv) {
+    (void)argc;
+    signatures();
+    null_handles();
+    strerror_always_answers();
+    bad_connections(argv[0]);
+
+    herdless_client *c = herdless_client_from_env();
+    REQUIRE(c != NULL);
+    token_misuse(c);
+    after_abort(c);
+    herdless_client_free(c);
+    return check_done("errors");
+}

@@ -1,0 +1,487 @@
+//! The C ABI, from C: the committed header is what cbindgen makes of
+//! `src/ffi.rs`, `herdless.pc` names what the static library needs, and
+//! the C programs under `tests/c/`, compiled with the system `cc` (or
+//! `$CC`) and linked against `libherdless.a`, run under a real broker.
+//!
+//! `cargo test` builds `libherdless.a` itself: the library's `crate-type`
+//! includes `staticlib`, and the library unit the integration tests link is
+//! compiled with all its crate types, into `target/<profile>/deps/` beside
+//! the test executables. So no nested cargo is needed (one would wait for
+//! the build directory lock that the outer cargo holds).
+//!
+//! The C programs check their own steps and print `NAME: ok`; these tests
+//! check that, the broker's final report (`--stats`: `max in use`, `taken
+//! back`, `tokens lost`) and its status. Counts and invariants only, never
+//! timings.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdout, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+use std::{env, fs, thread};
+
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+
+const HERDLESS: &str = env!("CARGO_BIN_EXE_herdless");
+
+/// How long a C program may run before it is taken for hung. A safety net
+/// so a broken build fails instead of hanging; nothing asserts on time.
+const HUNG: Duration = Duration::from_secs(120);
+
+/// Variables that name a jobserver: the C programs must see only the
+/// broker their test starts.
+const JOBSERVER_VARS: [&str; 4] = ["HERDLESS_SOCKET", "MAKEFLAGS", "MFLAGS", "CARGO_MAKEFLAGS"];
+
+fn root() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn header_path() -> PathBuf {
+    root().join("include").join("herdless.h")
+}
+
+/// What cbindgen makes of `src/ffi.rs` with `cbindgen.toml`.
+fn generated_header() -> Vec<u8> {
+    let config = cbindgen::Config::from_file(root().join("cbindgen.toml"))
+        .unwrap_or_else(|e| panic!("cbindgen.toml: {e}"));
+    let bindings = cbindgen::Builder::new()
+        .with_config(config)
+        .with_src(root().join("src").join("ffi.rs"))
+        .generate()
+        .unwrap_or_else(|e| panic!("cbindgen on src/ffi.rs: {e}"));
+    let mut out = Vec::new();
+    bindings.write(&mut out);
+    out
+}
+
+#[test]
+fn header_matches_the_rust_side() {
+    let fresh = generated_header();
+    let path = header_path();
+    if env::var_os("HERDLESS_BLESS").is_some() {
+        fs::write(&path, &fresh).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        return;
+    }
+    let committed = fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    if committed == fresh {
+        return;
+    }
+    let committed = String::from_utf8_lossy(&committed);
+    let fresh = String::from_utf8_lossy(&fresh);
+    let line = committed
+        .lines()
+        .zip(fresh.lines())
+        .position(|(a, b)| a != b)
+        .unwrap_or_else(|| committed.lines().count().min(fresh.lines().count()));
+    panic!(
+        "include/herdless.h does not match src/ffi.rs; regenerate it with\n    \
+         HERDLESS_BLESS=1 cargo test --test ffi header\n\
+         first difference at line {}:\n  committed: {:?}\n  generated: {:?}",
+        line + 1,
+        committed.lines().nth(line).unwrap_or("<end of file>"),
+        fresh.lines().nth(line).unwrap_or("<end of file>"),
+    );
+}
+
+#[test]
+fn header_declares_the_api() {
+    let header = fs::read_to_string(header_path()).expect("include/herdless.h");
+    assert!(header.contains("typedef struct herdless_client herdless_client;"));
+    for f in [
+        "herdless_client *herdless_client_from_env(void);",
+        "herdless_client *herdless_client_connect(const char *socket_path);",
+        "int herdless_acquire(herdless_client *c, int timeout_ms);",
+        "int herdless_try_acquire(herdless_client *c);",
+        "int herdless_release(herdless_client *c);",
+        "int herdless_fd(const herdless_client *c);",
+        "int herdless_take_grant(herdless_client *c);",
+        "int herdless_cancel(herdless_client *c);",
+        "int herdless_abort(herdless_client *c, char reason);",
+        "int herdless_aborted(const herdless_client *c);",
+        "void herdless_client_free(herdless_client *c);",
+        "const char *herdless_strerror(int code);",
+    ] {
+        assert!(header.contains(f), "include/herdless.h lacks `{f}`");
+    }
+}
+
+/// `herdless.pc`'s `KEY: value` field.
+fn pc_field(key: &str) -> String {
+    let pc = fs::read_to_string(root().join("herdless.pc")).expect("herdless.pc");
+    pc.lines()
+        .find_map(|l| l.strip_prefix(key)?.strip_prefix(':'))
+        .unwrap_or_else(|| panic!("herdless.pc has no {key}"))
+        .trim()
+        .to_string()
+}
+
+/// What a C program linked against `libherdless.a` needs besides it.
+fn native_static_libs() -> Vec<String> {
+    pc_field("Libs.private")
+        .split_whitespace()
+        .map(String::from)
+        .collect()
+}
+
+#[test]
+fn pkg_config_file_describes_the_library() {
+    assert_eq!(pc_field("Name"), "herdless");
+    assert_eq!(pc_field("Version"), env!("CARGO_PKG_VERSION"));
+    assert_eq!(pc_field("Cflags"), "-I${includedir}");
+    assert_eq!(pc_field("Libs"), "-L${libdir} -lherdless");
+    // The libraries the Rust standard library needs in a static library,
+    // as this toolchain's rustc says (every C test links with the list).
+    let rustc = Path::new(env!("CARGO")).with_file_name("rustc");
+    let rustc = if rustc.exists() {
+        rustc
+    } else {
+        PathBuf::from("rustc")
+    };
+    let dir = tmp_dir("pc");
+    let src = dir.join("probe.rs");
+    fs::write(&src, "").unwrap();
+    let out = Command::new(&rustc)
+        .args(["--crate-type", "staticlib", "--crate-name", "probe"])
+        .args(["--print", "native-static-libs", "-o"])
+        .arg(dir.join("libprobe.a"))
+        .arg(&src)
+        .output()
+        .unwrap_or_else(|e| panic!("{}: {e}", rustc.display()));
+    let said = String::from_utf8_lossy(&out.stderr);
+    let needed = said
+        .lines()
+        .find_map(|l| l.split("native-static-libs:").nth(1))
+        .unwrap_or_else(|| panic!("rustc did not print native-static-libs:\n{said}"));
+    let listed = native_static_libs();
+    for lib in needed.split_whitespace() {
+        assert!(
+            listed.iter().any(|l| l == lib),
+            "herdless.pc's Libs.private lacks {lib} (rustc needs: {needed})"
+        );
+    }
+}
+
+fn tmp_dir(name: &str) -> PathBuf {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("ffi-{name}"));
+    fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+    dir
+}
+
+/// `libherdless.a`, built by this `cargo test` with the library.
+///
+/// The library is a dependency of this test, so cargo leaves its outputs in
+/// `target/<profile>/deps/`, beside this test's executable, and copies them
+/// up to `target/<profile>/` only for `cargo build`: the copy there may be
+/// from an older build. The archive's name has no hash, because the
+/// library is also a `cdylib`.
+fn static_lib() -> PathBuf {
+    let exe = env::current_exe().expect("the test's executable");
+    let deps = exe.parent().expect("target/<profile>/deps");
+    let lib = deps.join("libherdless.a");
+    let built = |p: &Path| {
+        fs::metadata(p)
+            .and_then(|m| m.modified())
+            .unwrap_or_else(|e| {
+                panic!(
+                    "{}: {e} (cargo builds it with the library: crate-type staticlib)",
+                    p.display()
+                )
+            })
+    };
+    // One rustc run writes the rlib this test links and the archive: an
+    // archive much older than the rlib is left from another build.
+    let (a, rlib) = (built(&lib), built(&deps.join("libherdless.rlib")));
+    assert!(
+        a + Duration::from_secs(60) >= rlib,
+        "{} is older than libherdless.rlib beside it",
+        lib.display()
+    );
+    lib
+}
+
+/// Compiles `tests/c/NAME.c` against the header and the static library.
+fn build_c(name: &str) -> PathBuf {
+    let dir = tmp_dir(name);
+    let exe = dir.join(name);
+    let cc = env::var_os("CC").unwrap_or_else(|| "cc".into());
+    let out = Command::new(&cc)
+        .args(["-std=c11", "-g", "-Wall", "-Wextra", "-Werror"])
+        .arg("-I")
+        .arg(root().join("include"))
+        .arg(root().join("tests").join("c").join(format!("{name}.c")))
+        .arg("-o")
+        .arg(&exe)
+        .arg(static_lib())
+        .args(native_static_libs())
+        .output()
+        .unwrap_or_else(|e| panic!("{}: {e}", cc.to_string_lossy()));
+    assert!(
+        out.status.success(),
+        "cc {name}.c failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    exe
+}
+
+/// A command whose environment names no jobserver.
+fn clean(mut cmd: Command) -> Command {
+    for var in JOBSERVER_VARS {
+        cmd.env_remove(var);
+    }
+    cmd
+}
+
+/// Runs `cmd` in its own process group and collects its output; kills the
+/// group and fails if it is still running after [`HUNG`].
+fn output(mut cmd: Command) -> (ExitStatus, String, String) {
+    use std::os::unix::process::CommandExt;
+    let mut child = cmd
+        .process_group(0)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn");
+    let collect = |mut r: Box<dyn Read + Send>| {
+        thread::spawn(move || {
+            let mut s = String::new();
+            let _ = r.read_to_string(&mut s);
+            s
+        })
+    };
+    let stdout = collect(Box::new(child.stdout.take().unwrap()));
+    let stderr = collect(Box::new(child.stderr.take().unwrap()));
+    let status = wait_or_kill(&mut child);
+    let (stdout, stderr) = (stdout.join().unwrap(), stderr.join().unwrap());
+    match status {
+        Some(status) => (status, stdout, stderr),
+        None => panic!("{cmd:?} hung\nstdout:\n{stdout}\nstderr:\n{stderr}"),
+    }
+}
+
+/// Waits for `child`; after [`HUNG`], kills its process group and returns
+/// `None`.
+fn wait_or_kill(child: &mut Child) -> Option<ExitStatus> {
+    let give_up = Instant::now() + HUNG;
+    loop {
+        if let Some(status) = child.try_wait().expect("wait") {
+            return Some(status);
+        }
+        if Instant::now() > give_up {
+            let _ = kill(Pid::from_raw(-(child.id() as i32)), Signal::SIGKILL);
+            let _ = child.kill();
+            let _ = child.wait();
+            return None;
+        }
+        thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Whether `herdless run` also exports a classic jobserver (its default).
+#[derive(Clone, Copy, PartialEq)]
+enum Classic {
+    Exported,
+    /// `--no-classic`: the tests that check exact native semantics (a
+    /// `try_acquire` right after a release gets the token) keep the
+    /// classic bridge from parking free tokens in a pipe nobody reads.
+    None,
+}
+
+/// `herdless run -j JOBS --stats -- PROGRAM ARGS…`.
+fn run_under_broker(
+    jobs: u32,
+    classic: Classic,
+    program: &Path,
+    args: &[&str],
+) -> (ExitStatus, String, String) {
+    let mut cmd = clean(Command::new(HERDLESS));
+    cmd.args(["run", "-j", &jobs.to_string(), "--stats"]);
+    if classic == Classic::None {
+        cmd.arg("--no-classic");
+    }
+    cmd.arg("--").arg(program).args(args);
+    output(cmd)
+}
+
+/// A figure from the broker's report on stderr: `herdless: NAME   N …`.
+fn stat(stderr: &str, name: &str) -> u64 {
+    stderr
+        .lines()
+        .find_map(|l| l.strip_prefix("herdless: ")?.strip_prefix(name))
+        .and_then(|rest| rest.split_whitespace().next()?.parse().ok())
+        .unwrap_or_else(|| panic!("no `{name}` in the broker's report:\n{stderr}"))
+}
+
+fn assert_ok(name: &str, (status, stdout, stderr): &(ExitStatus, String, String)) {
+    assert!(
+        status.success() && stdout.contains(&format!("{name}: ok")),
+        "{name}: {status}\nstdout:\n{stdout}\nstderr:\n{stderr}"
+    );
+}
+
+#[test]
+fn minimake_runs_40_jobs_at_most_4_at_once() {
+    let minimake = build_c("minimake");
+    let run = run_under_broker(4, Classic::Exported, &minimake, &["40"]);
+    assert_ok("minimake", &run);
+    let (_, stdout, stderr) = &run;
+    let report = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("minimake: jobs "))
+        .unwrap_or_else(|| panic!("no report from minimake:\n{stdout}"));
+    let figures: Vec<u32> = report
+        .split_whitespace()
+        .filter_map(|w| w.parse().ok())
+        .collect();
+    let [jobs, most, tokens] = figures[..] else {
+        panic!("bad report: {report}");
+    };
+    assert_eq!(jobs, 40, "{report}");
+    // Its implicit slot and the pool's 3 tokens: 4 at once, never more.
+    assert_eq!(most, 4, "{report}");
+    // Every job but those on the implicit slot ran on a token.
+    assert!((1..40).contains(&tokens), "{report}");
+    assert_eq!(stat(stderr, "max in use"), 3, "{stderr}");
+    assert_eq!(stat(stderr, "tokens lost"), 0, "{stderr}");
+    assert_eq!(stat(stderr, "taken back"), 0, "{stderr}");
+}
+
+#[test]
+fn bad_arguments_give_error_codes() {
+    let errors = build_c("errors");
+    let run = run_under_broker(2, Classic::None, &errors, &[]);
+    assert_ok("errors", &run);
+    assert_eq!(stat(&run.2, "tokens lost"), 0, "{}", run.2);
+}
+
+#[test]
+fn signal_interrupts_acquire_and_no_token_is_lost() {
+    let interrupt = build_c("interrupt");
+    let run = run_under_broker(2, Classic::None, &interrupt, &[]);
+    assert_ok("interrupt", &run);
+    let stderr = &run.2;
+    assert_eq!(stat(stderr, "max in use"), 1, "{stderr}");
+    // The grant that reached a handle freed without taking it.
+    assert_eq!(stat(stderr, "taken back"), 1, "{stderr}");
+    assert_eq!(stat(stderr, "tokens lost"), 0, "{stderr}");
+}
+
+#[test]
+fn one_handle_is_shared_by_threads() {
+    let threads = build_c("threads");
+    let run = run_under_broker(3, Classic::None, &threads, &[]);
+    assert_ok("threads", &run);
+    let stderr = &run.2;
+    assert_eq!(stat(stderr, "max in use"), 2, "{stderr}");
+    assert_eq!(stat(stderr, "taken back"), 0, "{stderr}");
+    assert_eq!(stat(stderr, "tokens lost"), 0, "{stderr}");
+}
+
+/// A `herdless serve` broker, stopped with SIGTERM.
+struct Serve {
+    child: Child,
+    socket: String,
+}
+
+impl Serve {
+    fn start(jobs: u32) -> Serve {
+        let mut cmd = clean(Command::new(HERDLESS));
+        let mut child = cmd
+            .args(["serve", "-j", &jobs.to_string()])
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("herdless serve");
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .expect("herdless serve's first line");
+        let socket = line
+            .trim()
+            .strip_prefix("export HERDLESS_SOCKET=")
+            .unwrap_or_else(|| panic!("herdless serve said {line:?}"))
+            .trim_matches('\'')
+            .to_string();
+        Serve { child, socket }
+    }
+
+    fn status(&self) -> serde_json::Value {
+        let out = clean(Command::new(HERDLESS))
+            .args(["status", "--json", "--socket", &self.socket])
+            .output()
+            .expect("herdless status");
+        assert!(out.status.success(), "{out:?}");
+        serde_json::from_slice(&out.stdout).expect("herdless status --json")
+    }
+
+    /// Stops the broker; returns its exit status and final report.
+    fn stop(mut self) -> (ExitStatus, String) {
+        kill(Pid::from_raw(self.child.id() as i32), Signal::SIGTERM).expect("SIGTERM");
+        let mut report = String::new();
+        let _ = self
+            .child
+            .stderr
+            .take()
+            .unwrap()
+            .read_to_string(&mut report);
+        let status = wait_or_kill(&mut self.child)
+            .unwrap_or_else(|| panic!("herdless serve did not stop:\n{report}"));
+        (status, report)
+    }
+}
+
+/// `holder N TIMEOUT_MS` connected to `serve`, once it says it holds N.
+fn hold(serve: &Serve, holder: &Path, tokens: u32) -> (Child, BufReader<ChildStdout>) {
+    let mut child = clean(Command::new(holder))
+        .args([&tokens.to_string(), "60000"])
+        .env("HERDLESS_SOCKET", &serve.socket)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("holder");
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    out.read_line(&mut line).expect("holder's first line");
+    assert_eq!(line.trim(), format!("holding {tokens}"));
+    (child, out)
+}
+
+#[test]
+fn killed_client_tokens_are_reclaimed() {
+    let holder = build_c("holder");
+    let serve = Serve::start(4);
+
+    let (mut first, _) = hold(&serve, &holder, 3);
+    let s = serve.status();
+    assert_eq!(s["capacity"], 3, "{s}");
+    assert_eq!(s["free"], 0, "{s}");
+
+    kill(Pid::from_raw(first.id() as i32), Signal::SIGKILL).expect("SIGKILL");
+    let status = first.wait().expect("wait");
+    assert_eq!(
+        std::os::unix::process::ExitStatusExt::signal(&status),
+        Some(9)
+    );
+
+    // All three come back: a second holder gets them (it waits for them,
+    // so no race with the broker noticing the death).
+    let (mut second, mut out) = hold(&serve, &holder, 3);
+    let s = serve.status();
+    assert_eq!(s["reclaimed"], 3, "{s}");
+    assert_eq!(s["free"], 0, "{s}");
+    assert_eq!(s["lost"], 0, "{s}");
+
+    // The second gives them back itself when its input ends.
+    second.stdin.take().unwrap().flush().unwrap();
+    let mut rest = String::new();
+    out.read_to_string(&mut rest).unwrap();
+    assert!(second.wait().unwrap().success(), "{rest}");
+    assert!(rest.contains("holder: ok"), "{rest}");
+
+    let (status, report) = serve.stop();
+    assert!(status.success(), "{status}\n{report}");
+    assert_eq!(stat(&report, "taken back"), 3, "{report}");
+    assert_eq!(stat(&report, "tokens lost"), 0, "{report}");
+}
