@@ -24,6 +24,10 @@ pub fn run(args: RunArgs) -> Result<u8> {
     let dir = RunDir::create().context("cannot prepare the socket directory")?;
     let mut broker = Broker::bind(dir.socket(), Config::new(args.jobs))?;
     let mut env = vec![(SOCKET_ENV, dir.socket().as_os_str().to_owned())];
+    // Scripts can call `"$HERDLESS" exec …` without herdless on PATH.
+    if let Ok(me) = std::env::current_exe() {
+        env.push(("HERDLESS", me.into_os_string()));
+    }
     let mut inherit = Vec::new();
     if !args.no_classic {
         let program = &args.command[0];
@@ -79,8 +83,14 @@ pub fn print_report(r: &Status) {
             r.jobs, r.capacity
         ),
         format!(
-            "grants        {} ({} at once, {} after a wait)",
-            r.grants, r.immediate, r.wakeups
+            "grants        {} ({} at once, {} after a wait{})",
+            r.grants,
+            r.immediate,
+            r.wakeups,
+            r.classic
+                .as_ref()
+                .map(|c| format!("; {} of them into the classic pipe", c.offered))
+                .unwrap_or_default()
         ),
         format!("max in use    {}", r.max_in_use),
         format!(
