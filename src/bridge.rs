@@ -544,10 +544,9 @@ impl Bridge {
                 Ok(0) => break,
                 Ok(n) => {
                     for &b in &buf[..n] {
-                        if b == TOKEN || self.flavor == Flavor::Gnu {
-                            if pool.held_by(id).unwrap_or(0) > 0 {
-                                let _ = pool.release(id, now);
-                            }
+                        let is_token = b == TOKEN || self.flavor == Flavor::Gnu;
+                        if is_token && pool.held_by(id).unwrap_or(0) > 0 {
+                            let _ = pool.release(id, now);
                         }
                     }
                 }
