@@ -73,8 +73,9 @@ extern "C" {
  * Returns a new handle, owned by the caller (free it with
  * `herdless_client_free`), or NULL with `errno` set: `ENOENT` when the
  * environment names no jobserver, `ECONNREFUSED` when nobody listens on
- * the socket or the broker refuses this client, another value when the
- * connection fails otherwise. `herdless_strerror(-errno)` describes it.
+ * the socket or the broker refuses this client, `EBADF` when the classic
+ * jobserver named is unusable, another value when the connection fails
+ * otherwise. `herdless_strerror(-errno)` describes it.
  */
 herdless_client *herdless_client_from_env(void);
 
@@ -212,7 +213,9 @@ int herdless_cancel(herdless_client *c);
  * released or freed.
  *
  * Returns 0, or `-EINVAL` when `c` is NULL or `reason` is neither `'E'`
- * nor `'I'`, or `-ECONNRESET` when the broker is gone.
+ * nor `'I'`, `-ECONNRESET` when the broker is gone, or `-ENOTSUP` on a
+ * classic GNU make jobserver, which has no abort token (exit with a
+ * failure status instead).
  *
  * # Safety
  *

@@ -137,8 +137,9 @@ unsafe fn handle<'a>(c: *const herdless_client) -> Option<&'a herdless_client> {
 /// Returns a new handle, owned by the caller (free it with
 /// `herdless_client_free`), or NULL with `errno` set: `ENOENT` when the
 /// environment names no jobserver, `ECONNREFUSED` when nobody listens on
-/// the socket or the broker refuses this client, another value when the
-/// connection fails otherwise. `herdless_strerror(-errno)` describes it.
+/// the socket or the broker refuses this client, `EBADF` when the classic
+/// jobserver named is unusable, another value when the connection fails
+/// otherwise. `herdless_strerror(-errno)` describes it.
 #[no_mangle]
 pub extern "C" fn herdless_client_from_env() -> *mut herdless_client {
     into_handle(catch_unwind(|| {
@@ -353,7 +354,9 @@ pub unsafe extern "C" fn herdless_cancel(c: *mut herdless_client) -> c_int {
 /// released or freed.
 ///
 /// Returns 0, or `-EINVAL` when `c` is NULL or `reason` is neither `'E'`
-/// nor `'I'`, or `-ECONNRESET` when the broker is gone.
+/// nor `'I'`, `-ECONNRESET` when the broker is gone, or `-ENOTSUP` on a
+/// classic GNU make jobserver, which has no abort token (exit with a
+/// failure status instead).
 ///
 /// # Safety
 ///
@@ -443,6 +446,7 @@ fn describe(code: c_int) -> &'static CStr {
         libc::EPROTO => c"the herdless broker sent something this client does not understand",
         libc::EBADF => c"the jobserver named in the environment is unusable",
         libc::ENAMETOOLONG => c"the socket path is too long for a Unix socket",
+        libc::ENOTSUP => c"this jobserver cannot do that (an abort on a GNU make pipe)",
         libc::EACCES => c"permission denied",
         libc::ENOTRECOVERABLE => c"internal error in herdless (a bug)",
         libc::EIO => c"input/output error",
