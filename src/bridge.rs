@@ -314,6 +314,22 @@ impl Bridge {
         self.client = Some(id);
     }
 
+    /// Re-reads how many tokens sit in the pipe (noting whether classic
+    /// clients took some), before anything else changes it.
+    pub fn refresh(&mut self) {
+        let in_pipe = self.in_pipe();
+        if in_pipe < self.expected_in_pipe {
+            self.classic_active();
+        }
+        self.expected_in_pipe = in_pipe;
+    }
+
+    /// Tokens believed to sit unread in the pipe, as of the last
+    /// rebalance and the bridge's own writes and reads since.
+    pub fn in_pipe_estimate(&self) -> u32 {
+        self.expected_in_pipe
+    }
+
     /// The bridge's client id in the pool.
     pub fn client(&self) -> Option<ClientId> {
         self.client
@@ -454,12 +470,9 @@ impl Bridge {
         if self.aborted.is_some() || pool.aborted().is_some() {
             return;
         }
-        let mut in_pipe = self.in_pipe();
-        if in_pipe < self.expected_in_pipe {
-            // Some token left the pipe: a classic client took it.
-            self.classic_active();
-        }
-        self.expected_in_pipe = in_pipe;
+        // Fewer tokens in the pipe than put there: classic clients took some.
+        self.refresh();
+        let mut in_pipe = self.expected_in_pipe;
         let natives_waiting = pool.waiting().saturating_sub(usize::from(self.queued));
         if natives_waiting == 0 {
             // Nobody native is waiting: the whole free pool goes to the pipe.

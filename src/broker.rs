@@ -165,6 +165,7 @@ pub struct Broker {
     dirty: Vec<Token>,
     bridge: Option<Bridge>,
     native_grants: u64,
+    max_in_use: u32,
 }
 
 fn ns_to_us(ns: u64) -> f64 {
@@ -234,6 +235,7 @@ impl Broker {
             dirty: Vec::new(),
             bridge: None,
             native_grants: 0,
+            max_in_use: 0,
         })
     }
 
@@ -268,6 +270,7 @@ impl Broker {
             bridge.balance(&mut self.pool, self.native_grants, now);
             self.apply_effects();
         }
+        self.note_in_use();
     }
 
     /// A handle that stops this broker from another thread.
@@ -298,6 +301,12 @@ impl Broker {
                     CLASSIC_OFFERS => {}
                     CLASSIC_RETURNS => {
                         let now = self.now();
+                        if let Some(bridge) = self.bridge.as_mut() {
+                            // Count the tokens coming back as in use until
+                            // they are read.
+                            bridge.refresh();
+                        }
+                        self.note_in_use();
                         if let Some(bridge) = self.bridge.as_mut() {
                             bridge.on_returns(&mut self.pool, now);
                         }
@@ -580,7 +589,21 @@ impl Broker {
             for effect in effects {
                 self.apply(effect);
             }
+            self.note_in_use();
         }
+    }
+
+    /// Tokens running jobs now: held by native clients, lent as parent
+    /// slots, or taken by classic clients (tokens unread in the pipe are
+    /// not in use).
+    fn in_use(&self) -> u32 {
+        let in_pipe = self.bridge.as_ref().map_or(0, Bridge::in_pipe_estimate);
+        (self.pool.capacity() - self.pool.free() + self.pool.slots_in_use() as u32)
+            .saturating_sub(in_pipe)
+    }
+
+    fn note_in_use(&mut self) {
+        self.max_in_use = self.max_in_use.max(self.in_use());
     }
 
     fn apply(&mut self, effect: Effect) {
@@ -682,7 +705,7 @@ impl Broker {
             jobs: self.config.jobs,
             capacity: self.pool.capacity(),
             free,
-            in_use: self.pool.capacity() - free + self.pool.slots_in_use() as u32,
+            in_use: self.in_use(),
             waiting: self.pool.waiting() as u32,
             aborted: self.pool.aborted().map(|r| (r.byte() as char).to_string()),
             grants: stats.grants,
@@ -693,7 +716,7 @@ impl Broker {
             cancelled: stats.cancelled,
             reclaimed: stats.reclaimed,
             connections: stats.connections,
-            max_in_use: stats.max_in_use,
+            max_in_use: self.max_in_use,
             wait_p50_us: ns_to_us(stats.wait_ns.quantile(0.5)),
             wait_p99_us: ns_to_us(stats.wait_ns.quantile(0.99)),
             wait_max_us: ns_to_us(stats.wait_ns.max()),
