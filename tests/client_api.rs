@@ -1,0 +1,157 @@
+//! The Rust client API against a real broker process: deadlines, try,
+//! the implicit token, the poll-loop integration, threads.
+
+mod common;
+
+use std::os::fd::AsFd;
+use std::time::{Duration, Instant};
+
+use common::Serve;
+use herdless::client::{Client, ErrorKind, Options};
+use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+
+fn shared_only(serve: &Serve) -> Client {
+    Client::connect_with(&serve.socket, Options::default().implicit_token(false)).unwrap()
+}
+
+#[test]
+fn a_deadline_withdraws_the_request() {
+    let serve = Serve::start(2); // one shared token
+    let holder = shared_only(&serve);
+    let held = holder.acquire().unwrap();
+    let waiter = shared_only(&serve);
+    let got = waiter
+        .acquire_deadline(Instant::now() + Duration::from_millis(100))
+        .unwrap();
+    assert!(got.is_none(), "no token was free");
+    // Nothing is left queued at the broker, so nothing can be stranded.
+    let s = serve.status();
+    assert_eq!(s.waiting, 0, "{s:#?}");
+    assert_eq!(s.cancelled, 1);
+    drop(held);
+    let s = serve.wait_for("the token back", |s| s.free == 1);
+    assert_eq!(s.lost, 0);
+    // And the next acquire works at once.
+    let t = waiter.acquire_timeout(Duration::from_secs(30)).unwrap();
+    assert!(t.is_some());
+}
+
+#[test]
+fn try_acquire_answers_at_once() {
+    let serve = Serve::start(2);
+    let a = shared_only(&serve);
+    let t = a.try_acquire().unwrap().expect("one token is free");
+    assert!(!t.is_implicit());
+    assert!(a.try_acquire().unwrap().is_none(), "the only token is held");
+    assert_eq!(serve.status().denied, 1);
+    drop(t);
+    serve.wait_for("the token back", |s| s.free == 1);
+}
+
+#[test]
+fn the_implicit_token_comes_first_and_never_reaches_the_broker() {
+    let serve = Serve::start(1); // -j 1: no shared token at all
+    let c = Client::connect(&serve.socket).unwrap();
+    let implicit = c.acquire().unwrap();
+    assert!(implicit.is_implicit());
+    assert_eq!(
+        serve.status().grants,
+        0,
+        "no round trip for the implicit token"
+    );
+    // With the implicit token in use and no shared token, a second one
+    // cannot be had.
+    assert!(c.try_acquire().unwrap().is_none());
+    drop(implicit);
+    assert!(c
+        .try_acquire()
+        .unwrap()
+        .expect("implicit again")
+        .is_implicit());
+}
+
+#[test]
+fn take_grant_drives_a_poll_loop() {
+    let serve = Serve::start(2);
+    let holder = shared_only(&serve);
+    let held = holder.acquire().unwrap();
+    let c = shared_only(&serve);
+    // Nothing yet: a request is now pending and the fd is not readable.
+    assert!(c.take_grant().unwrap().is_none());
+    assert!(
+        c.take_grant().unwrap().is_none(),
+        "asking twice queues once"
+    );
+    serve.wait_for("one waiter", |s| s.waiting == 1);
+    let mut fds = [PollFd::new(c.as_fd(), PollFlags::POLLIN)];
+    assert_eq!(poll(&mut fds, PollTimeout::ZERO).unwrap(), 0);
+    drop(held);
+    // The grant makes the fd readable; take_grant takes it.
+    let mut fds = [PollFd::new(c.as_fd(), PollFlags::POLLIN)];
+    assert_eq!(poll(&mut fds, PollTimeout::from(30_000u16)).unwrap(), 1);
+    let t = c.take_grant().unwrap().expect("the grant arrived");
+    drop(t);
+    let s = serve.wait_for("the token back", |s| s.free == 1);
+    assert_eq!((s.waiting, s.lost), (0, 0));
+}
+
+#[test]
+fn threads_share_one_client() {
+    let serve = Serve::start(3); // two shared tokens
+    let c = shared_only(&serve);
+    let running = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
+    let peak = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
+    let threads: Vec<_> = (0..8)
+        .map(|_| {
+            let (c, running, peak) = (c.clone(), running.clone(), peak.clone());
+            std::thread::spawn(move || {
+                for _ in 0..20 {
+                    let t = c.acquire().unwrap();
+                    let now = running.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+                    peak.fetch_max(now, std::sync::atomic::Ordering::SeqCst);
+                    std::thread::sleep(Duration::from_millis(1));
+                    running.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+                    drop(t);
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    assert_eq!(peak.load(std::sync::atomic::Ordering::SeqCst), 2);
+    let s = serve.wait_for("all back", |s| s.free == 2);
+    assert_eq!(s.grants, 160);
+    assert_eq!(s.lost, 0);
+}
+
+#[test]
+fn an_abort_reaches_every_client() {
+    let serve = Serve::start(2);
+    let holder = shared_only(&serve);
+    let held = holder.acquire().unwrap();
+    let waiter = shared_only(&serve);
+    let w = std::thread::spawn(move || waiter.acquire().map(|_| ()).map_err(|e| e.kind()));
+    serve.wait_for("the waiter", |s| s.waiting == 1);
+    let other = shared_only(&serve);
+    other
+        .abort(herdless::protocol::AbortReason::Interrupt)
+        .unwrap();
+    assert_eq!(
+        w.join().unwrap(),
+        Err(ErrorKind::Aborted(
+            herdless::protocol::AbortReason::Interrupt
+        ))
+    );
+    let s = serve.status();
+    assert_eq!(s.aborted.as_deref(), Some("I"));
+    // Holders learn it too, and can still give their tokens back.
+    let deadline = Instant::now() + common::PATIENCE;
+    while holder.aborted().is_none() {
+        assert!(Instant::now() < deadline);
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    drop(held);
+    let s = serve.wait_for("the token back", |s| s.free == 1);
+    assert_eq!(s.lost, 0);
+}
