@@ -145,7 +145,7 @@ int herdless_try_acquire(herdless_client *c);
  * Returns 0, or `-EINVAL` when `c` is NULL or holds no token (a double
  * release; nothing is sent), or `-ECONNRESET` when the broker is gone
  * (it has taken the token back already; the handle counts it as given
- * back).
+ * back). On any other error the token is still held.
  *
  * # Safety
  *

@@ -36,7 +36,7 @@ use std::time::{Duration, Instant};
 
 use nix::errno::Errno;
 
-use crate::client::{self, Client, Options, Token};
+use crate::client::{self, Client, ErrorKind, Options, Token};
 use crate::protocol::AbortReason;
 
 /// Passed as `timeout_ms` to `herdless_acquire`: wait until a token is
@@ -248,7 +248,7 @@ pub unsafe extern "C" fn herdless_try_acquire(c: *mut herdless_client) -> c_int 
 /// Returns 0, or `-EINVAL` when `c` is NULL or holds no token (a double
 /// release; nothing is sent), or `-ECONNRESET` when the broker is gone
 /// (it has taken the token back already; the handle counts it as given
-/// back).
+/// back). On any other error the token is still held.
 ///
 /// # Safety
 ///
@@ -268,7 +268,14 @@ pub unsafe extern "C" fn herdless_release(c: *mut herdless_client) -> c_int {
         }
         match c.client.release_raw() {
             Ok(()) => 0,
-            Err(e) => -e.errno(),
+            // A broker that is gone has taken the token back already.
+            Err(e) if e.kind() == ErrorKind::BrokerGone => -e.errno(),
+            Err(e) => {
+                // Not given back (a classic pipe that could not be written,
+                // say): still held, and still owed.
+                c.held.fetch_add(1, Ordering::AcqRel);
+                -e.errno()
+            }
         }
     })
 }
