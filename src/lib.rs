@@ -6,6 +6,7 @@
 //! line.
 #![deny(unsafe_code)]
 
+pub mod bench;
 pub mod bridge;
 pub mod broker;
 pub mod client;

@@ -5,8 +5,10 @@
 //! itself fails, 126 when the command cannot be executed, 127 when it is
 //! not found, 2 for a usage error.
 
+mod bench;
 mod child;
 mod exec;
+mod probe;
 mod run;
 mod serve;
 mod status;
@@ -43,6 +45,11 @@ enum Command {
     Exec(ExecArgs),
     /// Show the broker's tokens, waiters and clients.
     Status(StatusArgs),
+    /// Measure the thundering herd: wait modes side by side, or a model
+    /// build.
+    Bench(bench::BenchArgs),
+    /// Show what this kernel does when many processes wait on one pipe.
+    Probe(probe::ProbeArgs),
 }
 
 #[derive(clap::Args, Debug)]
@@ -121,6 +128,8 @@ pub fn main() -> ExitCode {
         Command::Serve(args) => serve::serve(args),
         Command::Exec(args) => exec::exec(args),
         Command::Status(args) => status::status(args),
+        Command::Bench(args) => bench::bench(args),
+        Command::Probe(args) => probe::probe(args),
     };
     match result {
         Ok(code) => ExitCode::from(code),

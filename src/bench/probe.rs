@@ -1,0 +1,185 @@
+//! What this kernel does when processes wait on one thing: the measurements
+//! behind DESIGN §2, repeated on the machine at hand.
+//!
+//! For each mode the OS offers:
+//! - how many of 32 waiting processes one token wakes (processes whose
+//!   sleep one write ended, counted from context switches);
+//! - in what order 8 waiters are served over 200 grants, one token at a
+//!   time: first come first served (FIFO), the last served again (LIFO),
+//!   or neither, with the count each got.
+
+use std::fmt::Write as _;
+use std::io;
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+use super::herd::{run_cell, CellConfig};
+use super::metrics::{classify, Order};
+use super::BenchMode;
+
+/// Waiters in the wake-up count.
+pub const WOKEN_OF: u32 = 32;
+/// Waiters in the order test.
+pub const ORDER_WAITERS: u32 = 8;
+/// Grants in the order test.
+pub const ORDER_GRANTS: u64 = 200;
+
+/// `herdless probe --json`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ProbeReport {
+    /// `uname` sysname, e.g. "Linux".
+    pub os: String,
+    /// `uname` release.
+    pub release: String,
+    pub capabilities: Capabilities,
+    pub modes: Vec<ProbeMode>,
+}
+
+/// The wake-up primitives the kernel offers (see
+/// [`herdless_platform::Capabilities`]).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Capabilities {
+    pub epoll_exclusive: bool,
+    pub exclusive_pipe_read: bool,
+    pub futex: bool,
+    pub kqueue: bool,
+}
+
+/// One mode's line.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ProbeMode {
+    pub mode: String,
+    pub available: bool,
+    /// Why not, when not available.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// Of [`WOKEN_OF`] waiting processes, how many one token woke.
+    pub woken: Option<u32>,
+    /// "FIFO", "LIFO" or "mixed", over [`ORDER_GRANTS`] grants to
+    /// [`ORDER_WAITERS`] waiters.
+    pub order: Option<String>,
+    /// Grants each of the [`ORDER_WAITERS`] waiters got.
+    pub served: Option<Vec<u64>>,
+}
+
+/// Probes every mode, herdless last. `progress` hears which mode is being
+/// probed.
+///
+/// # Errors
+///
+/// Any failure of a run (a mode the OS lacks is reported, not an error).
+pub fn probe(exe: PathBuf, progress: &mut dyn FnMut(&str)) -> io::Result<ProbeReport> {
+    let caps = herdless_platform::capabilities();
+    let mut modes = Vec::new();
+    for mode in BenchMode::all() {
+        if let Err(reason) = mode.available() {
+            modes.push(ProbeMode {
+                mode: mode.name().to_owned(),
+                available: false,
+                reason: Some(reason),
+                woken: None,
+                order: None,
+                served: None,
+            });
+            continue;
+        }
+        progress(mode.name());
+        let one = run_cell(
+            &CellConfig {
+                exe: exe.clone(),
+                mode,
+                waiters: WOKEN_OF,
+                grants: 1,
+                tokens: 1,
+            },
+            &mut |_| {},
+        )?;
+        let order = run_cell(
+            &CellConfig {
+                exe: exe.clone(),
+                mode,
+                waiters: ORDER_WAITERS,
+                grants: ORDER_GRANTS,
+                tokens: 1,
+            },
+            &mut |_| {},
+        )?;
+        let class = classify(&order.winners, ORDER_WAITERS as usize);
+        modes.push(ProbeMode {
+            mode: mode.name().to_owned(),
+            available: true,
+            reason: None,
+            woken: Some(one.processes_woken() as u32),
+            order: Some(class.name().to_owned()),
+            served: Some(match class {
+                Order::Mixed(counts) => counts,
+                _ => order.grants_by_waiter.clone(),
+            }),
+        });
+    }
+    Ok(ProbeReport {
+        os: caps.kernel.sysname.clone(),
+        release: caps.kernel.release.clone(),
+        capabilities: Capabilities {
+            epoll_exclusive: caps.epoll_exclusive,
+            exclusive_pipe_read: caps.exclusive_pipe_read,
+            futex: caps.futex,
+            kqueue: caps.kqueue,
+        },
+        modes,
+    })
+}
+
+fn yes(b: bool) -> &'static str {
+    if b {
+        "yes"
+    } else {
+        "no"
+    }
+}
+
+/// The report, for people.
+pub fn table(r: &ProbeReport) -> String {
+    let mut out = String::new();
+    let c = &r.capabilities;
+    let _ = writeln!(out, "kernel        {} {}", r.os, r.release);
+    let _ = writeln!(
+        out,
+        "capabilities  EPOLLEXCLUSIVE {}, exclusive pipe reads {}, shared futex {}, kqueue {}",
+        yes(c.epoll_exclusive),
+        yes(c.exclusive_pipe_read),
+        yes(c.futex),
+        yes(c.kqueue)
+    );
+    let _ = writeln!(out);
+    let _ = writeln!(
+        out,
+        "{:<16} {:>13}   order of {ORDER_WAITERS} waiters over {ORDER_GRANTS} grants",
+        "mode",
+        format!("woken of {WOKEN_OF}")
+    );
+    for m in r.modes.iter().filter(|m| m.available) {
+        let served = m
+            .served
+            .as_ref()
+            .map(|s| s.iter().map(u64::to_string).collect::<Vec<_>>().join(" "))
+            .unwrap_or_default();
+        let _ = writeln!(
+            out,
+            "{:<16} {:>13}   {:<6} ({served})",
+            m.mode,
+            m.woken.map_or("–".to_owned(), |w| w.to_string()),
+            m.order.as_deref().unwrap_or("–"),
+        );
+    }
+    for m in r.modes.iter().filter(|m| !m.available) {
+        let _ = writeln!(
+            out,
+            "{:<16} unavailable: {}",
+            m.mode,
+            m.reason.as_deref().unwrap_or("")
+        );
+    }
+    out
+}

@@ -1,0 +1,304 @@
+//! Worker processes: starting them, checking they live, knowing when all of
+//! them sleep, and never leaving one behind.
+
+use std::io;
+use std::process::{Child, Command};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use nix::sys::resource::{getrlimit, setrlimit, Resource};
+
+/// The worker processes of one run. Dropping it kills and reaps those still
+/// running.
+pub(crate) struct Workers {
+    children: Vec<Child>,
+    what: &'static str,
+}
+
+impl Workers {
+    /// `what` names the workers in errors ("waiter", "make").
+    pub(crate) fn new(what: &'static str) -> Workers {
+        Workers {
+            children: Vec::new(),
+            what,
+        }
+    }
+
+    pub(crate) fn spawn(&mut self, mut cmd: Command) -> io::Result<()> {
+        let child = cmd.spawn().map_err(|e| {
+            io::Error::new(
+                e.kind(),
+                format!(
+                    "cannot start {} process {}: {e}",
+                    self.what,
+                    self.children.len()
+                ),
+            )
+        })?;
+        self.children.push(child);
+        Ok(())
+    }
+
+    /// An error naming the first worker that has exited, if one has.
+    pub(crate) fn check_alive(&mut self) -> io::Result<()> {
+        for (i, child) in self.children.iter_mut().enumerate() {
+            if let Some(status) = child.try_wait()? {
+                return Err(io::Error::other(format!(
+                    "{} {i} (pid {}) exited early: {status}",
+                    self.what,
+                    child.id()
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits for every worker to exit, killing those still running after
+    /// `limit`. An error names a worker that failed.
+    pub(crate) fn reap(&mut self, limit: Duration) -> io::Result<()> {
+        let deadline = Instant::now() + limit;
+        let mut failed = None;
+        for (i, child) in self.children.iter_mut().enumerate() {
+            let status = loop {
+                if let Some(s) = child.try_wait()? {
+                    break s;
+                }
+                if Instant::now() > deadline {
+                    let _ = child.kill();
+                    break child.wait()?;
+                }
+                thread::sleep(Duration::from_millis(2));
+            };
+            if !status.success() && failed.is_none() {
+                failed = Some(format!("{} {i} ended with {status}", self.what));
+            }
+        }
+        self.children.clear();
+        match failed {
+            Some(msg) => Err(io::Error::other(msg)),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for Workers {
+    fn drop(&mut self) {
+        for child in &mut self.children {
+            let _ = child.kill();
+        }
+        for child in &mut self.children {
+            let _ = child.wait();
+        }
+    }
+}
+
+/// Waits until every process in `pids` is asleep, so that the next
+/// wake-up of each is one the caller caused.
+///
+/// # Portability
+///
+/// Linux reads each process's state from `/proc/PID/stat` and returns once
+/// two scans 2 ms apart find all of them sleeping (`S`). Elsewhere no
+/// other process's state is readable without privileges, and this sleeps
+/// 50 ms plus 0.2 ms per process, which is ample for a process that has
+/// reported ready to reach its wait call.
+pub(crate) fn wait_all_asleep(pids: &[u32], limit: Duration) -> io::Result<()> {
+    #[cfg(target_os = "linux")]
+    {
+        let start = Instant::now();
+        let mut calm_scans = 0;
+        while calm_scans < 2 {
+            let awake = pids
+                .iter()
+                .find(|&&pid| !matches!(linux_state(pid), Some('S')));
+            match awake {
+                None => calm_scans += 1,
+                Some(&pid) => {
+                    calm_scans = 0;
+                    if start.elapsed() > limit {
+                        return Err(io::Error::new(
+                            io::ErrorKind::TimedOut,
+                            format!(
+                                "process {pid} is still not asleep after {} s (state {:?})",
+                                limit.as_secs(),
+                                linux_state(pid)
+                            ),
+                        ));
+                    }
+                }
+            }
+            thread::sleep(Duration::from_millis(2));
+        }
+        Ok(())
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        let _ = limit;
+        let per = Duration::from_micros(200) * u32::try_from(pids.len()).unwrap_or(u32::MAX);
+        thread::sleep(Duration::from_millis(50) + per);
+        Ok(())
+    }
+}
+
+/// The state letter of `/proc/PID/stat` (the field after the command name,
+/// which may itself hold spaces and parentheses).
+#[cfg(target_os = "linux")]
+fn linux_state(pid: u32) -> Option<char> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let after = &stat[stat.rfind(')')? + 1..];
+    after.trim_start().chars().next()
+}
+
+/// CPU time (user + system, in ns) each process of `pids` has used, all
+/// its threads together, read from outside without waking it.
+///
+/// # Portability
+///
+/// Linux: the first field of `/proc/PID/task/TID/schedstat`, the exact
+/// run time the scheduler keeps. `None` where that is not readable (other
+/// systems, kernels without `CONFIG_SCHED_INFO`); callers then use the
+/// processes' own `getrusage()`.
+pub(crate) fn cpu_ns_of(pids: &[u32]) -> Option<Vec<u64>> {
+    #[cfg(target_os = "linux")]
+    {
+        pids.iter()
+            .map(|pid| {
+                let mut total = 0u64;
+                for task in std::fs::read_dir(format!("/proc/{pid}/task")).ok()? {
+                    let path = task.ok()?.path().join("schedstat");
+                    let text = std::fs::read_to_string(path).ok()?;
+                    total += text.split_whitespace().next()?.parse::<u64>().ok()?;
+                }
+                Some(total)
+            })
+            .collect()
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        let _ = pids;
+        None
+    }
+}
+
+/// The id of the calling thread, where [`thread_cpu_ns`] can use it.
+pub(crate) fn current_tid() -> Option<i32> {
+    #[cfg(target_os = "linux")]
+    {
+        Some(nix::unistd::gettid().as_raw())
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        None
+    }
+}
+
+/// CPU time (ns) of thread `tid` of this process so far: Linux's
+/// `/proc/self/task/TID/schedstat`; `None` elsewhere.
+pub(crate) fn thread_cpu_ns(tid: i32) -> Option<u64> {
+    #[cfg(target_os = "linux")]
+    {
+        let text = std::fs::read_to_string(format!("/proc/self/task/{tid}/schedstat")).ok()?;
+        text.split_whitespace().next()?.parse().ok()
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        let _ = tid;
+        None
+    }
+}
+
+/// Makes this worker die with its coordinator, so that no waiter sleeps on
+/// forever when the benchmark is killed (a futex waiter has nothing else to
+/// wake it). Linux only (`PR_SET_PDEATHSIG`); elsewhere the FIFO or socket
+/// a worker waits on closes with its coordinator, except for the futex
+/// mode.
+pub(crate) fn die_with_parent() {
+    #[cfg(target_os = "linux")]
+    {
+        let _ = nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL);
+    }
+}
+
+/// Checks (and where it can, raises) the limits `processes` more worker
+/// processes and `fds` more descriptors in this process need.
+///
+/// # Errors
+///
+/// A message naming the limit and how to raise it.
+pub(crate) fn ensure_limits(processes: u64, fds: u64) -> io::Result<()> {
+    let (soft, hard) = getrlimit(Resource::RLIMIT_NOFILE)?;
+    let want = fds + 64;
+    if soft != nix::sys::resource::RLIM_INFINITY && soft < want {
+        if hard == nix::sys::resource::RLIM_INFINITY || hard >= want {
+            setrlimit(Resource::RLIMIT_NOFILE, want, hard)?;
+        } else {
+            return Err(io::Error::other(format!(
+                "this run needs about {want} open files in one process, but the limit is \
+                 {soft} (hard limit {hard}); raise it with `ulimit -n {want}` or use fewer waiters"
+            )));
+        }
+    }
+    let (nproc, _) = getrlimit(Resource::RLIMIT_NPROC)?;
+    let want = processes + 32;
+    if nproc != nix::sys::resource::RLIM_INFINITY && nproc < want {
+        return Err(io::Error::other(format!(
+            "this run starts {processes} processes, but this user may have at most {nproc} \
+             (`ulimit -u`); raise it or use fewer waiters"
+        )));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn reads_process_states() {
+        // The main thread of the test binary: running or waiting.
+        assert!(linux_state(std::process::id()).is_some());
+        let mut sleeper = Command::new("sleep").arg("5").spawn().unwrap();
+        wait_all_asleep(&[sleeper.id()], Duration::from_secs(5)).unwrap();
+        sleeper.kill().unwrap();
+        sleeper.wait().unwrap();
+        assert_eq!(linux_state(u32::MAX), None);
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn reads_cpu_time_from_outside() {
+        let me = std::process::id();
+        let a = cpu_ns_of(&[me]).unwrap()[0];
+        crate::bench::make::spin(5_000_000);
+        let b = cpu_ns_of(&[me]).unwrap()[0];
+        assert!(b > a, "{a} {b}");
+        assert_eq!(cpu_ns_of(&[u32::MAX]), None);
+        let tid = current_tid().unwrap();
+        let a = thread_cpu_ns(tid).unwrap();
+        crate::bench::make::spin(5_000_000);
+        assert!(thread_cpu_ns(tid).unwrap() > a);
+    }
+
+    #[test]
+    fn small_needs_fit() {
+        ensure_limits(1, 8).unwrap();
+    }
+
+    #[test]
+    fn dropping_workers_kills_them() {
+        let mut w = Workers::new("sleeper");
+        let mut cmd = Command::new("sleep");
+        cmd.arg("30");
+        w.spawn(cmd).unwrap();
+        w.check_alive().unwrap();
+        let pid = w.children[0].id();
+        drop(w);
+        // Reaped: the pid no longer names our child.
+        assert!(nix::sys::wait::waitpid(
+            nix::unistd::Pid::from_raw(pid as i32),
+            Some(nix::sys::wait::WaitPidFlag::WNOHANG)
+        )
+        .is_err());
+    }
+}

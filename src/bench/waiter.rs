@@ -1,0 +1,221 @@
+//! A herd waiter: one process that waits for tokens in one mode, reports
+//! each token it gets, and at the end how often it woke.
+//!
+//! # Counting wake-ups
+//!
+//! A process's voluntary context switches grow by one each time it goes to
+//! sleep; each sleep that ends is a wake-up. The waiter reads its own
+//! counters (`getrusage(RUSAGE_SELF)`, so it works where `/proc` does not)
+//! once right after it reports ready, before its first sleep, and once right
+//! after the wait call that the coordinator's stop ended. Between the two,
+//! every sleep counted was ended by something: a token, the herd of someone
+//! else's token, a lock on the pipe — except the last, which the stop ended
+//! and which is therefore taken off. The coordinator stops only once every
+//! waiter is asleep, so that last sleep exists.
+//!
+//! macOS keeps no separate count of voluntary switches (XNU's `calcru()`
+//! reports every switch as involuntary), so there both are counted.
+
+use std::io;
+use std::os::fd::AsFd;
+use std::path::Path;
+
+use herdless_platform::wait::{Mode, PipeWaiter, Woken};
+use herdless_platform::{self_rusage, SharedWord, Usage};
+
+use super::channel::{open_fifo_read, Record, RecordWriter};
+use super::herd::{RECORDS, STOP_FILE, STOP_WORD, TOKENS, WORD};
+use super::{now_ns, BenchMode, WorkerArgs};
+use crate::client::{Client, ErrorKind, Options};
+use crate::rundir::SOCKET_NAME;
+
+pub(super) fn main(args: &WorkerArgs) -> io::Result<()> {
+    let mode: BenchMode = args.get("mode")?;
+    let idx: u32 = args.get("index")?;
+    let dir = Path::new(args.os("dir")?);
+    super::procs::die_with_parent();
+    let mut out = RecordWriter::open(&dir.join(RECORDS))?;
+    let result = match mode {
+        BenchMode::Kernel(Mode::Futex) => futex_waiter(dir, idx, &mut out),
+        BenchMode::Kernel(m) => pipe_waiter(m, dir, idx, &mut out),
+        BenchMode::Herdless => herdless_waiter(dir, idx, &mut out),
+    };
+    if let Err(e) = &result {
+        let _ = out.send(&Record::Failed {
+            idx,
+            message: format!("{mode} waiter {idx}: {e}"),
+        });
+    }
+    result
+}
+
+/// The context switches that count as sleeps on this OS.
+pub(crate) fn sleeps(u: &Usage) -> u64 {
+    if cfg!(target_vendor = "apple") {
+        u.voluntary_ctx + u.involuntary_ctx
+    } else {
+        u.voluntary_ctx
+    }
+}
+
+/// A waiter's own counters from the moment it is ready.
+struct Tally {
+    idx: u32,
+    start: Usage,
+}
+
+impl Tally {
+    /// Reports ready, then reads the counters (so that a ready record that
+    /// has to wait for room in the FIFO does not count).
+    fn start(out: &mut RecordWriter, idx: u32) -> io::Result<Tally> {
+        out.send(&Record::Ready {
+            idx,
+            pid: std::process::id(),
+        })?;
+        Ok(Tally {
+            idx,
+            start: self_rusage()?,
+        })
+    }
+
+    /// Sends the final record. `after_stop_wait` is the usage read right
+    /// after the wait call that the stop ended, or `None` when the stop was
+    /// seen without waiting.
+    fn finish(
+        &self,
+        out: &mut RecordWriter,
+        after_stop_wait: Option<Usage>,
+        t_want: u64,
+    ) -> io::Result<()> {
+        let (at, stop_sleep) = match after_stop_wait {
+            Some(u) => (u, 1),
+            None => (self_rusage()?, 0),
+        };
+        let slept = sleeps(&at).saturating_sub(sleeps(&self.start));
+        let cpu = at.cpu().saturating_sub(self.start.cpu());
+        out.send(&Record::Final {
+            idx: self.idx,
+            wakes: slept.saturating_sub(stop_sleep),
+            cpu_ns: u64::try_from(cpu.as_nanos()).unwrap_or(u64::MAX),
+            t_want,
+        })
+    }
+}
+
+/// Waits on the token FIFO until its writer closes it.
+fn pipe_waiter(mode: Mode, dir: &Path, idx: u32, out: &mut RecordWriter) -> io::Result<()> {
+    // Readiness modes claim with a non-blocking read, which the BSDs can
+    // only do on a non-blocking description; this one is the waiter's own.
+    let fifo = open_fifo_read(&dir.join(TOKENS), mode.is_readiness())?;
+    let mut waiter = PipeWaiter::new(fifo.as_fd(), mode)?;
+    let tally = Tally::start(out, idx)?;
+    let mut t_want = now_ns();
+    let mut after_wait = None;
+    loop {
+        let claimed = if mode.is_readiness() {
+            match waiter.try_claim() {
+                Ok(c) => c,
+                Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => {
+                    return tally.finish(out, after_wait, t_want)
+                }
+                Err(e) => return Err(e),
+            }
+        } else {
+            None
+        };
+        if claimed.is_none() {
+            let woken = waiter.wait();
+            after_wait = Some(self_rusage()?);
+            match woken {
+                Ok(Woken::Claimed(_)) => {}
+                Ok(Woken::Readable) => continue,
+                Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => {
+                    return tally.finish(out, after_wait, t_want)
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        let t_got = now_ns();
+        after_wait = None;
+        out.send(&Record::Got {
+            idx,
+            t_want,
+            t_got,
+            t_rel: None,
+            parked: false,
+        })?;
+        t_want = now_ns();
+    }
+}
+
+/// Takes tokens from the shared word until the stop word is set.
+fn futex_waiter(dir: &Path, idx: u32, out: &mut RecordWriter) -> io::Result<()> {
+    let word = SharedWord::open(dir.join(WORD))?;
+    let stop = SharedWord::open(dir.join(STOP_WORD))?;
+    let tally = Tally::start(out, idx)?;
+    loop {
+        let t_want = now_ns();
+        let mut after_wait = None;
+        if !word.try_take() {
+            word.take()?;
+            after_wait = Some(self_rusage()?);
+        }
+        if stop.value() > 0 {
+            return tally.finish(out, after_wait, t_want);
+        }
+        let t_got = now_ns();
+        out.send(&Record::Got {
+            idx,
+            t_want,
+            t_got,
+            t_rel: None,
+            parked: false,
+        })?;
+    }
+}
+
+/// Takes tokens from the broker and gives each back at once, until the
+/// broker goes away. Once the stop file exists, tokens are kept instead.
+fn herdless_waiter(dir: &Path, idx: u32, out: &mut RecordWriter) -> io::Result<()> {
+    let client = Client::connect_with(
+        dir.join(SOCKET_NAME),
+        Options::default().implicit_token(false),
+    )
+    .map_err(io::Error::other)?;
+    let stop = dir.join(STOP_FILE);
+    let tally = Tally::start(out, idx)?;
+    let mut parked = Vec::new();
+    loop {
+        let t_want = now_ns();
+        match client.acquire() {
+            Ok(token) => {
+                let t_got = now_ns();
+                if stop.exists() {
+                    parked.push(token);
+                    out.send(&Record::Got {
+                        idx,
+                        t_want,
+                        t_got,
+                        t_rel: None,
+                        parked: true,
+                    })?;
+                    continue;
+                }
+                let t_rel = now_ns();
+                drop(token);
+                out.send(&Record::Got {
+                    idx,
+                    t_want,
+                    t_got,
+                    t_rel: Some(t_rel),
+                    parked: false,
+                })?;
+            }
+            Err(e) if e.kind() == ErrorKind::BrokerGone => {
+                let after_wait = self_rusage()?;
+                return tally.finish(out, Some(after_wait), t_want);
+            }
+            Err(e) => return Err(io::Error::other(e)),
+        }
+    }
+}

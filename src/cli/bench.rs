@@ -1,0 +1,237 @@
+//! `herdless bench herd | build`: the thundering-herd benchmarks.
+
+use std::ffi::OsString;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use clap::Subcommand;
+
+use herdless::bench::build::{self, BuildConfig, Variant};
+use herdless::bench::progress::Progress;
+use herdless::bench::{herd, plot, report, BenchMode, CellConfig};
+
+#[derive(clap::Args, Debug)]
+pub struct BenchArgs {
+    #[command(subcommand)]
+    command: BenchCommand,
+}
+
+#[derive(Subcommand, Debug)]
+enum BenchCommand {
+    /// W processes wait for tokens in each mode: wake-ups, CPU and hand-off
+    /// latency per grant, side by side.
+    Herd(HerdArgs),
+    /// A recursive build on a classic pipe (each P, C, R combination of the
+    /// bmake report) and on the broker.
+    Build(BuildArgs),
+    /// A waiter or make process of a benchmark (internal).
+    #[command(hide = true)]
+    Worker(WorkerArgs),
+}
+
+#[derive(clap::Args, Debug)]
+struct HerdArgs {
+    /// Wait modes, comma-separated: poll, select, epoll, epoll-exclusive,
+    /// blocking-read, kqueue, kqueue-dispatch, futex, herdless [default:
+    /// every mode this OS offers].
+    #[arg(long = "mode", value_name = "M[,M…]", value_delimiter = ',', value_parser = parse_mode)]
+    modes: Vec<BenchMode>,
+    /// Numbers of waiting processes, comma-separated.
+    #[arg(long, value_name = "W[,W…]", value_delimiter = ',', default_value = "1,8,64,256",
+          value_parser = clap::value_parser!(u32).range(1..=65536))]
+    waiters: Vec<u32>,
+    /// Tokens handed out per mode and W.
+    #[arg(long, value_name = "G", default_value_t = 200,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    grants: u64,
+    /// Tokens in circulation at once.
+    #[arg(long, value_name = "T", default_value_t = 1,
+          value_parser = clap::value_parser!(u32).range(1..=255))]
+    tokens: u32,
+    /// Print a JSON list, one object per mode and W.
+    #[arg(long)]
+    json: bool,
+    /// Also draw wake-ups and CPU per grant against W into this SVG file.
+    #[arg(long, value_name = "FILE.svg")]
+    plot: Option<PathBuf>,
+}
+
+#[derive(clap::Args, Debug)]
+struct BuildArgs {
+    /// Sub-makes the top make runs (M).
+    #[arg(long, value_name = "M", default_value_t = 40,
+          value_parser = clap::value_parser!(u32).range(1..=4096))]
+    makes: u32,
+    /// Jobs each sub-make runs (K).
+    #[arg(long, value_name = "K", default_value_t = 10,
+          value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    jobs_per_make: u32,
+    /// CPU time of one job in µs, a busy loop (X).
+    #[arg(long, value_name = "X", default_value_t = 5000)]
+    job_us: u64,
+    /// At most N jobs at once, as make's -j; the pool holds N − 1 tokens.
+    #[arg(short = 'j', long = "jobs", value_name = "N", default_value_t = 32,
+          value_parser = clap::value_parser!(u32).range(1..=65536))]
+    jobs: u32,
+    /// Variants, comma-separated: P0C0R0 … P1C1R1 (P: poll the pipe, C:
+    /// implicit-token check, R: sleep 1 s after a failed read), herdless
+    /// [default: all nine].
+    #[arg(long, value_name = "V[,V…]", value_delimiter = ',', value_parser = parse_variant)]
+    variants: Vec<Variant>,
+    /// Report a run still going after this many seconds as stalled, and
+    /// stop it.
+    #[arg(long, value_name = "SECS", default_value_t = 120.0)]
+    stall_after: f64,
+    /// Print a JSON list, one object per variant.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(clap::Args, Debug)]
+struct WorkerArgs {
+    #[arg(trailing_var_arg = true, allow_hyphen_values = true, num_args = 0..)]
+    args: Vec<OsString>,
+}
+
+fn parse_mode(s: &str) -> Result<BenchMode, String> {
+    s.parse()
+}
+
+fn parse_variant(s: &str) -> Result<Variant, String> {
+    s.parse()
+}
+
+pub fn bench(args: BenchArgs) -> Result<u8> {
+    match args.command {
+        BenchCommand::Herd(a) => bench_herd(a),
+        BenchCommand::Build(a) => bench_build(a),
+        BenchCommand::Worker(a) => {
+            herdless::bench::worker_main(a.args)?;
+            Ok(0)
+        }
+    }
+}
+
+fn this_exe() -> Result<PathBuf> {
+    std::env::current_exe().context("cannot find the herdless binary to run as a worker")
+}
+
+fn cpus() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+fn bench_herd(args: HerdArgs) -> Result<u8> {
+    let exe = this_exe()?;
+    let requested = !args.modes.is_empty();
+    let wanted = if requested {
+        args.modes.clone()
+    } else {
+        BenchMode::available_modes()
+    };
+    let mut modes = Vec::new();
+    for m in wanted {
+        match m.available() {
+            Ok(()) if !modes.contains(&m) => modes.push(m),
+            Ok(()) => {}
+            Err(why) => eprintln!("herdless: skipping {m}: {why}"),
+        }
+    }
+    if modes.is_empty() {
+        bail!("none of the modes asked for is available on this OS");
+    }
+    let mut progress = Progress::new(modes.len() * args.waiters.len());
+    let mut cells = Vec::new();
+    for &mode in &modes {
+        for &w in &args.waiters {
+            let cfg = CellConfig {
+                exe: exe.clone(),
+                mode,
+                waiters: w,
+                grants: args.grants,
+                tokens: args.tokens,
+            };
+            progress.update(&format!("{mode} W={w}: starting"));
+            let cell = herd::run_cell(&cfg, &mut |n| {
+                progress.update(&format!("{mode} W={w}: {n}/{} grants", args.grants))
+            })
+            .with_context(|| format!("{mode} with {w} waiters"))?;
+            progress.step();
+            cells.push(cell);
+        }
+    }
+    progress.finish();
+    if args.json {
+        let rows: Vec<_> = cells.iter().map(|c| c.row()).collect();
+        println!("{}", serde_json::to_string_pretty(&rows)?);
+    } else {
+        println!("{}", report::herd_table(&cells));
+        let ratios = report::ratio_table(&cells);
+        if !ratios.is_empty() {
+            println!("{ratios}");
+        }
+    }
+    if let Some(path) = &args.plot {
+        let caption = format!(
+            "{} · {} CPUs · {} grants per point, {} token(s) at a time · herdless bench herd",
+            herdless::bench::kernel_label(),
+            cpus(),
+            args.grants,
+            args.tokens
+        );
+        std::fs::write(path, plot::svg(&cells, &caption))
+            .with_context(|| format!("cannot write {}", path.display()))?;
+        eprintln!("herdless: plot written to {}", path.display());
+    }
+    Ok(0)
+}
+
+fn bench_build(args: BuildArgs) -> Result<u8> {
+    if !(args.stall_after.is_finite() && args.stall_after > 0.0) {
+        bail!("--stall-after must be a positive number of seconds");
+    }
+    let cfg = BuildConfig {
+        exe: this_exe()?,
+        makes: args.makes,
+        jobs_per_make: args.jobs_per_make,
+        job_us: args.job_us,
+        jobs: args.jobs,
+        stall_after: Duration::from_secs_f64(args.stall_after),
+    };
+    let variants = if args.variants.is_empty() {
+        Variant::all()
+    } else {
+        args.variants.clone()
+    };
+    let iters_per_us = build::calibrate();
+    let mut progress = Progress::new(variants.len());
+    let mut results = Vec::new();
+    for v in variants {
+        progress.update(&format!(
+            "{v} (stalls are cut off after {:.0} s)",
+            args.stall_after
+        ));
+        let r =
+            build::run_variant(&cfg, v, iters_per_us).with_context(|| format!("variant {v}"))?;
+        progress.step();
+        results.push(r);
+    }
+    progress.finish();
+    if args.json {
+        let rows: Vec<_> = results.iter().map(|r| r.row()).collect();
+        println!("{}", serde_json::to_string_pretty(&rows)?);
+    } else {
+        println!(
+            "{} sub-makes × {} jobs of {} µs, -j {} ({} tokens in the pool), {} · {} CPUs",
+            cfg.makes,
+            cfg.jobs_per_make,
+            cfg.job_us,
+            cfg.jobs,
+            cfg.jobs - 1,
+            herdless::bench::kernel_label(),
+            cpus()
+        );
+        println!("{}", report::build_table(&results));
+    }
+    Ok(0)
+}
