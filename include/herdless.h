@@ -236,10 +236,11 @@ int herdless_abort(herdless_client *c, char reason);
 int herdless_aborted(const herdless_client *c);
 
 /**
- * Closes the connection and frees the handle. Tokens still held through
- * it, and a grant that arrived for a request nobody took, go back to the
- * pool (the broker takes back whatever a closed connection held). NULL is
- * ignored.
+ * Gives back every token still held through the handle, closes the
+ * connection and frees the handle. A grant that arrived for a request
+ * nobody took goes back too (the broker takes back whatever a closed
+ * connection held). Under a classic jobserver the tokens are written back
+ * to its pipe. NULL is ignored.
  *
  * # Safety
  *

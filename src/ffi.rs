@@ -407,10 +407,11 @@ pub unsafe extern "C" fn herdless_aborted(c: *const herdless_client) -> c_int {
     })
 }
 
-/// Closes the connection and frees the handle. Tokens still held through
-/// it, and a grant that arrived for a request nobody took, go back to the
-/// pool (the broker takes back whatever a closed connection held). NULL is
-/// ignored.
+/// Gives back every token still held through the handle, closes the
+/// connection and frees the handle. A grant that arrived for a request
+/// nobody took goes back too (the broker takes back whatever a closed
+/// connection held). Under a classic jobserver the tokens are written back
+/// to its pipe. NULL is ignored.
 ///
 /// # Safety
 ///
@@ -427,7 +428,15 @@ pub unsafe extern "C" fn herdless_client_free(c: *mut herdless_client) {
     let handle = unsafe { Box::from_raw(c) };
     // A panic while closing must not unwind into C; the handle is gone
     // either way.
-    let _ = catch_unwind(AssertUnwindSafe(move || drop(handle)));
+    let _ = catch_unwind(AssertUnwindSafe(move || {
+        // A broker would take these back when the connection closes, but a
+        // classic pipe would not: give them back one by one. Failures are
+        // moot (a broker that is gone has them already).
+        for _ in 0..handle.held.load(Ordering::Acquire) {
+            let _ = handle.client.release_raw();
+        }
+        drop(handle)
+    }));
 }
 
 /// A static, NUL-terminated English description of `code` (negative, as

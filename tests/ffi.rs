@@ -394,6 +394,18 @@ fn one_handle_is_shared_by_threads() {
     assert_eq!(stat(stderr, "tokens lost"), 0, "{stderr}");
 }
 
+#[test]
+fn free_gives_back_what_is_held() {
+    let holder = build_c("holder");
+    let run = run_under_broker(4, Classic::None, &holder, &["3", "-1", "free"]);
+    assert_ok("holder", &run);
+    let stderr = &run.2;
+    assert_eq!(stat(stderr, "max in use"), 3, "{stderr}");
+    // Released before the connection closed: nothing to take back.
+    assert_eq!(stat(stderr, "taken back"), 0, "{stderr}");
+    assert_eq!(stat(stderr, "tokens lost"), 0, "{stderr}");
+}
+
 /// A `herdless serve` broker, stopped with SIGTERM.
 struct Serve {
     child: Child,
