@@ -9,6 +9,7 @@
 pub mod bench;
 pub mod bridge;
 pub mod broker;
+pub mod classic;
 pub mod client;
 #[allow(unsafe_code)]
 pub mod ffi;

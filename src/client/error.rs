@@ -33,6 +33,9 @@ pub enum ErrorKind {
     NotHolding,
     /// A classic jobserver named in the environment is unusable.
     BadJobserver,
+    /// This jobserver cannot do what was asked (a status report or an abort
+    /// from a classic GNU make jobserver, for instance).
+    Unsupported,
     /// Another I/O error.
     Io,
 }
@@ -86,6 +89,7 @@ impl Error {
             ErrorKind::Interrupted => libc::EINTR,
             ErrorKind::NotHolding => libc::EINVAL,
             ErrorKind::BadJobserver => libc::EBADF,
+            ErrorKind::Unsupported => libc::ENOTSUP,
             ErrorKind::Io => self
                 .source
                 .as_ref()

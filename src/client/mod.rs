@@ -1,4 +1,5 @@
-//! The client: takes job tokens from a herdless broker.
+//! The client: takes job tokens from a herdless broker, or from a classic
+//! jobserver (GNU make, cargo, bmake) when no broker is named.
 //!
 //! ```no_run
 //! let client = herdless::Client::from_env()?;
@@ -21,9 +22,21 @@
 //! parent process (what `herdless exec` is): it owns no implicit token, but
 //! the broker may lend it its parent's, when no sibling holds it.
 //!
+//! Under a classic jobserver there is no broker to lend that slot; see
+//! [`crate::classic`] for how a job of a make recipe finds its slot there.
+//!
+//! # Backends
+//!
+//! [`Client::from_env`] connects to the broker named by `HERDLESS_SOCKET`
+//! when it is set. Otherwise it uses the classic jobserver named in
+//! `CARGO_MAKEFLAGS`, `MAKEFLAGS` or `MFLAGS` ([`crate::classic`]). Every
+//! call below works on both, except the status report, which only a broker
+//! gives.
+//!
 //! # Integrating with a poll loop
 //!
-//! [`Client::as_fd`] is the socket to the broker. Call
+//! [`Client::as_fd`] is the socket to the broker, or under a classic
+//! jobserver this client's own read description of the token pipe. Call
 //! [`Client::take_grant`]: it returns a token if one has arrived, otherwise
 //! it makes sure one is requested and returns `None`; the descriptor becomes
 //! readable when the grant arrives (or when the broker goes away or the
@@ -38,6 +51,9 @@
 mod error;
 mod native;
 
+use crate::classic::client::{Classic, Got};
+use crate::classic::Jobserver;
+
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -45,7 +61,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 pub use error::{Error, ErrorKind, Result};
-use native::{Native, Wait};
+use native::Native;
+pub(crate) use native::Wait;
 
 use crate::protocol::{AbortReason, HelloFlags};
 
@@ -89,8 +106,13 @@ impl Options {
     }
 }
 
+enum Backend {
+    Native(Native),
+    Classic(Classic),
+}
+
 struct Inner {
-    native: Native,
+    backend: Backend,
     options: Options,
     implicit_in_use: AtomicBool,
 }
@@ -105,11 +127,16 @@ pub struct Client {
 
 impl std::fmt::Debug for Client {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Client")
-            .field("socket", &self.inner.native.path())
-            .field("client_id", &self.inner.native.client_id())
-            .field("options", &self.inner.options)
-            .finish()
+        let mut d = f.debug_struct("Client");
+        match &self.inner.backend {
+            Backend::Native(n) => d
+                .field("socket", &n.path())
+                .field("client_id", &n.client_id()),
+            Backend::Classic(c) => d
+                .field("jobserver", &c.jobserver().to_string())
+                .field("holding", &c.holding()),
+        };
+        d.field("options", &self.inner.options).finish()
     }
 }
 
@@ -121,25 +148,58 @@ pub fn socket_from_env() -> Option<PathBuf> {
 }
 
 impl Client {
-    /// Connects to the broker named by `HERDLESS_SOCKET`, with default
-    /// options.
+    /// Connects to the broker named by `HERDLESS_SOCKET`, or when it is not
+    /// set, to the classic jobserver named in `CARGO_MAKEFLAGS`,
+    /// `MAKEFLAGS` or `MFLAGS` (see [`crate::classic`]); default options.
     ///
     /// # Errors
     ///
-    /// `NotFound` when the variable is not set; `Connect` when nobody
-    /// listens there; `Refused` when the broker turns this client away.
+    /// - `NotFound` when neither is there, or the classic jobserver is
+    ///   disabled (`--jobserver-auth=-2,-2`);
+    /// - `Connect` when nobody listens on the socket, `Refused` when the
+    ///   broker turns this client away;
+    /// - `BadJobserver` when the classic jobserver named is unusable: the
+    ///   message names the fd or path and why ("MAKEFLAGS names jobserver
+    ///   fd 3, which is not open (was the recipe not marked with + ?)").
     pub fn from_env() -> Result<Client> {
         Client::from_env_with(Options::default())
     }
 
     /// [`Client::from_env`] with the given options.
     pub fn from_env_with(options: Options) -> Result<Client> {
-        match socket_from_env() {
-            Some(path) => Client::connect_with(&path, options),
+        if let Some(path) = socket_from_env() {
+            return Client::connect_with(&path, options);
+        }
+        match Jobserver::from_env()? {
+            Some(js) => Client::from_jobserver(js, options),
             None => Err(Error::new(
                 ErrorKind::NotFound,
-                format!("no herdless broker: {SOCKET_ENV} is not set"),
+                format!(
+                    "no jobserver: {SOCKET_ENV} is not set and none of {} names a classic one",
+                    crate::classic::VARS.join(", ")
+                ),
             )),
+        }
+    }
+
+    /// Uses the classic jobserver `js` (see [`crate::classic`]).
+    ///
+    /// # Errors
+    ///
+    /// `NotFound` when `js` is disabled; `BadJobserver` when its fds or fifo
+    /// are unusable, saying which and why.
+    pub fn from_jobserver(js: Jobserver, options: Options) -> Result<Client> {
+        let classic = Classic::open(js, options.job_of_parent)?;
+        Ok(Client::with_backend(Backend::Classic(classic), options))
+    }
+
+    fn with_backend(backend: Backend, options: Options) -> Client {
+        Client {
+            inner: Arc::new(Inner {
+                backend,
+                options,
+                implicit_in_use: AtomicBool::new(false),
+            }),
         }
     }
 
@@ -155,13 +215,7 @@ impl Client {
             flags |= HelloFlags::JOB_OF_PARENT;
         }
         let native = Native::connect(path.as_ref(), flags)?;
-        Ok(Client {
-            inner: Arc::new(Inner {
-                native,
-                options,
-                implicit_in_use: AtomicBool::new(false),
-            }),
-        })
+        Ok(Client::with_backend(Backend::Native(native), options))
     }
 
     /// Connects as an observer, which may only ask for status.
@@ -170,14 +224,29 @@ impl Client {
         Ok(Status { native })
     }
 
-    /// The number of shared tokens the broker holds (`-j` minus one).
-    pub fn capacity(&self) -> u32 {
-        self.inner.native.capacity()
+    /// The number of shared tokens (`-j` minus one): the broker's, or for a
+    /// classic jobserver the `-j` that came with it, when it gave a number.
+    pub fn capacity(&self) -> Option<u32> {
+        match &self.inner.backend {
+            Backend::Native(n) => Some(n.capacity()),
+            Backend::Classic(c) => c.jobserver().jobs().map(|j| j.saturating_sub(1)),
+        }
     }
 
-    /// The socket this client is connected to.
-    pub fn socket(&self) -> &Path {
-        self.inner.native.path()
+    /// The broker's socket; `None` on a classic jobserver.
+    pub fn socket(&self) -> Option<&Path> {
+        match &self.inner.backend {
+            Backend::Native(n) => Some(n.path()),
+            Backend::Classic(_) => None,
+        }
+    }
+
+    /// The classic jobserver in use; `None` with a broker.
+    pub fn jobserver(&self) -> Option<&Jobserver> {
+        match &self.inner.backend {
+            Backend::Native(_) => None,
+            Backend::Classic(c) => Some(c.jobserver()),
+        }
     }
 
     fn implicit(&self) -> Option<Token> {
@@ -193,6 +262,19 @@ impl Client {
         None
     }
 
+    fn got(&self, got: Option<Got>) -> Option<Token> {
+        got.map(|g| {
+            self.token(match g {
+                Got::Byte => TokenKind::Shared,
+                Got::Slot => TokenKind::ParentSlot,
+            })
+        })
+    }
+
+    fn shared(&self, granted: bool) -> Option<Token> {
+        granted.then(|| self.token(TokenKind::Shared))
+    }
+
     fn token(&self, kind: TokenKind) -> Token {
         Token {
             client: self.clone(),
@@ -206,8 +288,9 @@ impl Client {
     ///
     /// # Errors
     ///
-    /// `Aborted` when the tree aborts, `BrokerGone` when the broker dies,
-    /// both at once, whatever the wait.
+    /// `Aborted` when the tree aborts (under bmake: when its abort token is
+    /// in the pipe), `BrokerGone` when the broker dies, both at once,
+    /// whatever the wait.
     pub fn acquire(&self) -> Result<Token> {
         match self.acquire_inner(None, false)? {
             Some(t) => Ok(t),
@@ -220,16 +303,21 @@ impl Client {
         if let Some(t) = self.implicit() {
             return Ok(Some(t));
         }
-        Ok(self
-            .inner
-            .native
-            .try_acquire()?
-            .then(|| self.token(TokenKind::Shared)))
+        match &self.inner.backend {
+            Backend::Native(n) => Ok(self.shared(n.try_acquire()?)),
+            Backend::Classic(c) => Ok(self.got(c.try_acquire()?)),
+        }
     }
 
     /// Takes a token, waiting at most until `deadline`; `None` when it
     /// passed. A request the broker had not answered by then is withdrawn,
     /// so no token is stranded.
+    ///
+    /// # Portability
+    ///
+    /// On a classic jobserver whose pipe this OS cannot reopen and whose
+    /// shared description is blocking (not Linux; see [`crate::classic`]),
+    /// this returns an `Unsupported` error.
     pub fn acquire_deadline(&self, deadline: Instant) -> Result<Option<Token>> {
         self.acquire_inner(Some(deadline), false)
     }
@@ -242,7 +330,8 @@ impl Client {
     /// Like [`Client::acquire_deadline`] (no deadline when `None`), but a
     /// signal ends the wait with an `Interrupted` error. The request stays
     /// pending: the grant, when it comes, is kept for the next call, so
-    /// nothing is lost (the contract GNU make relies on for SIGCHLD).
+    /// nothing is lost (the contract GNU make relies on for SIGCHLD). On a
+    /// classic jobserver nothing is pending: the pipe keeps the byte.
     pub fn acquire_interruptible(&self, deadline: Option<Instant>) -> Result<Option<Token>> {
         self.acquire_inner(deadline, true)
     }
@@ -259,65 +348,101 @@ impl Client {
             deadline,
             interruptible,
         };
-        Ok(self
-            .inner
-            .native
-            .acquire(wait)?
-            .then(|| self.token(TokenKind::Shared)))
+        match &self.inner.backend {
+            Backend::Native(n) => Ok(self.shared(n.acquire(wait)?)),
+            Backend::Classic(c) => Ok(self.got(c.acquire(wait)?)),
+        }
     }
 
     /// Non-blocking, for a caller's own poll loop: a token if a grant has
     /// arrived; otherwise `None`, after making sure a request is pending so
     /// that [`Client::as_fd`] becomes readable when the grant arrives.
     /// Never hands out the implicit token.
+    ///
+    /// On a classic jobserver nothing needs requesting: this reads the pipe
+    /// without blocking, and [`Client::as_fd`] is readable while a byte is
+    /// in it (every process watching the pipe wakes then; a blocking
+    /// acquire wakes just one).
     pub fn take_grant(&self) -> Result<Option<Token>> {
-        Ok(self
-            .inner
-            .native
-            .take_grant()?
-            .then(|| self.token(TokenKind::Shared)))
+        match &self.inner.backend {
+            Backend::Native(n) => Ok(self.shared(n.take_grant()?)),
+            Backend::Classic(c) => Ok(self.got(c.take_grant()?)),
+        }
     }
 
     /// Withdraws a request left pending by [`Client::take_grant`] or an
     /// interrupted acquire. Returns the token if it had been granted
-    /// already.
+    /// already. On a classic jobserver there is never one: `Ok(None)`.
     pub fn cancel_pending(&self) -> Result<Option<Token>> {
-        Ok(self
-            .inner
-            .native
-            .cancel_pending()?
-            .then(|| self.token(TokenKind::Shared)))
+        match &self.inner.backend {
+            Backend::Native(n) => Ok(self.shared(n.cancel_pending()?)),
+            Backend::Classic(_) => Ok(None),
+        }
     }
 
     /// Aborts the whole tree: every client is told, bmake children get an
     /// `E` or `I` token, and no token is granted after it.
+    ///
+    /// On a classic bmake jobserver this drains the pipe and puts the abort
+    /// token in, as bmake does.
+    ///
+    /// # Errors
+    ///
+    /// `Unsupported` on a classic GNU make (or cargo) jobserver, which has
+    /// no abort token; nothing is changed then. Exit with a failure status
+    /// instead: make stops the build.
     pub fn abort(&self, reason: AbortReason) -> Result<()> {
-        self.inner.native.abort(reason)
+        match &self.inner.backend {
+            Backend::Native(n) => n.abort(reason),
+            Backend::Classic(c) => c.abort(reason),
+        }
     }
 
-    /// The abort that has reached this client, if any.
+    /// The abort that has reached this client, if any. On a classic
+    /// jobserver: one this client read from the pipe or posted.
     pub fn aborted(&self) -> Option<AbortReason> {
-        self.inner.native.aborted()
+        match &self.inner.backend {
+            Backend::Native(n) => n.aborted(),
+            Backend::Classic(c) => c.aborted(),
+        }
     }
 
     /// The broker's status report (JSON, see `herdless status --json`).
+    ///
+    /// # Errors
+    ///
+    /// `Unsupported` on a classic jobserver, which keeps no status.
     pub fn status_json(&self) -> Result<String> {
-        self.inner.native.status()
+        match &self.inner.backend {
+            Backend::Native(n) => n.status(),
+            Backend::Classic(c) => Err(Error::new(
+                ErrorKind::Unsupported,
+                format!(
+                    "the {} keeps no status: a status report needs a herdless broker",
+                    c.jobserver()
+                ),
+            )),
+        }
     }
 }
 
 impl AsFd for Client {
     /// The socket to the broker: readable when a grant (or an abort, or
-    /// the broker's end) has arrived. Watch it for reading only; read from
-    /// it only through [`Client::take_grant`].
+    /// the broker's end) has arrived. On a classic jobserver, this client's
+    /// own read description of the token pipe: readable while a byte is in
+    /// the pipe. Watch it for reading only; read from it only through
+    /// [`Client::take_grant`].
     fn as_fd(&self) -> BorrowedFd<'_> {
-        self.inner.native.fd()
+        match &self.inner.backend {
+            Backend::Native(n) => n.fd(),
+            Backend::Classic(c) => c.fd(),
+        }
     }
 }
 
 impl AsRawFd for Client {
     fn as_raw_fd(&self) -> RawFd {
-        self.inner.native.raw_fd()
+        self.as_fd().as_raw_fd()
     }
 }
 
@@ -336,7 +461,11 @@ impl Status {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum TokenKind {
     Implicit,
+    /// From the broker, or a byte from a classic pipe.
     Shared,
+    /// The parent's slot under a classic jobserver (see
+    /// [`Options::job_of_parent`]).
+    ParentSlot,
 }
 
 /// A job token. Dropping it gives it back.
@@ -375,7 +504,14 @@ impl Token {
                     .store(false, Ordering::Release);
                 Ok(())
             }
-            TokenKind::Shared => self.client.inner.native.release(),
+            TokenKind::Shared => match &self.client.inner.backend {
+                Backend::Native(n) => n.release(),
+                Backend::Classic(c) => c.release_byte(),
+            },
+            TokenKind::ParentSlot => match &self.client.inner.backend {
+                Backend::Native(n) => n.release(),
+                Backend::Classic(c) => c.release_slot(),
+            },
         }
     }
 }
@@ -391,8 +527,13 @@ impl Drop for Token {
 impl Client {
     /// Gives back one shared token that was [`Token::forget`]-ten. The
     /// caller keeps count: releasing a token the client does not hold makes
-    /// the broker close the connection.
+    /// the broker close the connection. On a classic jobserver it writes
+    /// back the byte most recently read (or gives back the parent's slot
+    /// when no byte is held); holding none is a `NotHolding` error.
     pub fn release_raw(&self) -> Result<()> {
-        self.inner.native.release()
+        match &self.inner.backend {
+            Backend::Native(n) => n.release(),
+            Backend::Classic(c) => c.release_any(),
+        }
     }
 }

@@ -8,7 +8,7 @@
 //! and whichever thread wants one takes it from there.
 
 use std::io::{self, Read, Write};
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
+use std::os::fd::{AsFd, BorrowedFd};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::{Condvar, Mutex, MutexGuard};
@@ -248,10 +248,6 @@ impl Native {
 
     pub(crate) fn path(&self) -> &Path {
         &self.path
-    }
-
-    pub(crate) fn raw_fd(&self) -> RawFd {
-        self.stream.as_raw_fd()
     }
 
     pub(crate) fn fd(&self) -> BorrowedFd<'_> {

@@ -1,0 +1,550 @@
+//! Finding a classic jobserver in the environment.
+//!
+//! Pure parsing: nothing here opens or checks a descriptor (that is
+//! [`super::pipe`]). The forms understood, as the programs write them:
+//!
+//! | writer                       | example                                          |
+//! |------------------------------|--------------------------------------------------|
+//! | GNU make 4.2, 4.3            | `MAKEFLAGS=k -j3 --jobserver-auth=3,4 -- FOO=bar` |
+//! | GNU make 4.4 and later       | `--jobserver-auth=fifo:/tmp/GMfifo1234`          |
+//! | GNU make before 4.2          | `--jobserver-fds=3,4`                            |
+//! | the `jobserver` crate, cargo | `CARGO_MAKEFLAGS=-j --jobserver-fds=3,4 --jobserver-auth=3,4` |
+//! | bmake (NetBSD make)          | `MAKEFLAGS= -j 4 -J 15,16 .MAKE.LEVEL.ENV=MAKELEVEL` |
+//!
+//! Words are split at unescaped white space and a backslash escapes the next
+//! character (how GNU make and bmake quote MAKEFLAGS). GNU make puts
+//! variable definitions after a `--` word; nothing after it is read.
+
+use std::ffi::OsStr;
+use std::fmt;
+use std::os::fd::RawFd;
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+
+use crate::client::{Error, ErrorKind, Result};
+
+/// The variables that may name a jobserver, in order of preference: the
+/// first one that names one wins, as in the `jobserver` crate (cargo sets
+/// `CARGO_MAKEFLAGS` for the tools it runs, make sets the other two).
+pub const VARS: [&str; 3] = ["CARGO_MAKEFLAGS", "MAKEFLAGS", "MFLAGS"];
+
+/// Where a classic jobserver's tokens are.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Auth {
+    /// Inherited descriptors: `R,W` (GNU make, cargo) or bmake's `-J R,W`.
+    Fds {
+        /// The read end of the token pipe.
+        read: RawFd,
+        /// The write end of the token pipe.
+        write: RawFd,
+    },
+    /// A named fifo, `fifo:PATH` (GNU make 4.4 and later by default).
+    Fifo(PathBuf),
+    /// The parent make turned the jobserver off for this process (negative
+    /// descriptors, as in GNU make's `-2,-2`).
+    Disabled,
+}
+
+/// Which family of make wrote the jobserver option. It decides what the
+/// bytes in the pipe mean.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Flavor {
+    /// GNU make, cargo and the `jobserver` crate: every byte is a token, and
+    /// there is no abort token.
+    Gnu,
+    /// bmake (`-J`): `+` is a token; `E` (a job failed) and `I` (interrupted)
+    /// are abort tokens that stop the whole tree.
+    Bmake,
+}
+
+impl fmt::Display for Flavor {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Flavor::Gnu => "GNU make",
+            Flavor::Bmake => "bmake",
+        })
+    }
+}
+
+/// A classic jobserver named in the environment.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Jobserver {
+    var: &'static str,
+    option: String,
+    auth: Auth,
+    flavor: Flavor,
+    jobs: Option<u32>,
+}
+
+impl Jobserver {
+    /// Makes a description by hand, e.g. for a jobserver created by this
+    /// process. `jobs` is the `-j` limit, if known.
+    pub fn new(auth: Auth, flavor: Flavor, jobs: Option<u32>) -> Jobserver {
+        let option = match (&auth, flavor) {
+            (Auth::Fds { read, write }, Flavor::Bmake) => format!("-J {read},{write}"),
+            (Auth::Fds { read, write }, Flavor::Gnu) => format!("--jobserver-auth={read},{write}"),
+            (Auth::Fifo(p), _) => format!("--jobserver-auth=fifo:{}", p.display()),
+            (Auth::Disabled, Flavor::Bmake) => "-J -1,-1".to_owned(),
+            (Auth::Disabled, Flavor::Gnu) => "--jobserver-auth=-2,-2".to_owned(),
+        };
+        Jobserver {
+            var: "",
+            option,
+            auth,
+            flavor,
+            jobs,
+        }
+    }
+
+    /// The jobserver named by `CARGO_MAKEFLAGS`, `MAKEFLAGS` or `MFLAGS`
+    /// (see [`VARS`]); `None` when none of them names one.
+    ///
+    /// # Errors
+    ///
+    /// `BadJobserver` when the first variable that names a jobserver names
+    /// it in a form that cannot be read (`--jobserver-auth=x`). Later
+    /// variables are not consulted then: a make that meant to pass a
+    /// jobserver did, and guessing another would be wrong.
+    pub fn from_env() -> Result<Option<Jobserver>> {
+        let values: Vec<_> = VARS.iter().map(|v| (*v, std::env::var_os(v))).collect();
+        Jobserver::from_vars(values.iter().map(|(k, v)| (*k, v.as_deref())))
+    }
+
+    /// [`Jobserver::from_env`] over given values, in order of preference.
+    pub fn from_vars<'a>(
+        vars: impl IntoIterator<Item = (&'static str, Option<&'a OsStr>)>,
+    ) -> Result<Option<Jobserver>> {
+        for (var, value) in vars {
+            if let Some(value) = value {
+                if let Some(js) = Jobserver::parse(var, value)? {
+                    return Ok(Some(js));
+                }
+            }
+        }
+        Ok(None)
+    }
+
+    /// Reads one variable's value. `None` when it names no jobserver; when
+    /// it names several, the last one wins (a sub-make appends its own).
+    ///
+    /// # Errors
+    ///
+    /// `BadJobserver` when the winning option cannot be read.
+    pub fn parse(var: &'static str, value: &OsStr) -> Result<Option<Jobserver>> {
+        let words = split_words(value.as_bytes());
+        let mut found: Option<(Vec<u8>, Flavor, Vec<u8>)> = None;
+        let mut jobs = None;
+        let mut i = 0;
+        while i < words.len() {
+            let w = &words[i];
+            i += 1;
+            if w.as_slice() == b"--" {
+                break;
+            }
+            if let Some(rest) = w.strip_prefix(b"--") {
+                for name in [&b"jobserver-auth="[..], b"jobserver-fds="] {
+                    if let Some(arg) = rest.strip_prefix(name) {
+                        found = Some((w.clone(), Flavor::Gnu, arg.to_vec()));
+                    }
+                }
+                if let Some(n) = rest.strip_prefix(b"jobs=") {
+                    jobs = parse_u32(n).or(jobs);
+                } else if rest == b"jobs" {
+                    if let Some(n) = words.get(i).and_then(|n| parse_u32(n)) {
+                        jobs = Some(n);
+                        i += 1;
+                    }
+                }
+                continue;
+            }
+            // A cluster of short options: "-j4", "-kJ 3,4", and GNU make's
+            // first word, which has no dash ("k", "ks").
+            let cluster = match w.strip_prefix(b"-") {
+                Some(c) => c,
+                None if i == 1 && !w.is_empty() && w.iter().all(u8::is_ascii_alphanumeric) => w,
+                None => continue,
+            };
+            let mut k = 0;
+            while k < cluster.len() {
+                let letter = cluster[k];
+                let rest = &cluster[k + 1..];
+                k += 1;
+                match letter {
+                    b'J' => {
+                        let arg = if rest.is_empty() {
+                            let next = words.get(i).cloned().unwrap_or_default();
+                            i += 1;
+                            next
+                        } else {
+                            rest.to_vec()
+                        };
+                        let mut option = b"-J ".to_vec();
+                        option.extend_from_slice(&arg);
+                        found = Some((option, Flavor::Bmake, arg));
+                        break;
+                    }
+                    b'j' => {
+                        if rest.is_empty() {
+                            if let Some(n) = words.get(i).and_then(|n| parse_u32(n)) {
+                                jobs = Some(n);
+                                i += 1;
+                            }
+                        } else {
+                            jobs = parse_u32(rest).or(jobs);
+                        }
+                        break;
+                    }
+                    // Letters that take an argument in GNU make or bmake: the
+                    // rest of the word, or the next word when it does not
+                    // look like an option, is that argument.
+                    b'C' | b'D' | b'I' | b'T' | b'V' | b'd' | b'f' | b'm' | b'v' | b'o' | b'O'
+                    | b'l' | b'L' | b'W' => {
+                        if rest.is_empty()
+                            && letter != b'O'
+                            && words.get(i).is_some_and(|n| !n.starts_with(b"-"))
+                        {
+                            i += 1;
+                        }
+                        break;
+                    }
+                    _ => {}
+                }
+            }
+        }
+        let Some((option, flavor, arg)) = found else {
+            return Ok(None);
+        };
+        let option = String::from_utf8_lossy(&option).into_owned();
+        let auth = parse_auth(&arg).ok_or_else(|| {
+            Error::new(
+                ErrorKind::BadJobserver,
+                format!(
+                    "{var} has a malformed jobserver option {option:?}: expected {}",
+                    match flavor {
+                        Flavor::Gnu => "R,W (two descriptor numbers) or fifo:PATH",
+                        Flavor::Bmake => "R,W (two descriptor numbers)",
+                    }
+                ),
+            )
+        })?;
+        if flavor == Flavor::Bmake && matches!(auth, Auth::Fifo(_)) {
+            return Err(Error::new(
+                ErrorKind::BadJobserver,
+                format!("{var} has a malformed jobserver option {option:?}: bmake's -J takes R,W, not a fifo"),
+            ));
+        }
+        Ok(Some(Jobserver {
+            var,
+            option,
+            auth,
+            flavor,
+            jobs,
+        }))
+    }
+
+    /// The variable it was found in (`"MAKEFLAGS"`), or `""` for one made
+    /// with [`Jobserver::new`].
+    pub fn var(&self) -> &'static str {
+        self.var
+    }
+
+    /// The option as written, e.g. `--jobserver-auth=3,4` or `-J 15,16`.
+    pub fn option(&self) -> &str {
+        &self.option
+    }
+
+    /// Where the tokens are.
+    pub fn auth(&self) -> &Auth {
+        &self.auth
+    }
+
+    /// Which family of make wrote it.
+    pub fn flavor(&self) -> Flavor {
+        self.flavor
+    }
+
+    /// The `-j` limit that came with it, if a number was given (`-j` alone,
+    /// as cargo writes it, gives none).
+    pub fn jobs(&self) -> Option<u32> {
+        self.jobs
+    }
+
+    /// The fifo's path, for the fifo style.
+    pub fn fifo(&self) -> Option<&Path> {
+        match &self.auth {
+            Auth::Fifo(p) => Some(p),
+            _ => None,
+        }
+    }
+
+    /// Where the description came from, for messages: `MAKEFLAGS` or "the
+    /// jobserver description".
+    pub(crate) fn source(&self) -> &'static str {
+        if self.var.is_empty() {
+            "the jobserver description"
+        } else {
+            self.var
+        }
+    }
+}
+
+impl fmt::Display for Jobserver {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.var.is_empty() {
+            write!(f, "{} jobserver {}", self.flavor, self.option)
+        } else {
+            write!(
+                f,
+                "{} jobserver {} (from {})",
+                self.flavor, self.option, self.var
+            )
+        }
+    }
+}
+
+/// `R,W` with both numbers non-negative, negative numbers (disabled), or
+/// `fifo:PATH`.
+fn parse_auth(arg: &[u8]) -> Option<Auth> {
+    if let Some(path) = arg.strip_prefix(b"fifo:") {
+        if path.is_empty() {
+            return None;
+        }
+        return Some(Auth::Fifo(PathBuf::from(OsStr::from_bytes(path))));
+    }
+    let text = std::str::from_utf8(arg).ok()?;
+    let (r, w) = text.split_once(',')?;
+    let read: RawFd = r.parse().ok()?;
+    let write: RawFd = w.parse().ok()?;
+    match (read < 0, write < 0) {
+        (true, true) => Some(Auth::Disabled),
+        (false, false) => Some(Auth::Fds { read, write }),
+        _ => None,
+    }
+}
+
+fn parse_u32(s: &[u8]) -> Option<u32> {
+    if s.is_empty() || !s.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    std::str::from_utf8(s).ok()?.parse().ok()
+}
+
+/// Splits at unescaped blanks; a backslash keeps the next byte as it is.
+fn split_words(s: &[u8]) -> Vec<Vec<u8>> {
+    let mut words = Vec::new();
+    let mut word = Vec::new();
+    let mut in_word = false;
+    let mut bytes = s.iter().copied();
+    while let Some(b) = bytes.next() {
+        match b {
+            b'\\' => {
+                in_word = true;
+                word.push(bytes.next().unwrap_or(b'\\'));
+            }
+            b' ' | b'\t' | b'\n' => {
+                if in_word {
+                    words.push(std::mem::take(&mut word));
+                    in_word = false;
+                }
+            }
+            _ => {
+                in_word = true;
+                word.push(b);
+            }
+        }
+    }
+    if in_word {
+        words.push(word);
+    }
+    words
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(value: &str) -> Option<Jobserver> {
+        Jobserver::parse("MAKEFLAGS", OsStr::new(value)).unwrap()
+    }
+
+    fn fds(read: RawFd, write: RawFd) -> Auth {
+        Auth::Fds { read, write }
+    }
+
+    #[test]
+    fn gnu_make_4_3_pipe() {
+        let js = parse("k -j3 --jobserver-auth=3,4 -- FOO=bar").unwrap();
+        assert_eq!(js.auth(), &fds(3, 4));
+        assert_eq!(js.flavor(), Flavor::Gnu);
+        assert_eq!(js.jobs(), Some(3));
+        assert_eq!(js.option(), "--jobserver-auth=3,4");
+        assert_eq!(js.var(), "MAKEFLAGS");
+        // MFLAGS has a dash on the first word.
+        let js = parse("-k -j3 --jobserver-auth=3,4").unwrap();
+        assert_eq!(js.auth(), &fds(3, 4));
+    }
+
+    #[test]
+    fn gnu_make_4_4_fifo() {
+        let js = parse(" -j3 --jobserver-auth=fifo:/tmp/GMfifo26056").unwrap();
+        assert_eq!(js.auth(), &Auth::Fifo("/tmp/GMfifo26056".into()));
+        assert_eq!(js.fifo(), Some(Path::new("/tmp/GMfifo26056")));
+        assert_eq!(js.flavor(), Flavor::Gnu);
+    }
+
+    #[test]
+    fn escaped_blanks_in_a_fifo_path() {
+        let js = parse(r"-j2 --jobserver-auth=fifo:/tmp/a\ b/fifo -- X=1").unwrap();
+        assert_eq!(js.auth(), &Auth::Fifo("/tmp/a b/fifo".into()));
+    }
+
+    #[test]
+    fn old_jobserver_fds() {
+        let js = parse(" --jobserver-fds=5,6 -j").unwrap();
+        assert_eq!(js.auth(), &fds(5, 6));
+        assert_eq!(js.jobs(), None);
+    }
+
+    #[test]
+    fn the_last_option_wins() {
+        // What the jobserver crate (and so cargo) writes.
+        let js = parse("-j --jobserver-fds=3,4 --jobserver-auth=3,4").unwrap();
+        assert_eq!(js.auth(), &fds(3, 4));
+        let js = parse("--jobserver-auth=3,4 -j4 --jobserver-auth=7,8").unwrap();
+        assert_eq!(js.auth(), &fds(7, 8));
+        assert_eq!(js.option(), "--jobserver-auth=7,8");
+        let js = parse("--jobserver-auth=7,8 --jobserver-fds=9,10").unwrap();
+        assert_eq!(js.auth(), &fds(9, 10));
+    }
+
+    #[test]
+    fn negative_fds_mean_disabled() {
+        assert_eq!(
+            parse("-j --jobserver-auth=-2,-2").unwrap().auth(),
+            &Auth::Disabled
+        );
+        assert_eq!(parse(" -j 4 -J -1,-1").unwrap().auth(), &Auth::Disabled);
+        // A later enabled option still wins.
+        assert_eq!(
+            parse("--jobserver-fds=-2,-2 --jobserver-auth=3,4")
+                .unwrap()
+                .auth(),
+            &fds(3, 4)
+        );
+    }
+
+    #[test]
+    fn bmake_forms() {
+        // What bmake 20200710 exports to its children.
+        let js = parse(" -j 4 -J 15,16 .MAKE.LEVEL.ENV=MAKELEVEL FOO=bar").unwrap();
+        assert_eq!(js.auth(), &fds(15, 16));
+        assert_eq!(js.flavor(), Flavor::Bmake);
+        assert_eq!(js.jobs(), Some(4));
+        assert_eq!(js.option(), "-J 15,16");
+        // What bmake accepts from its environment.
+        for v in ["-j 3 -J 3,4", "-j3 -J3,4", "-kJ 3,4 -j3", "-kJ3,4"] {
+            let js = parse(v).unwrap_or_else(|| panic!("{v}"));
+            assert_eq!(js.auth(), &fds(3, 4), "{v}");
+            assert_eq!(js.flavor(), Flavor::Bmake, "{v}");
+        }
+        // getopt reads "-j4J3,4" as -j with the argument "4J3,4"; so does
+        // bmake, so this names no jobserver.
+        assert_eq!(parse("-j4J3,4"), None);
+    }
+
+    #[test]
+    fn arguments_of_other_options_are_not_options() {
+        // bmake -I and -m take a path; a J inside it is not -J.
+        assert_eq!(parse("-I /J/3,4 -m/usr/share/mk/J"), None);
+        assert_eq!(parse("-dJ"), None);
+        // A GNU make variable definition after "--" is not read.
+        assert_eq!(parse("k -j2 -- X=--jobserver-auth=3,4"), None);
+        // Nor a bmake one, which is a word with no dash.
+        assert_eq!(parse(" -j 2 X=-J\\ 3,4"), None);
+    }
+
+    #[test]
+    fn nothing_named() {
+        assert_eq!(parse(""), None);
+        assert_eq!(parse("k -j4"), None);
+        assert_eq!(parse(" -j 4 -B"), None);
+    }
+
+    #[test]
+    fn malformed_options_are_errors_that_quote_them() {
+        for (v, quoted) in [
+            ("--jobserver-auth=abc", "--jobserver-auth=abc"),
+            ("--jobserver-auth=3", "--jobserver-auth=3"),
+            ("--jobserver-auth=3,-1", "--jobserver-auth=3,-1"),
+            ("--jobserver-auth=fifo:", "--jobserver-auth=fifo:"),
+            ("-J x", "-J x"),
+            ("-J", "-J "),
+            ("-J fifo:/x", "-J fifo:/x"),
+        ] {
+            let e = Jobserver::parse("MAKEFLAGS", OsStr::new(v)).unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::BadJobserver, "{v}");
+            let msg = e.to_string();
+            assert!(msg.starts_with("MAKEFLAGS has a malformed"), "{msg}");
+            assert!(msg.contains(&format!("{quoted:?}")), "{msg}");
+        }
+    }
+
+    #[test]
+    fn the_first_variable_that_names_one_wins() {
+        let pick = |vars: [Option<&str>; 3]| {
+            Jobserver::from_vars(VARS.iter().copied().zip(vars.map(|v| v.map(OsStr::new))))
+                .unwrap()
+                .map(|js| (js.var(), js.auth().clone()))
+        };
+        assert_eq!(
+            pick([
+                Some("-j --jobserver-auth=7,8"),
+                Some("-j3 --jobserver-auth=3,4"),
+                None
+            ]),
+            Some(("CARGO_MAKEFLAGS", fds(7, 8)))
+        );
+        // CARGO_MAKEFLAGS without a jobserver is passed over.
+        assert_eq!(
+            pick([Some("-j4"), Some("k -j3 --jobserver-auth=3,4"), None]),
+            Some(("MAKEFLAGS", fds(3, 4)))
+        );
+        assert_eq!(
+            pick([None, Some("k"), Some("-k -j2 --jobserver-auth=5,6")]),
+            Some(("MFLAGS", fds(5, 6)))
+        );
+        // Disabled is an answer: later variables are not consulted.
+        assert_eq!(
+            pick([
+                None,
+                Some("-j --jobserver-auth=-2,-2"),
+                Some("--jobserver-auth=5,6")
+            ]),
+            Some(("MAKEFLAGS", Auth::Disabled))
+        );
+        assert_eq!(pick([None, None, None]), None);
+        // A malformed first one is an error, not a reason to look further.
+        let e = Jobserver::from_vars([
+            ("MAKEFLAGS", Some(OsStr::new("--jobserver-auth=x"))),
+            ("MFLAGS", Some(OsStr::new("--jobserver-auth=3,4"))),
+        ])
+        .unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::BadJobserver);
+    }
+
+    #[test]
+    fn non_utf8_fifo_paths_survive() {
+        let value = OsStr::from_bytes(b"--jobserver-auth=fifo:/tmp/\xff");
+        let js = Jobserver::parse("MAKEFLAGS", value).unwrap().unwrap();
+        assert_eq!(js.fifo().unwrap().as_os_str().as_bytes(), b"/tmp/\xff");
+    }
+
+    #[test]
+    fn made_by_hand() {
+        let js = Jobserver::new(fds(3, 4), Flavor::Bmake, Some(4));
+        assert_eq!(js.option(), "-J 3,4");
+        assert_eq!(js.var(), "");
+        assert_eq!(js.source(), "the jobserver description");
+        assert_eq!(js.to_string(), "bmake jobserver -J 3,4");
+    }
+}

@@ -1,0 +1,574 @@
+//! The parent's slot, for a client that is a job of its parent
+//! ([`Options::job_of_parent`](crate::client::Options::job_of_parent)) under
+//! a classic jobserver. See the module docs of [`crate::classic`] for the
+//! rule; this file is its mechanism.
+//!
+//! A shared slot is an exclusive `flock(2)` on a lock file named after the
+//! parent's pid and the jobserver's pipe, in a mode-0700 directory of this
+//! user. The kernel drops the lock when its holder dies, however it dies.
+//! The holder unlinks the file before it unlocks it, and a taker checks,
+//! once it holds the lock, that the path still names the file it locked,
+//! so a slot is never held twice and lock files do not pile up (one is
+//! left only by a holder that was killed; the next taker reuses it).
+//!
+//! Waiting for the slot and for a pipe token at once: a helper thread blocks
+//! in `flock(LOCK_EX)` and, once it holds the lock, writes a byte to a
+//! notification pipe that the waiting threads watch beside the jobserver's
+//! pipe. No timer, no polling. If a pipe token wins, the thread stays
+//! blocked; when it gets the lock later and nobody wants it any more, it
+//! gives it back at once.
+
+use std::fs::{DirBuilder, File, OpenOptions};
+use std::io;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use nix::errno::Errno;
+use nix::fcntl::{Flock, FlockArg, OFlag};
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Whether `name` (a process's command name) is a program that starts each
+/// job it runs in a job slot of its own: make in its variants, ninja,
+/// samurai, cargo. Their direct children own their slot outright.
+pub(crate) fn runs_each_job_in_a_slot(name: &str) -> bool {
+    let name = name.trim();
+    let name = name.rsplit('/').next().unwrap_or(name).to_ascii_lowercase();
+    name.ends_with("make")
+        || name.starts_with("make-")
+        || matches!(name.as_str(), "ninja" | "samu" | "cargo")
+}
+
+/// Whose slot a job of its parent runs in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Owner {
+    /// The parent runs each job in a slot of its own: this process owns it.
+    Own,
+    /// The slot of this process (the recipe's root, below the make that
+    /// started it), shared by all its descendants that are jobs.
+    Shared(u32),
+}
+
+/// Finds the slot owner from the parent `parent` up, given `ps(pid) ->
+/// (ppid, command name)`: `Own` when the parent is a job runner; else the
+/// highest ancestor whose own parent is one (the recipe's shell, however
+/// many subshells lie between); else, with no job runner above, the
+/// parent.
+pub(crate) fn slot_owner(parent: u32, ps: impl Fn(u32) -> Option<(u32, String)>) -> Owner {
+    match ps(parent) {
+        Some((_, name)) if runs_each_job_in_a_slot(&name) => return Owner::Own,
+        Some(_) => {}
+        None => return Owner::Shared(parent),
+    }
+    let mut pid = parent;
+    // A bound, in case a process table read in pieces holds a cycle.
+    for _ in 0..128 {
+        let Some((ppid, _)) = ps(pid) else { break };
+        if ppid <= 1 || ppid == pid {
+            break;
+        }
+        let Some((_, name)) = ps(ppid) else { break };
+        if runs_each_job_in_a_slot(&name) {
+            return Owner::Shared(pid);
+        }
+        pid = ppid;
+    }
+    Owner::Shared(parent)
+}
+
+/// The slot owner for this process, read from the process table:
+/// `/proc/PID/stat` on Linux, one `ps -A -o pid= -o ppid= -o comm=`
+/// elsewhere.
+pub(crate) fn this_slot_owner() -> Owner {
+    let parent = std::os::unix::process::parent_id();
+    if cfg!(target_os = "linux") && std::path::Path::new("/proc/self/stat").exists() {
+        return slot_owner(parent, proc_stat);
+    }
+    let table = ps_table();
+    slot_owner(parent, |pid| {
+        table
+            .iter()
+            .find(|(p, _, _)| *p == pid)
+            .map(|(_, ppid, name)| (*ppid, name.clone()))
+    })
+}
+
+/// `(ppid, comm)` from `/proc/PID/stat`; the name is in parentheses and
+/// may itself hold spaces and parentheses, so the fields after it are
+/// found from the last `)`.
+fn proc_stat(pid: u32) -> Option<(u32, String)> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    parse_stat(&stat)
+}
+
+fn parse_stat(stat: &str) -> Option<(u32, String)> {
+    let open = stat.find('(')?;
+    let close = stat.rfind(')')?;
+    let name = stat.get(open + 1..close)?.to_owned();
+    let mut rest = stat.get(close + 1..)?.split_whitespace();
+    let _state = rest.next()?;
+    let ppid = rest.next()?.parse().ok()?;
+    Some((ppid, name))
+}
+
+fn ps_table() -> Vec<(u32, u32, String)> {
+    let Ok(out) = std::process::Command::new("ps")
+        .args(["-A", "-o", "pid=", "-o", "ppid=", "-o", "comm="])
+        .stdin(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .output()
+    else {
+        return Vec::new();
+    };
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| {
+            let mut f = l.split_whitespace();
+            let pid = f.next()?.parse().ok()?;
+            let ppid = f.next()?.parse().ok()?;
+            let name = f.collect::<Vec<_>>().join(" ");
+            Some((pid, ppid, name))
+        })
+        .collect()
+}
+
+/// The private directory for slot lock files: `herdless-slots-UID` under
+/// `$XDG_RUNTIME_DIR`, `$TMPDIR` or `/tmp`, mode 0700, owned by this user.
+fn slot_dir() -> io::Result<PathBuf> {
+    let base = ["XDG_RUNTIME_DIR", "TMPDIR"]
+        .iter()
+        .filter_map(std::env::var_os)
+        .map(PathBuf::from)
+        .find(|p| p.is_dir())
+        .unwrap_or_else(|| PathBuf::from("/tmp"));
+    let uid = nix::unistd::geteuid().as_raw();
+    let dir = base.join(format!("herdless-slots-{uid}"));
+    match DirBuilder::new().mode(0o700).create(&dir) {
+        Ok(()) => {}
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+        Err(e) => {
+            return Err(io::Error::new(
+                e.kind(),
+                format!("cannot create {}: {e}", dir.display()),
+            ))
+        }
+    }
+    let meta = std::fs::symlink_metadata(&dir)?;
+    if !meta.is_dir() || meta.uid() != uid || meta.permissions().mode() & 0o077 != 0 {
+        return Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            format!(
+                "{} must be a directory of uid {uid} with mode 0700 \
+                 (it is owned by uid {}, mode {:04o})",
+                dir.display(),
+                meta.uid(),
+                meta.permissions().mode() & 0o7777
+            ),
+        ));
+    }
+    Ok(dir)
+}
+
+/// A held slot lock. Dropping it unlinks the file, then unlocks it.
+#[derive(Debug)]
+pub(crate) struct SlotLock {
+    flock: Option<Flock<File>>,
+    path: PathBuf,
+}
+
+impl Drop for SlotLock {
+    fn drop(&mut self) {
+        // Unlink while still holding the lock: a taker that was blocked on
+        // this file then sees that the path is gone and starts over.
+        let _ = std::fs::remove_file(&self.path);
+        drop(self.flock.take());
+    }
+}
+
+/// Takes the lock on `path`; with `wait` false, only if it is free now.
+fn take_lock(path: &Path, wait: bool) -> io::Result<Option<SlotLock>> {
+    let arg = if wait {
+        FlockArg::LockExclusive
+    } else {
+        FlockArg::LockExclusiveNonblock
+    };
+    loop {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .mode(0o600)
+            .custom_flags(OFlag::O_NOFOLLOW.bits())
+            .open(path)?;
+        let mut file = file;
+        let locked = loop {
+            match Flock::lock(file, arg) {
+                Ok(l) => break l,
+                Err((f, Errno::EINTR)) => file = f,
+                Err((_, Errno::EWOULDBLOCK)) if !wait => return Ok(None),
+                Err((_, e)) => return Err(e.into()),
+            }
+        };
+        // The holder unlinks before unlocking: the file we locked may be
+        // gone, or replaced by a newer one. Then it is not the slot.
+        let ours = locked.metadata()?;
+        match std::fs::symlink_metadata(path) {
+            Ok(now) if (now.dev(), now.ino()) == (ours.dev(), ours.ino()) => {
+                return Ok(Some(SlotLock {
+                    flock: Some(locked),
+                    path: path.to_path_buf(),
+                }))
+            }
+            Ok(_) => {}
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e),
+        }
+        // Dropping `locked` unlocks the stale file, without unlinking.
+    }
+}
+
+/// What the helper thread and the waiting threads share.
+#[derive(Default)]
+struct Shared {
+    /// Threads waiting for the slot.
+    wanted: u32,
+    /// Whether the helper thread is blocked in flock().
+    running: bool,
+    /// A lock the helper took for the waiters. The notification pipe holds
+    /// one byte exactly while this is `Some`.
+    got: Option<SlotLock>,
+    /// Why the helper failed, if it did.
+    failed: Option<String>,
+}
+
+struct Notify {
+    read: OwnedFd,
+    write: OwnedFd,
+}
+
+/// The parent's slot shared with siblings through a lock file.
+pub(crate) struct SharedSlot {
+    path: PathBuf,
+    shared: Arc<Mutex<Shared>>,
+    notify: Arc<Notify>,
+}
+
+impl std::fmt::Debug for SharedSlot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SharedSlot")
+            .field("path", &self.path)
+            .finish()
+    }
+}
+
+impl SharedSlot {
+    /// The slot of process `parent` on the jobserver whose pipe is `id`.
+    pub(crate) fn new(parent: u32, id: (u64, u64)) -> io::Result<SharedSlot> {
+        let dir = slot_dir()?;
+        let path = dir.join(format!("{parent}-{:x}-{:x}.lock", id.0, id.1));
+        let (read, write) = nix::unistd::pipe2(OFlag::O_CLOEXEC | OFlag::O_NONBLOCK)?;
+        Ok(SharedSlot {
+            path,
+            shared: Arc::new(Mutex::new(Shared::default())),
+            notify: Arc::new(Notify { read, write }),
+        })
+    }
+
+    /// The lock file's path.
+    #[cfg(test)]
+    pub(crate) fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Takes the slot if it is free now (or the helper already took it).
+    pub(crate) fn try_take(&self) -> io::Result<Option<SlotLock>> {
+        if let Some(l) = self.take_got() {
+            return Ok(Some(l));
+        }
+        take_lock(&self.path, false)
+    }
+
+    fn take_got(&self) -> Option<SlotLock> {
+        let mut st = lock(&self.shared);
+        let got = st.got.take();
+        if got.is_some() {
+            self.drain_notify();
+        }
+        got
+    }
+
+    fn drain_notify(&self) {
+        let mut buf = [0u8; 8];
+        while let Ok(n) = nix::unistd::read(&self.notify.read, &mut buf) {
+            if n == 0 {
+                break;
+            }
+        }
+    }
+
+    /// Starts waiting for the slot: makes sure the helper thread is blocked
+    /// on the lock. The returned guard stops waiting when dropped.
+    pub(crate) fn start_waiting(&self) -> io::Result<SlotWait<'_>> {
+        let mut st = lock(&self.shared);
+        st.wanted += 1;
+        if !st.running && st.got.is_none() {
+            st.running = true;
+            st.failed = None;
+            let path = self.path.clone();
+            let shared = Arc::clone(&self.shared);
+            let notify = Arc::clone(&self.notify);
+            let spawned = std::thread::Builder::new()
+                .name("herdless-slot".into())
+                .spawn(move || helper(path, shared, notify));
+            if let Err(e) = spawned {
+                st.running = false;
+                st.wanted -= 1;
+                return Err(e);
+            }
+        }
+        Ok(SlotWait { slot: self })
+    }
+}
+
+/// The helper thread: blocks until it holds the lock, then hands it to a
+/// waiter, or gives it back at once if nobody waits any more.
+fn helper(path: PathBuf, shared: Arc<Mutex<Shared>>, notify: Arc<Notify>) {
+    let taken = take_lock(&path, true);
+    let mut st = lock(&shared);
+    st.running = false;
+    match taken {
+        Ok(Some(l)) if st.wanted > 0 => {
+            st.got = Some(l);
+            let _ = nix::unistd::write(&notify.write, b"s");
+        }
+        Ok(_) => {} // dropped: given back at once
+        Err(e) => {
+            st.failed = Some(format!("cannot lock {}: {e}", path.display()));
+            let _ = nix::unistd::write(&notify.write, b"f");
+        }
+    }
+}
+
+/// A thread's wait for the slot; see [`SharedSlot::start_waiting`].
+pub(crate) struct SlotWait<'a> {
+    slot: &'a SharedSlot,
+}
+
+impl SlotWait<'_> {
+    /// Watch this beside the pipe: readable when the slot was taken for the
+    /// waiters (or the helper failed).
+    pub(crate) fn fd(&self) -> BorrowedFd<'_> {
+        self.slot.notify.read.as_fd()
+    }
+
+    /// The slot, if the helper has taken it for the waiters.
+    pub(crate) fn take(&self) -> io::Result<Option<SlotLock>> {
+        let mut st = lock(&self.slot.shared);
+        if let Some(l) = st.got.take() {
+            self.slot.drain_notify();
+            return Ok(Some(l));
+        }
+        if let Some(why) = st.failed.take() {
+            self.slot.drain_notify();
+            return Err(io::Error::other(why));
+        }
+        Ok(None)
+    }
+}
+
+impl Drop for SlotWait<'_> {
+    fn drop(&mut self) {
+        let mut st = lock(&self.slot.shared);
+        st.wanted -= 1;
+        if st.wanted == 0 && st.got.is_some() {
+            // Nobody wants it now: give it back.
+            st.got = None;
+            self.slot.drain_notify();
+        }
+    }
+}
+
+/// The parent's slot as this client sees it.
+#[derive(Debug)]
+pub(crate) enum ParentSlot {
+    /// The parent runs each job in a slot of its own (it is a make): the
+    /// slot is this process's, like an implicit token.
+    Own(AtomicBool),
+    /// The parent is a shell or another program whose children share its
+    /// one slot.
+    Shared(SharedSlot),
+}
+
+/// A slot this client took, as the token holds it.
+#[derive(Debug)]
+pub(crate) enum Held {
+    Own,
+    /// Kept for its `Drop`, which gives the lock back.
+    Locked(#[allow(dead_code)] SlotLock),
+}
+
+impl ParentSlot {
+    /// Takes the slot if it is free now.
+    pub(crate) fn try_take(&self) -> io::Result<Option<Held>> {
+        match self {
+            ParentSlot::Own(in_use) => Ok(in_use
+                .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok()
+                .then_some(Held::Own)),
+            ParentSlot::Shared(s) => Ok(s.try_take()?.map(Held::Locked)),
+        }
+    }
+
+    /// Gives a held slot back.
+    pub(crate) fn give_back(&self, held: Held) {
+        match (self, held) {
+            (ParentSlot::Own(in_use), Held::Own) => in_use.store(false, Ordering::Release),
+            (_, held) => drop(held),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn job_runners_by_name() {
+        for n in [
+            "make",
+            "gmake",
+            "bmake",
+            "bsdmake",
+            "mingw32-make",
+            "make-4.4.1",
+            "ninja",
+            "cargo",
+            "/usr/bin/make\n",
+        ] {
+            assert!(runs_each_job_in_a_slot(n), "{n}");
+        }
+        for n in [
+            "sh", "dash", "bash", "xargs", "parallel", "herdless", "python3", "makeinfo",
+        ] {
+            assert!(!runs_each_job_in_a_slot(n), "{n}");
+        }
+    }
+
+    #[test]
+    fn stat_lines() {
+        assert_eq!(
+            parse_stat("42 (make) S 7 42 42 0 -1"),
+            Some((7, "make".to_owned()))
+        );
+        assert_eq!(
+            parse_stat("43 (a (b) c) R 42 1"),
+            Some((42, "a (b) c".to_owned()))
+        );
+        assert_eq!(parse_stat("garbage"), None);
+        let (ppid, _) = proc_stat(std::process::id()).unwrap();
+        assert_eq!(ppid, std::os::unix::process::parent_id());
+    }
+
+    fn table<'a>(rows: &'a [(u32, u32, &'a str)]) -> impl Fn(u32) -> Option<(u32, String)> + 'a {
+        move |pid| {
+            rows.iter()
+                .find(|r| r.0 == pid)
+                .map(|r| (r.1, r.2.to_owned()))
+        }
+    }
+
+    #[test]
+    fn slot_owners() {
+        let rows = [
+            (1, 0, "init"),
+            (10, 1, "bash"),
+            (20, 10, "make"),
+            (30, 20, "sh"),       // a recipe's shell
+            (40, 30, "sh"),       // a subshell of it
+            (50, 20, "herdless"), // herdless exec run directly by make
+            (60, 50, "sh"),
+            (70, 10, "cargo-test"),
+        ];
+        let t = table(&rows);
+        // Run by make itself: its own slot.
+        assert_eq!(slot_owner(20, &t), Owner::Own);
+        // Under the recipe's shell, or a subshell of it: the shell's slot.
+        assert_eq!(slot_owner(30, &t), Owner::Shared(30));
+        assert_eq!(slot_owner(40, &t), Owner::Shared(30));
+        // Under a job that runs a script: that job's slot.
+        assert_eq!(slot_owner(60, &t), Owner::Shared(50));
+        // No job runner above: the parent's.
+        assert_eq!(slot_owner(70, &t), Owner::Shared(70));
+        assert_eq!(slot_owner(10, &t), Owner::Shared(10));
+        // An unknown parent: its pid all the same.
+        assert_eq!(slot_owner(99, &t), Owner::Shared(99));
+    }
+
+    fn test_slot(tag: u64) -> SharedSlot {
+        // A pid that is not a real parent: tests do not collide with real
+        // lock files.
+        SharedSlot::new(u32::MAX, (std::process::id() as u64, tag)).unwrap()
+    }
+
+    #[test]
+    fn a_slot_is_held_once_and_its_file_removed() {
+        let slot = test_slot(1);
+        let dir = slot.path().parent().unwrap();
+        let mode = std::fs::metadata(dir).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o700);
+        let first = slot.try_take().unwrap().expect("free");
+        assert!(slot.path().exists());
+        // A second description in the same process conflicts as another
+        // process's would.
+        assert!(slot.try_take().unwrap().is_none());
+        drop(first);
+        assert!(!slot.path().exists());
+        let again = slot.try_take().unwrap().expect("free again");
+        drop(again);
+    }
+
+    #[test]
+    fn the_helper_hands_over_the_slot_when_released() {
+        let slot = test_slot(2);
+        let held = slot.try_take().unwrap().unwrap();
+        let wait = slot.start_waiting().unwrap();
+        assert!(wait.take().unwrap().is_none());
+        drop(held);
+        // Block until the notification arrives.
+        let mut fds = [nix::poll::PollFd::new(
+            wait.fd(),
+            nix::poll::PollFlags::POLLIN,
+        )];
+        nix::poll::poll(&mut fds, nix::poll::PollTimeout::NONE).unwrap();
+        let got = wait.take().unwrap().expect("handed over");
+        drop(wait);
+        assert!(slot.try_take().unwrap().is_none(), "still held by `got`");
+        drop(got);
+        assert!(slot.try_take().unwrap().is_some());
+    }
+
+    #[test]
+    fn a_late_lock_nobody_wants_is_given_back() {
+        let slot = test_slot(3);
+        let held = slot.try_take().unwrap().unwrap();
+        let wait = slot.start_waiting().unwrap();
+        drop(wait); // e.g. a pipe token won
+        drop(held);
+        // The helper takes the lock and gives it back; either way the slot
+        // becomes free without anyone waiting for it.
+        let mut free = None;
+        while free.is_none() {
+            free = slot.try_take().unwrap();
+            if free.is_none() {
+                // Wait for the helper by waiting for the lock itself.
+                let _l = take_lock(slot.path(), true).unwrap();
+            }
+        }
+    }
+}
