@@ -1,0 +1,348 @@
+//! `herdless exec` inside the recipes of real makes: GNU make 4.3 (pipe
+//! style), GNU make 4.4.1 (fifo style) and bmake (`-J`). Each Makefile's
+//! jobs record how many run at once; the tests assert the limit is reached
+//! and never exceeded, that every token is back in the pipe at the end, and
+//! that nothing deadlocks when every recipe is a `herdless exec`.
+//!
+//! A test that needs a program that is missing fails and says how to get
+//! it; none passes without running.
+
+mod classic_client_support;
+
+use std::fmt::Write as _;
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+use classic_client_support::{
+    bmake, clean, gnu_make_43, gnu_make_441, herdless, run, serial, text, Jobs, TokenFifo,
+    TokenPipe,
+};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Make {
+    Gnu43,
+    Gnu441,
+    Bmake,
+}
+
+impl Make {
+    fn program(self) -> PathBuf {
+        match self {
+            Make::Gnu43 => gnu_make_43(),
+            Make::Gnu441 => gnu_make_441(),
+            Make::Bmake => bmake(),
+        }
+    }
+}
+
+/// One recipe line.
+enum Recipe {
+    /// `herdless exec -- JOB`, marked so that make passes its jobserver
+    /// (`+` for GNU make, `.MAKE` for bmake) unless `marked` is false.
+    Exec { marked: bool },
+    /// A shell loop that starts `n` `herdless exec` in parallel, each in a
+    /// subshell that records a failure.
+    Parallel { n: u32 },
+}
+
+fn makefile(make: Make, jobs: &Jobs, want: u32, targets: &[Recipe]) -> String {
+    let exec = format!("{} exec -- {}", herdless(), jobs.job(want));
+    let failed = jobs.path().join("failed");
+    let names: Vec<String> = (1..=targets.len()).map(|i| format!("t{i}")).collect();
+    let mut mk = String::new();
+    writeln!(mk, ".PHONY: all {}", names.join(" ")).unwrap();
+    writeln!(mk, "all: {}", names.join(" ")).unwrap();
+    for (name, recipe) in names.iter().zip(targets) {
+        let marked = match recipe {
+            Recipe::Exec { marked } => *marked,
+            Recipe::Parallel { .. } => true,
+        };
+        if make == Make::Bmake && marked {
+            writeln!(mk, "{name}: .MAKE").unwrap();
+        } else {
+            writeln!(mk, "{name}:").unwrap();
+        }
+        let plus = if make != Make::Bmake && marked {
+            "+"
+        } else {
+            ""
+        };
+        let line = match recipe {
+            Recipe::Exec { .. } => exec.clone(),
+            Recipe::Parallel { n } => format!(
+                "for i in {}; do ( {exec} || echo $$i >> {} ) & done; wait",
+                (1..=*n)
+                    .map(|i| i.to_string())
+                    .collect::<Vec<_>>()
+                    .join(" "),
+                failed.display()
+            ),
+        };
+        writeln!(mk, "\t{plus}{line}").unwrap();
+    }
+    mk
+}
+
+/// Where the tokens come from.
+enum Server {
+    /// The test's own pipe (GNU make 4.3, bmake) or fifo (GNU make 4.4.1)
+    /// holding `tokens`, named in MAKEFLAGS: make runs as a sub-make with
+    /// `-j(tokens + 1)`, and the pipe can be counted afterwards.
+    External { tokens: usize },
+    /// `make -jN`: make makes its own.
+    Direct { jobs: u32 },
+}
+
+struct Ran {
+    out: Output,
+    /// Bytes left in the external pipe or fifo afterwards.
+    left: Option<Vec<u8>>,
+}
+
+fn run_make(make: Make, server: Server, jobs: &Jobs, want: u32, targets: &[Recipe]) -> Ran {
+    let program = make.program();
+    let dir = jobs.path();
+    let mf = dir.join("Makefile");
+    std::fs::write(&mf, makefile(make, jobs, want, targets)).unwrap();
+    let mut cmd: Command = clean(&program);
+    cmd.arg("-f").arg(&mf).current_dir(dir);
+    let token = if make == Make::Bmake { b'+' } else { b'|' };
+    let what = format!("{make:?} ({})", program.display());
+    match server {
+        Server::Direct { jobs: n } => {
+            cmd.arg(format!("-j{n}"));
+            Ran {
+                out: run(&mut cmd, &what),
+                left: None,
+            }
+        }
+        Server::External { tokens } => {
+            let tokens = vec![token; tokens];
+            let j = tokens.len() + 1;
+            if make == Make::Gnu441 {
+                let fifo = TokenFifo::new(dir, &tokens);
+                cmd.env(
+                    "MAKEFLAGS",
+                    format!("-j{j} --jobserver-auth=fifo:{}", fifo.path.display()),
+                );
+                let out = run(&mut cmd, &what);
+                Ran {
+                    out,
+                    left: Some(fifo.drain()),
+                }
+            } else {
+                let pipe = TokenPipe::new(&tokens);
+                let flags = match make {
+                    Make::Bmake => format!("-j {j} -J {}", pipe.auth()),
+                    _ => format!("-j{j} --jobserver-auth={}", pipe.auth()),
+                };
+                cmd.env("MAKEFLAGS", flags);
+                let out = run(&mut cmd, &what);
+                Ran {
+                    out,
+                    left: Some(pipe.drain()),
+                }
+            }
+        }
+    }
+}
+
+/// Every token is back: as many bytes as were put in. GNU make writes `+`
+/// back whatever byte it read, so only bmake's bytes are checked exactly.
+fn check_tokens_back(make: Make, left: Option<Vec<u8>>, tokens: usize) {
+    let left = left.expect("an external jobserver");
+    assert_eq!(left.len(), tokens, "every token is back: {left:?}");
+    let ok: &[u8] = if make == Make::Bmake { b"+" } else { b"|+" };
+    assert!(left.iter().all(|b| ok.contains(b)), "{left:?}");
+}
+
+fn execs(n: usize) -> Vec<Recipe> {
+    (0..n).map(|_| Recipe::Exec { marked: true }).collect()
+}
+
+/// The make succeeded, every job ran and ended, and make itself saw no
+/// lost token.
+fn check_ran(ran: &Ran, jobs: &Jobs, expected: usize) {
+    let out = &ran.out;
+    assert!(out.status.success(), "{}", text(out));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("INTERNAL"), "{}", text(out));
+    assert!(!stderr.contains("jobserver unavailable"), "{}", text(out));
+    assert!(
+        !jobs.path().join("failed").exists(),
+        "a parallel herdless exec failed\n{}",
+        text(out)
+    );
+    assert_eq!(jobs.done(), expected, "{}", text(out));
+    assert_eq!(jobs.running(), 0);
+}
+
+/// Make's -j3 with herdless exec in every recipe: at most 3 at once, 3
+/// reached, and the external pipe's 2 tokens back.
+fn recipes_run_herdless_exec(make: Make) {
+    let _serial = serial();
+    let jobs = Jobs::new("recipes");
+    let ran = run_make(make, Server::External { tokens: 2 }, &jobs, 3, &execs(9));
+    check_ran(&ran, &jobs, 9);
+    assert_eq!(
+        jobs.peak(),
+        3,
+        "at most 3 at once, and 3 reached\n{}",
+        text(&ran.out)
+    );
+    check_tokens_back(make, ran.left, 2);
+
+    let jobs = Jobs::new("recipes-direct");
+    let ran = run_make(make, Server::Direct { jobs: 3 }, &jobs, 3, &execs(9));
+    check_ran(&ran, &jobs, 9);
+    assert_eq!(jobs.peak(), 3, "{}", text(&ran.out));
+}
+
+/// One recipe starts 6 herdless exec at once: they share the recipe's
+/// slot and take make's 2 spare tokens, so 3 run at once. With two such
+/// recipes, make takes a token for the second, and still 3 run at once.
+fn a_recipe_script_takes_makes_tokens(make: Make) {
+    let _serial = serial();
+    for recipes in [1, 2] {
+        let jobs = Jobs::new("script");
+        let targets: Vec<_> = (0..recipes).map(|_| Recipe::Parallel { n: 6 }).collect();
+        let ran = run_make(make, Server::External { tokens: 2 }, &jobs, 3, &targets);
+        check_ran(&ran, &jobs, 6 * recipes);
+        assert_eq!(
+            jobs.peak(),
+            3,
+            "{recipes} recipe(s): the slot(s) plus make's tokens, never more\n{}",
+            text(&ran.out)
+        );
+        check_tokens_back(make, ran.left, 2);
+    }
+}
+
+/// -j1 and -j2 where every recipe is a herdless exec (and one runs several
+/// at once): everything finishes.
+fn no_deadlock_at_j1_and_j2(make: Make) {
+    let _serial = serial();
+    for tokens in [0, 1] {
+        let jobs = Jobs::new("deadlock");
+        let mut targets = execs(4);
+        targets.push(Recipe::Parallel { n: 3 });
+        let ran = run_make(make, Server::External { tokens }, &jobs, 1, &targets);
+        check_ran(&ran, &jobs, 7);
+        let limit = tokens as u32 + 1;
+        assert!(jobs.peak() <= limit, "-j{limit}: peak {}", jobs.peak());
+        check_tokens_back(make, ran.left, tokens);
+    }
+    let jobs = Jobs::new("deadlock-direct");
+    let mut targets = execs(4);
+    targets.push(Recipe::Parallel { n: 3 });
+    let ran = run_make(make, Server::Direct { jobs: 2 }, &jobs, 1, &targets);
+    check_ran(&ran, &jobs, 7);
+    assert!(jobs.peak() <= 2, "-j2: peak {}", jobs.peak());
+}
+
+#[test]
+fn gnu_make_43_pipe_recipes_run_herdless_exec() {
+    recipes_run_herdless_exec(Make::Gnu43);
+}
+
+#[test]
+fn gnu_make_43_pipe_recipe_script_takes_makes_tokens() {
+    a_recipe_script_takes_makes_tokens(Make::Gnu43);
+}
+
+#[test]
+fn gnu_make_43_pipe_no_deadlock_at_j1_and_j2() {
+    no_deadlock_at_j1_and_j2(Make::Gnu43);
+}
+
+#[test]
+fn gnu_make_43_recipe_without_plus_is_told_why() {
+    let _serial = serial();
+    let jobs = Jobs::new("no-plus");
+    let ran = run_make(
+        Make::Gnu43,
+        Server::External { tokens: 2 },
+        &jobs,
+        1,
+        &[Recipe::Exec { marked: false }],
+    );
+    assert!(!ran.out.status.success(), "{}", text(&ran.out));
+    let stderr = String::from_utf8_lossy(&ran.out.stderr);
+    assert!(
+        stderr.contains("which is not open (was the recipe not marked with + ?)"),
+        "{}",
+        text(&ran.out)
+    );
+    check_tokens_back(Make::Gnu43, ran.left, 2);
+}
+
+#[test]
+fn gnu_make_441_fifo_recipes_run_herdless_exec() {
+    recipes_run_herdless_exec(Make::Gnu441);
+}
+
+#[test]
+fn gnu_make_441_fifo_needs_no_plus() {
+    let _serial = serial();
+    let jobs = Jobs::new("fifo-no-plus");
+    let targets: Vec<_> = (0..6).map(|_| Recipe::Exec { marked: false }).collect();
+    let ran = run_make(
+        Make::Gnu441,
+        Server::External { tokens: 2 },
+        &jobs,
+        3,
+        &targets,
+    );
+    check_ran(&ran, &jobs, 6);
+    assert_eq!(jobs.peak(), 3, "{}", text(&ran.out));
+    check_tokens_back(Make::Gnu441, ran.left, 2);
+}
+
+#[test]
+fn gnu_make_441_fifo_recipe_script_takes_makes_tokens() {
+    a_recipe_script_takes_makes_tokens(Make::Gnu441);
+}
+
+#[test]
+fn gnu_make_441_fifo_no_deadlock_at_j1_and_j2() {
+    no_deadlock_at_j1_and_j2(Make::Gnu441);
+}
+
+#[test]
+fn bmake_recipes_run_herdless_exec() {
+    recipes_run_herdless_exec(Make::Bmake);
+}
+
+#[test]
+fn bmake_recipe_script_takes_makes_tokens() {
+    a_recipe_script_takes_makes_tokens(Make::Bmake);
+}
+
+#[test]
+fn bmake_no_deadlock_at_j1_and_j2() {
+    no_deadlock_at_j1_and_j2(Make::Bmake);
+}
+
+#[test]
+fn bmake_target_without_make_attribute_is_told_why() {
+    let _serial = serial();
+    let jobs = Jobs::new("no-dotmake");
+    let ran = run_make(
+        Make::Bmake,
+        Server::External { tokens: 2 },
+        &jobs,
+        1,
+        &[Recipe::Exec { marked: false }],
+    );
+    assert!(!ran.out.status.success(), "{}", text(&ran.out));
+    let out = format!(
+        "{}{}",
+        String::from_utf8_lossy(&ran.out.stdout),
+        String::from_utf8_lossy(&ran.out.stderr)
+    );
+    assert!(
+        out.contains("which is not open (is the target not marked .MAKE?)"),
+        "{}",
+        text(&ran.out)
+    );
+}
