@@ -363,6 +363,53 @@ fn check_minimake(run: &(ExitStatus, String, String)) {
     assert!((1..40).contains(&tokens), "{report}");
 }
 
+/// minimake as the one recipe of a plain `make -j4` or `bmake -j4`, with
+/// no broker: the C ABI goes through the client's classic fallback, and
+/// minimake's implicit slot is the one its make runs it in.
+fn minimake_under(make: &str, recipe: &str) {
+    let minimake = build_c("minimake");
+    let dir = tmp_dir(&format!("minimake-{make}"));
+    let makefile = dir.join("Makefile");
+    let recipe = recipe.replace("MINIMAKE", &minimake.to_string_lossy());
+    fs::write(&makefile, recipe).unwrap();
+    let mut cmd = clean(Command::new(make));
+    cmd.arg("-j4").arg("-f").arg(&makefile).current_dir(&dir);
+    let run = output(cmd);
+    check_minimake(&run);
+    // GNU make counts its tokens when it exits ("INTERNAL: Exiting with …
+    // jobserver tokens available; should be …").
+    assert!(!run.2.contains("INTERNAL"), "{}", run.2);
+}
+
+#[test]
+fn minimake_under_gnu_make_jobserver() {
+    // `+`: the recipe is make-like, so GNU make keeps its pipe open for it.
+    minimake_under("make", "all:\n\t+@'MINIMAKE' 40\n");
+}
+
+#[test]
+fn minimake_under_bmake_jobserver() {
+    // `.MAKE`: bmake passes its token pipe (-J) only to such targets.
+    minimake_under("bmake", "all: .MAKE\n\t@'MINIMAKE' 40\n");
+}
+
+#[test]
+fn free_gives_back_what_is_held_under_gnu_make() {
+    // GNU make counts its tokens when it exits: a token not written back
+    // is reported as INTERNAL.
+    let holder = build_c("holder");
+    let dir = tmp_dir("holder-make");
+    let makefile = dir.join("Makefile");
+    let recipe = format!("all:\n\t+@'{}' 3 -1 free\n", holder.display());
+    fs::write(&makefile, recipe).unwrap();
+    let mut cmd = clean(Command::new("make"));
+    cmd.arg("-j4").arg("-f").arg(&makefile).current_dir(&dir);
+    let run = output(cmd);
+    assert_ok("holder", &run);
+    assert!(run.1.contains("holding 3"), "{}", run.1);
+    assert!(!run.2.contains("INTERNAL"), "{}", run.2);
+}
+
 #[test]
 fn bad_arguments_give_error_codes() {
     let errors = build_c("errors");
