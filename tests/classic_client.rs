@@ -377,6 +377,16 @@ fn helper() {
                 }
             }
         }
+        // Takes a token and keeps it until killed.
+        "hold" => {
+            let c = Client::from_env_with(no_implicit()).expect("a jobserver");
+            println!("HELPER: waiting");
+            let t = c.acquire().expect("a token");
+            println!("HELPER: got");
+            std::thread::sleep(Duration::from_secs(3600));
+            drop(t);
+            0
+        }
         other => panic!("unknown helper role {other}"),
     };
     std::process::exit(code);
@@ -491,6 +501,112 @@ fn a_bmake_abort_token_stops_every_waiting_process() {
         // Each reader drained and put the stopper back: exactly one is left.
         assert_eq!(pipe.drain(), [byte]);
     }
+}
+
+/// Voluntary + involuntary context switches of every thread of `pid`.
+#[cfg(target_os = "linux")]
+fn switches(pid: u32) -> u64 {
+    let mut total = 0;
+    for task in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap() {
+        let status = std::fs::read_to_string(task.unwrap().path().join("status")).unwrap();
+        for line in status.lines() {
+            if let Some((key, value)) = line.split_once(':') {
+                if key.ends_with("ctxt_switches") {
+                    total += value.trim().parse::<u64>().unwrap();
+                }
+            }
+        }
+    }
+    total
+}
+
+/// Whether a thread of `pid` sleeps in `epoll_wait()`, from its `wchan`;
+/// `None` where the kernel does not show it.
+#[cfg(target_os = "linux")]
+fn epoll_waiting(pid: u32) -> Option<bool> {
+    let mut shown = false;
+    for task in std::fs::read_dir(format!("/proc/{pid}/task")).ok()? {
+        let wchan = std::fs::read_to_string(task.ok()?.path().join("wchan")).unwrap_or_default();
+        if wchan.contains("epoll_wait") || wchan.contains("ep_poll") {
+            return Some(true);
+        }
+        shown |= !wchan.is_empty() && wchan != "0";
+    }
+    shown.then_some(false)
+}
+
+/// Linux: the waiters sleep in `epoll_wait()` with `EPOLLEXCLUSIVE`, so
+/// one byte written to the pipe wakes exactly one of them (DESIGN §2: one
+/// idle waiter), where `poll()` would wake all 16.
+#[cfg(target_os = "linux")]
+#[test]
+fn one_byte_wakes_one_of_16_waiting_processes() {
+    let _serial = serial();
+    let pipe = TokenPipe::new(b"");
+    let mut waiters: Vec<_> = (0..16)
+        .map(|_| {
+            let mut child = helper_cmd("hold")
+                .env(
+                    "MAKEFLAGS",
+                    format!("-j17 --jobserver-auth={}", pipe.auth()),
+                )
+                .stdout(Stdio::piped())
+                .spawn()
+                .unwrap();
+            let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+            loop {
+                let line = lines.next().expect("helper output").unwrap();
+                if line == "HELPER: waiting" {
+                    break;
+                }
+            }
+            (child, lines)
+        })
+        .collect();
+    // Each helper's later lines, tagged with its index.
+    let (tx, rx) = std::sync::mpsc::channel();
+    let mut children = Vec::new();
+    for (i, (child, lines)) in waiters.drain(..).enumerate() {
+        let tx = tx.clone();
+        std::thread::spawn(move || {
+            for line in lines.map_while(Result::ok) {
+                let _ = tx.send((i, line));
+            }
+        });
+        children.push(child);
+    }
+    drop(tx);
+    // Let the waiters settle into their wait before sampling: each has a
+    // thread in epoll_wait() (where the kernel shows it), then a pause.
+    for c in &children {
+        let start = std::time::Instant::now();
+        while epoll_waiting(c.id()) == Some(false) && start.elapsed() < Duration::from_secs(30) {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let before: Vec<u64> = children.iter().map(|c| switches(c.id())).collect();
+    pipe.put(b"+");
+    let (first, line) = rx
+        .recv_timeout(Duration::from_secs(60))
+        .expect("a helper takes the byte");
+    assert_eq!(line, "HELPER: got");
+    // Give any spurious wake-up time to show.
+    std::thread::sleep(Duration::from_millis(300));
+    let after: Vec<u64> = children.iter().map(|c| switches(c.id())).collect();
+    let woken: Vec<usize> = (0..16).filter(|&i| after[i] > before[i]).collect();
+    for child in &mut children {
+        child.kill().unwrap();
+        child.wait().unwrap();
+    }
+    let others: Vec<_> = rx.iter().filter(|(_, l)| l == "HELPER: got").collect();
+    assert!(others.is_empty(), "one byte, one taker: {others:?}");
+    assert_eq!(
+        woken,
+        [first],
+        "only the one that took it ran: {before:?} -> {after:?}"
+    );
+    assert!(pipe.drain().is_empty());
 }
 
 // ---------------------------------------------------------------------
