@@ -314,6 +314,16 @@ impl Bridge {
         self.client = Some(id);
     }
 
+    /// Takes one unread token back out of the pipe for a native client
+    /// that will not wait (a try-acquire), so a token no classic client
+    /// has read is not refused to it. Returns whether one came back.
+    pub fn reclaim_one(&mut self, pool: &mut Pool, now: std::time::Duration) -> bool {
+        if self.aborted.is_some() || self.in_pipe() == 0 {
+            return false;
+        }
+        self.take_back(pool, 1, now) == 1
+    }
+
     /// Re-reads how many tokens sit in the pipe (noting whether classic
     /// clients took some), before anything else changes it.
     pub fn refresh(&mut self) {

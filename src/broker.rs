@@ -558,7 +558,15 @@ impl Broker {
         let result = match req {
             Request::Hello { .. } => return Err("second hello on one connection".into()),
             Request::Acquire => self.pool.acquire(id, now),
-            Request::TryAcquire => self.pool.try_acquire(id),
+            Request::TryAcquire => {
+                if self.pool.free() == 0 {
+                    let now = self.now();
+                    if let Some(bridge) = self.bridge.as_mut() {
+                        bridge.reclaim_one(&mut self.pool, now);
+                    }
+                }
+                self.pool.try_acquire(id)
+            }
             Request::Cancel => self.pool.cancel(id),
             Request::Release => self.pool.release(id, now),
             Request::Abort { reason } => {

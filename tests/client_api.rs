@@ -155,3 +155,35 @@ fn an_abort_reaches_every_client() {
     let s = serve.wait_for("the token back", |s| s.free == 1);
     assert_eq!(s.lost, 0);
 }
+
+#[test]
+fn try_acquire_gets_a_token_left_unread_in_the_classic_pipe() {
+    // Under `herdless run` every free token waits in the classic pipe
+    // while no native client waits; a try-acquire must still get one.
+    let out = std::process::Command::new(common::BIN)
+        .args(["run", "-j", "3", "--"])
+        .arg(std::env::current_exe().unwrap())
+        .args(["--exact", "helper_process", "--nocapture"])
+        .env("HERDLESS_TEST_ROLE", "try-twice")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("role: tries 2 of 2"), "{stdout}");
+}
+
+#[test]
+fn helper_process() {
+    if std::env::var("HERDLESS_TEST_ROLE").as_deref() == Ok("try-twice") {
+        let c = Client::from_env_with(Options::default().implicit_token(false)).unwrap();
+        let a = c.try_acquire().unwrap();
+        let b = c.try_acquire().unwrap();
+        let n = a.is_some() as u32 + b.is_some() as u32;
+        println!("role: tries {n} of 2");
+        std::process::exit(0);
+    }
+}
