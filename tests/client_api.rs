@@ -187,3 +187,35 @@ fn helper_process() {
         std::process::exit(0);
     }
 }
+
+#[test]
+fn a_socket_path_too_long_says_so() {
+    let long = std::path::PathBuf::from(format!("/tmp/{}/broker.sock", "x".repeat(200)));
+    let err = Client::connect(&long).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Connect);
+    assert_eq!(err.errno(), libc::ENAMETOOLONG, "{err}");
+}
+
+#[test]
+fn cancel_pending_keeps_other_threads_waiting() {
+    let serve = Serve::start(2); // one shared token
+    let holder = shared_only(&serve);
+    let held = holder.acquire().unwrap();
+    let c = shared_only(&serve);
+    let blocked = {
+        let c = c.clone();
+        std::thread::spawn(move || c.acquire().map(|t| t.forget()).map_err(|e| e.kind()))
+    };
+    serve.wait_for("the blocked thread to queue", |s| s.waiting == 1);
+    // Another thread of the same client asks without waiting, then gives
+    // up: only its own request is withdrawn.
+    assert!(c.take_grant().unwrap().is_none());
+    assert!(c.cancel_pending().unwrap().is_none());
+    let s = serve.status();
+    assert_eq!(s.waiting, 1, "the blocked thread keeps its place: {s:#?}");
+    drop(held);
+    assert_eq!(blocked.join().unwrap(), Ok(()));
+    c.release_raw().unwrap();
+    let s = serve.wait_for("all back", |s| s.free == 1);
+    assert_eq!(s.lost, 0);
+}

@@ -92,6 +92,19 @@ fn wait_fd(fd: BorrowedFd<'_>, flags: PollFlags, deadline: Option<Instant>) -> i
 impl Native {
     /// Connects, checks the broker is this user's, and shakes hands.
     pub(crate) fn connect(path: &Path, flags: HelloFlags) -> Result<Native> {
+        if let Err(e) = std::os::unix::net::SocketAddr::from_pathname(path) {
+            return Err(Error::io(
+                ErrorKind::Connect,
+                format!("cannot use {} as a socket address", path.display()),
+                if std::os::unix::ffi::OsStrExt::as_bytes(path.as_os_str()).contains(&0) {
+                    io::Error::from_raw_os_error(libc::EINVAL)
+                } else if e.kind() == io::ErrorKind::InvalidInput {
+                    io::Error::from_raw_os_error(libc::ENAMETOOLONG)
+                } else {
+                    e
+                },
+            ));
+        }
         let stream = UnixStream::connect(path).map_err(|e| {
             let what = match e.kind() {
                 io::ErrorKind::NotFound => "no herdless broker: socket {} does not exist",
@@ -582,10 +595,12 @@ impl Native {
     pub(crate) fn cancel_pending(&self) -> Result<bool> {
         let mut st = lock(&self.state);
         self.drain(&mut st);
-        let wanting = st.wanting;
-        st.wanting = 0;
-        let (mut st, got) = self.withdraw(st);
-        st.wanting = wanting;
+        // Withdraws only requests beyond what blocked threads still want,
+        // so their places in the queue are kept.
+        let (mut st, _) = self.withdraw(st);
+        // A grant that arrived and that no blocked thread waits for is the
+        // caller's.
+        let got = st.ready > st.wanting;
         if got {
             st.ready -= 1;
         }
