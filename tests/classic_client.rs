@@ -67,6 +67,21 @@ fn tokens_come_back_byte_for_byte() {
 }
 
 #[test]
+fn dropping_the_client_gives_back_forgotten_tokens() {
+    let pipe = TokenPipe::private(b"xy");
+    let client = Client::from_jobserver(gnu(&pipe), no_implicit()).unwrap();
+    client.acquire().unwrap().forget();
+    client.acquire().unwrap().forget();
+    assert!(pipe.drain().is_empty());
+    drop(client);
+    assert_eq!(
+        sorted(pipe.drain()),
+        b"xy",
+        "no token leaves with the client"
+    );
+}
+
+#[test]
 fn the_implicit_token_comes_first_and_never_touches_the_pipe() {
     let pipe = TokenPipe::private(b"+");
     let client = Client::from_jobserver(gnu(&pipe), Options::default()).unwrap();

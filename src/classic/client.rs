@@ -352,3 +352,20 @@ impl Classic {
         *lock(&self.aborted)
     }
 }
+
+impl Drop for Classic {
+    /// Gives back every token still held — those kept with
+    /// [`Token::forget`](crate::client::Token::forget) included — as a
+    /// closed connection does for a native client: a classic jobserver has
+    /// no other way to get them back.
+    fn drop(&mut self) {
+        while !lock(&self.held).is_empty() {
+            if self.release_byte().is_err() {
+                break;
+            }
+        }
+        if lock(&self.held_slot).is_some() {
+            let _ = self.release_slot();
+        }
+    }
+}
