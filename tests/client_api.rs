@@ -219,3 +219,26 @@ fn cancel_pending_keeps_other_threads_waiting() {
     let s = serve.wait_for("all back", |s| s.free == 1);
     assert_eq!(s.lost, 0);
 }
+
+#[test]
+fn a_timeout_in_one_thread_withdraws_only_its_own_request() {
+    let serve = Serve::start(2); // one shared token
+    let holder = shared_only(&serve);
+    let held = holder.acquire().unwrap();
+    let c = shared_only(&serve);
+    let blocked = {
+        let c = c.clone();
+        std::thread::spawn(move || c.acquire().map(|t| t.forget()).map_err(|e| e.kind()))
+    };
+    serve.wait_for("the blocked thread to queue", |s| s.waiting == 1);
+    assert!(c
+        .acquire_timeout(Duration::from_millis(50))
+        .unwrap()
+        .is_none());
+    let s = serve.status();
+    assert_eq!((s.waiting, s.cancelled), (1, 1), "{s:#?}");
+    drop(held);
+    assert_eq!(blocked.join().unwrap(), Ok(()));
+    c.release_raw().unwrap();
+    serve.wait_for("all back", |s| s.free == 1);
+}

@@ -89,6 +89,22 @@ fn wait_fd(fd: BorrowedFd<'_>, flags: PollFlags, deadline: Option<Instant>) -> i
     }
 }
 
+/// A wait that only the answer ends.
+const NO_DEADLINE: Wait = Wait {
+    deadline: None,
+    interruptible: false,
+};
+
+/// Takes a grant that no blocked thread of this client is waiting for.
+fn take_spare(st: &mut State) -> bool {
+    if st.ready > st.wanting {
+        st.ready -= 1;
+        true
+    } else {
+        false
+    }
+}
+
 impl Native {
     /// Connects, checks the broker is this user's, and shakes hands.
     pub(crate) fn connect(path: &Path, flags: HelloFlags) -> Result<Native> {
@@ -522,17 +538,13 @@ impl Native {
     /// After a timeout: cancels requests nobody wants any more and waits
     /// for the answers. Returns whether a grant is ready after all.
     fn withdraw<'a>(&'a self, mut st: MutexGuard<'a, State>) -> (MutexGuard<'a, State>, bool) {
-        while st.acquires > st.cancels && st.acquires + st.ready > st.wanting {
+        while st.acquires > st.cancels && st.acquires - st.cancels + st.ready > st.wanting {
             if self.send(&Request::Cancel).is_err() {
                 break;
             }
             st.cancels += 1;
         }
-        let no_deadline = Wait {
-            deadline: None,
-            interruptible: false,
-        };
-        let (guard, _) = self.wait_until(st, no_deadline, |s| s.cancels == 0);
+        let (guard, _) = self.wait_until(st, NO_DEADLINE, |s| s.cancels == 0);
         st = guard;
         let got = st.ready > 0;
         (st, got)
@@ -542,8 +554,7 @@ impl Native {
     pub(crate) fn try_acquire(&self) -> Result<bool> {
         let mut st = lock(&self.state);
         self.drain(&mut st);
-        if st.ready > 0 {
-            st.ready -= 1;
+        if take_spare(&mut st) {
             return Ok(true);
         }
         Self::check(&st)?;
@@ -554,14 +565,9 @@ impl Native {
         }
         self.send(&Request::TryAcquire)?;
         st.tries += 1;
-        let no_deadline = Wait {
-            deadline: None,
-            interruptible: false,
-        };
-        let (mut st, r) = self.wait_until(st, no_deadline, |s| s.tries == 0);
+        let (mut st, r) = self.wait_until(st, NO_DEADLINE, |s| s.tries == 0);
         r?;
-        if st.ready > 0 {
-            st.ready -= 1;
+        if take_spare(&mut st) {
             return Ok(true);
         }
         if st.denied > 0 {
@@ -577,12 +583,11 @@ impl Native {
     pub(crate) fn take_grant(&self) -> Result<bool> {
         let mut st = lock(&self.state);
         self.drain(&mut st);
-        if st.ready > 0 {
-            st.ready -= 1;
+        if take_spare(&mut st) {
             return Ok(true);
         }
         Self::check(&st)?;
-        if st.acquires == 0 && st.tries == 0 {
+        if st.acquires + st.ready <= st.wanting && st.tries == 0 {
             self.send(&Request::Acquire)?;
             st.acquires += 1;
         }
@@ -600,10 +605,7 @@ impl Native {
         let (mut st, _) = self.withdraw(st);
         // A grant that arrived and that no blocked thread waits for is the
         // caller's.
-        let got = st.ready > st.wanting;
-        if got {
-            st.ready -= 1;
-        }
+        let got = take_spare(&mut st);
         Self::check(&st).map(|()| got)
     }
 
@@ -629,11 +631,7 @@ impl Native {
         let mut st = lock(&self.state);
         st.status = None;
         self.send(&Request::Status)?;
-        let no_deadline = Wait {
-            deadline: None,
-            interruptible: false,
-        };
-        let (mut st, r) = self.wait_until(st, no_deadline, |s| s.status.is_some());
+        let (mut st, r) = self.wait_until(st, NO_DEADLINE, |s| s.status.is_some());
         r?;
         match st.status.take() {
             Some(json) => Ok(json),
