@@ -32,11 +32,9 @@ use super::channel::{make_fifo, open_fifo_read, open_fifo_write};
 use super::kernel_label;
 use super::make::{make_args, spin};
 use super::procs::ensure_limits;
+use super::shared::TOKENS;
 use crate::broker::{Broker, Config};
 use crate::rundir::RunDir;
-
-/// The token FIFO of the classic variants.
-pub(crate) const TOKENS: &str = "tokens";
 
 /// How the makes of one run take tokens.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

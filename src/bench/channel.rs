@@ -99,14 +99,13 @@ pub(crate) enum Record {
     /// Set up, and about to wait for the first time.
     Ready { idx: u32, pid: u32 },
     /// Got a token: began wanting it at `t_want`, had it at `t_got`, and
-    /// (herdless mode) gave it back at `t_rel`, or kept it (`parked`)
+    /// (herdless mode) gave it back at `t_rel`, or kept it (`None`)
     /// because the run is over.
     Got {
         idx: u32,
         t_want: u64,
         t_got: u64,
         t_rel: Option<u64>,
-        parked: bool,
     },
     /// Told to stop. `wakes`: sleeps ended during the grant phase;
     /// `cpu_ns`: user + system time since `Ready`; `t_want`: when the wait
@@ -130,12 +129,7 @@ impl Record {
                 t_want,
                 t_got,
                 t_rel,
-                parked,
-            } => format!(
-                "got {idx} {t_want} {t_got} {} {}",
-                t_rel.unwrap_or(0),
-                u8::from(*parked)
-            ),
+            } => format!("got {idx} {t_want} {t_got} {}", t_rel.unwrap_or(0)),
             Record::Final {
                 idx,
                 wakes,
@@ -172,12 +166,11 @@ impl Record {
                 idx,
                 pid: u32::try_from(pid).ok()?,
             }),
-            ("got", &[t_want, t_got, t_rel, parked]) => Some(Record::Got {
+            ("got", &[t_want, t_got, t_rel]) => Some(Record::Got {
                 idx,
                 t_want,
                 t_got,
                 t_rel: (t_rel != 0).then_some(t_rel),
-                parked: parked != 0,
             }),
             ("final", &[wakes, cpu_ns, t_want]) => Some(Record::Final {
                 idx,
@@ -296,14 +289,12 @@ mod tests {
                 t_want: 10,
                 t_got: 20,
                 t_rel: Some(30),
-                parked: false,
             },
             Record::Got {
                 idx: 1,
                 t_want: 10,
                 t_got: 20,
                 t_rel: None,
-                parked: true,
             },
             Record::Final {
                 idx: 9,

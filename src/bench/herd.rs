@@ -16,10 +16,8 @@
 //!    Herdless: the coordinator holds the broker's T tokens and gives them
 //!    back; each waiter that gets one gives it straight back to the broker,
 //!    which hands it to the next waiter in line. The broker is the relay
-//!    the releaser is in the kernel modes. Once G grants are reported, a
-//!    stop file tells waiters to keep the next token they get, and the
-//!    circulation ends when all T are kept (a few grants past G, all
-//!    counted).
+//!    the releaser is in the kernel modes. A budget of give-backs (see
+//!    the `shared` module) ends the circulation after exactly G grants.
 //! 4. When every waiter sleeps again, the coordinator stops them all (it
 //!    closes the FIFO, posts a stop, or stops the broker); each reports how
 //!    often it woke and how much CPU it used, and exits.
@@ -29,37 +27,22 @@
 //! holds it.
 
 use std::ffi::OsString;
-use std::fs;
-use std::io::{self, Write};
+use std::io;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use herdless_platform::wait::Mode;
-use herdless_platform::{self_rusage, SharedWord};
+use herdless_platform::self_rusage;
 use serde::Serialize;
 
-use super::channel::{make_fifo, open_fifo_read, open_fifo_write, Record, RecordReader};
+use super::channel::{Record, RecordReader};
 use super::metrics::{handoffs, idle_while_free, quantile};
-use super::procs::{
-    cpu_ns_of, current_tid, ensure_limits, thread_cpu_ns, wait_all_asleep, Workers,
-};
+use super::procs::{counted, ensure_limits, wait_all_asleep, Workers};
+use super::shared::{Scratch, Shared, RECORDS};
 use super::{kernel_label, now_ns, BenchMode};
-use crate::broker::{Broker, Config, Status};
-use crate::client::{Client, Options};
-use crate::rundir::RunDir;
-
-/// The FIFO the pipe modes wait on.
-pub(crate) const TOKENS: &str = "tokens";
-/// The FIFO waiters report on.
-pub(crate) const RECORDS: &str = "records";
-/// The futex mode's token word.
-pub(crate) const WORD: &str = "word";
-/// The futex mode's stop flag.
-pub(crate) const STOP_WORD: &str = "stop-word";
-/// Herdless mode: once it exists, waiters keep the tokens they get.
-pub(crate) const STOP_FILE: &str = "stop";
+use crate::broker::Status;
+use crate::client::Client;
 
 /// How long a run may go without any record from any waiter before it is
 /// declared stuck. Not in any hand-off path: the coordinator waits for
@@ -76,11 +59,15 @@ pub struct CellConfig {
     pub mode: BenchMode,
     /// W: waiter processes.
     pub waiters: u32,
-    /// G: tokens to hand out (herdless may hand out a few more, see the
-    /// module documentation; all are counted).
+    /// G: tokens to hand out.
     pub grants: u64,
     /// T: tokens in circulation at once.
     pub tokens: u32,
+    /// Kernel modes: before each release, wait until every waiter sleeps
+    /// again, so that the kernel alone picks who wakes (no waiter still
+    /// running from its last token can take the next one first). Slows
+    /// the run down; for the order the kernel serves waiters in.
+    pub settle: bool,
 }
 
 /// What one cell measured.
@@ -99,6 +86,11 @@ pub struct CellResult {
     pub grants_by_waiter: Vec<u64>,
     /// The waiter of each grant, in time order.
     pub winners: Vec<u32>,
+    /// Each grant in time order: (waiter, when it began waiting, when it
+    /// got the token), in ns of the machine's monotonic clock.
+    pub grant_times: Vec<(u32, u64, u64)>,
+    /// When each waiter began the wait the stop ended.
+    pub open_waits: Vec<u64>,
     /// User + system time of the waiters during the grant phase.
     pub waiter_cpu: Duration,
     /// User + system time of the coordinator (releaser, broker) during
@@ -213,11 +205,10 @@ pub fn run_cell(cfg: &CellConfig, progress: &mut dyn FnMut(u64)) -> io::Result<C
         0
     };
     ensure_limits(u64::from(cfg.waiters), fds)?;
-    let scratch = Scratch::new()?;
-    let dir = scratch.dir.dir().to_path_buf();
-    make_fifo(&scratch.track(RECORDS))?;
-    let mut records = RecordReader::open(&dir.join(RECORDS))?;
-    let mut shared = Shared::create(cfg, &scratch)?;
+    let mut scratch = Scratch::new()?;
+    let dir = scratch.dir().to_path_buf();
+    let mut records = RecordReader::open(&scratch.fifo(RECORDS)?)?;
+    let mut shared = Shared::create(cfg.mode, cfg.grants, cfg.tokens, &mut scratch)?;
 
     let mut run = Run {
         cfg,
@@ -228,72 +219,42 @@ pub fn run_cell(cfg: &CellConfig, progress: &mut dyn FnMut(u64)) -> io::Result<C
         finals: vec![None; cfg.waiters as usize],
         got: Vec::new(),
         releases: Vec::new(),
-        parked: 0,
         last_record: Instant::now(),
     };
     run.start_waiters(&dir)?;
-    if let Shared::Herdless { observer, .. } = &shared {
-        run.wait_for_queue(observer)?;
+    if let Some(socket) = shared.socket() {
+        run.wait_for_queue(socket)?;
     }
     wait_all_asleep(&run.pids, Duration::from_secs(60))?;
-    let cpu0 = cpu_ns_of(&run.pids);
+    let counted0 = counted(&run.pids);
 
     // The grant phase.
     let relay0 = shared.relay_cpu_ns();
     let usage0 = self_rusage()?;
     let t0 = now_ns();
-    // Herdless circulates all T tokens; the releaser writes at most G.
-    let first = match shared {
-        Shared::Herdless { .. } => u64::from(cfg.tokens),
-        _ => u64::from(cfg.tokens).min(cfg.grants),
-    };
-    let mut released = 0u64;
-    while released < first {
-        run.releases.push(now_ns());
-        shared.release()?;
-        released += 1;
-    }
-    let mut stop_file_made = false;
+    shared.start(cfg.tokens, &mut run.releases)?;
     let mut last_progress = Instant::now();
-    loop {
-        let record = run.next_record()?;
-        if let Record::Got {
-            idx,
-            t_want,
-            t_got,
-            t_rel,
-            parked,
-        } = record
-        {
-            run.on_got(idx, t_want, t_got, t_rel, parked);
-            let claimed = run.got.len() as u64;
-            match &mut shared {
-                Shared::Herdless { .. } => {
-                    if claimed >= cfg.grants && !stop_file_made {
-                        fs::File::create(scratch.track(STOP_FILE))?;
-                        stop_file_made = true;
-                    }
-                    if run.parked == cfg.tokens {
-                        break;
-                    }
+    while (run.got.len() as u64) < cfg.grants {
+        match run.next_record()? {
+            Record::Got {
+                idx,
+                t_want,
+                t_got,
+                t_rel,
+            } => {
+                run.got.push((idx, t_want, t_got));
+                run.t_want[idx as usize] = t_want;
+                run.releases.extend(t_rel);
+                if cfg.settle && shared.socket().is_none() {
+                    settle(&run.pids)?;
                 }
-                _ => {
-                    if released < cfg.grants {
-                        run.releases.push(now_ns());
-                        shared.release()?;
-                        released += 1;
-                    }
-                    if claimed == cfg.grants {
-                        break;
-                    }
-                }
+                shared.after_grant(&mut run.releases)?;
             }
-            if last_progress.elapsed() > Duration::from_millis(100) {
-                progress(claimed);
-                last_progress = Instant::now();
-            }
-        } else {
-            run.unexpected(record)?;
+            other => run.unexpected(other)?,
+        }
+        if last_progress.elapsed() > Duration::from_millis(100) {
+            progress(run.got.len() as u64);
+            last_progress = Instant::now();
         }
     }
     let usage1 = self_rusage()?;
@@ -301,7 +262,7 @@ pub fn run_cell(cfg: &CellConfig, progress: &mut dyn FnMut(u64)) -> io::Result<C
 
     // Let the last herd settle, then stop everyone.
     wait_all_asleep(&run.pids, Duration::from_secs(60))?;
-    let cpu1 = cpu_ns_of(&run.pids);
+    let counted1 = counted(&run.pids);
     let t_stop = now_ns();
     shared.stop(cfg.waiters)?;
     while run.finals.iter().any(Option::is_none) {
@@ -316,19 +277,11 @@ pub fn run_cell(cfg: &CellConfig, progress: &mut dyn FnMut(u64)) -> io::Result<C
                 run.finals[idx as usize] = Some((wakes, cpu_ns));
                 run.t_want[idx as usize] = t_want;
             }
-            // Herdless: a waiter that gave its token back just before the
-            // stop file appeared may report after the token was kept.
-            Record::Got {
-                idx,
-                t_want,
-                t_got,
-                t_rel,
-                parked,
-            } => run.on_got(idx, t_want, t_got, t_rel, parked),
             other => run.unexpected(other)?,
         }
     }
     run.workers.reap(Duration::from_secs(30))?;
+    shared.finish()?;
     let t_end = run.got.iter().map(|g| g.2).max().unwrap_or(t0);
     progress(run.got.len() as u64);
 
@@ -344,22 +297,40 @@ pub fn run_cell(cfg: &CellConfig, progress: &mut dyn FnMut(u64)) -> io::Result<C
     let mut waits: Vec<(u64, u64)> = got.iter().map(|g| (g.1, g.2)).collect();
     // Each waiter's last wait, ended by the stop.
     waits.extend(run.t_want.iter().map(|&t| (t, t_stop)));
-    let finals: Vec<(u64, u64)> = run.finals.iter().map(|f| f.unwrap_or((0, 0))).collect();
-    // Read from outside where possible: the waiters' own figures also hold
-    // their first wait's entry and the stop's wake-up.
-    let waiter_cpu_ns: u64 = match (cpu0, cpu1) {
-        (Some(a), Some(b)) => a.iter().zip(&b).map(|(a, b)| b.saturating_sub(*a)).sum(),
-        _ => finals.iter().map(|f| f.1).sum(),
+    // Where the scheduler's own counts can be read from outside (Linux),
+    // they bracket the grant phase exactly; elsewhere each waiter's
+    // getrusage() does, with the first wait's entry and the stop's wake-up
+    // in its CPU time (see the waiter module).
+    let (wakeups_by_waiter, waiter_cpu_ns): (Vec<u64>, u64) = match (counted0, counted1) {
+        (Some(a), Some(b)) => (
+            a.iter()
+                .zip(&b)
+                .map(|(a, b)| b.sleeps.saturating_sub(a.sleeps))
+                .collect(),
+            a.iter()
+                .zip(&b)
+                .map(|(a, b)| b.cpu_ns.saturating_sub(a.cpu_ns))
+                .sum(),
+        ),
+        _ => {
+            let finals: Vec<(u64, u64)> = run.finals.iter().map(|f| f.unwrap_or((0, 0))).collect();
+            (
+                finals.iter().map(|f| f.0).collect(),
+                finals.iter().map(|f| f.1).sum(),
+            )
+        }
     };
     Ok(CellResult {
         mode: cfg.mode,
         waiters: cfg.waiters,
         tokens: cfg.tokens,
         grants: got.len() as u64,
-        wakeups: finals.iter().map(|f| f.0).sum(),
-        wakeups_by_waiter: finals.iter().map(|f| f.0).collect(),
+        wakeups: wakeups_by_waiter.iter().sum(),
+        wakeups_by_waiter,
         grants_by_waiter,
         winners: got.iter().map(|g| g.0).collect(),
+        grant_times: got.clone(),
+        open_waits: run.t_want.clone(),
         waiter_cpu: Duration::from_nanos(waiter_cpu_ns),
         releaser_cpu: match (relay0, relay1) {
             (Some(a), Some(b)) => Duration::from_nanos(b.saturating_sub(a)),
@@ -378,6 +349,17 @@ pub fn run_cell(cfg: &CellConfig, progress: &mut dyn FnMut(u64)) -> io::Result<C
     })
 }
 
+/// Waits until every waiter is back asleep: exactly on Linux, by a short
+/// pause elsewhere (ample for a waiter that has just reported its token).
+fn settle(pids: &[u32]) -> io::Result<()> {
+    if cfg!(target_os = "linux") {
+        wait_all_asleep(pids, Duration::from_secs(60))
+    } else {
+        thread::sleep(Duration::from_millis(2));
+        Ok(())
+    }
+}
+
 /// The coordinator's view of one run in progress.
 struct Run<'a> {
     cfg: &'a CellConfig,
@@ -391,18 +373,10 @@ struct Run<'a> {
     /// (waiter, t_want, t_got) of each claim.
     got: Vec<(u32, u64, u64)>,
     releases: Vec<u64>,
-    parked: u32,
     last_record: Instant,
 }
 
 impl Run<'_> {
-    fn on_got(&mut self, idx: u32, t_want: u64, t_got: u64, t_rel: Option<u64>, parked: bool) {
-        self.got.push((idx, t_want, t_got));
-        self.t_want[idx as usize] = t_want;
-        self.releases.extend(t_rel);
-        self.parked += u32::from(parked);
-    }
-
     fn start_waiters(&mut self, dir: &Path) -> io::Result<()> {
         let mut ready = 0u32;
         for i in 0..self.cfg.waiters {
@@ -518,181 +492,4 @@ fn worker_args(mode: BenchMode, idx: u32, dir: &Path) -> Vec<OsString> {
     args.push("--dir".into());
     args.push(dir.as_os_str().to_owned());
     args
-}
-
-/// The run's private directory; removes what it made when dropped.
-struct Scratch {
-    dir: RunDir,
-    files: std::cell::RefCell<Vec<PathBuf>>,
-}
-
-impl Scratch {
-    fn new() -> io::Result<Scratch> {
-        Ok(Scratch {
-            dir: RunDir::create()?,
-            files: std::cell::RefCell::new(Vec::new()),
-        })
-    }
-
-    /// The path of `name` in the directory, to be removed at the end.
-    fn track(&self, name: &str) -> PathBuf {
-        let p = self.dir.dir().join(name);
-        self.files.borrow_mut().push(p.clone());
-        p
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        for f in self.files.borrow().iter() {
-            let _ = fs::remove_file(f);
-        }
-    }
-}
-
-/// What the waiters of one mode share.
-enum Shared {
-    Pipe {
-        writer: Option<fs::File>,
-        /// Keeps the FIFO open for reading so that the write end can be
-        /// opened before any waiter has.
-        _reader: fs::File,
-    },
-    Futex {
-        word: SharedWord,
-        stop: SharedWord,
-    },
-    Herdless {
-        observer: PathBuf,
-        /// The releaser's connection, holding the tokens not yet released.
-        _releaser: Client,
-        held: Vec<crate::Token>,
-        stopper: crate::broker::Stopper,
-        thread: Option<thread::JoinHandle<io::Result<Status>>>,
-        /// The broker thread, whose CPU time is the relay's (Linux).
-        tid: Option<i32>,
-    },
-}
-
-impl Shared {
-    fn create(cfg: &CellConfig, scratch: &Scratch) -> io::Result<Shared> {
-        match cfg.mode {
-            BenchMode::Kernel(Mode::Futex) => Ok(Shared::Futex {
-                word: SharedWord::create(scratch.track(WORD))?,
-                stop: SharedWord::create(scratch.track(STOP_WORD))?,
-            }),
-            BenchMode::Kernel(_) => {
-                let path = scratch.track(TOKENS);
-                make_fifo(&path)?;
-                let reader = open_fifo_read(&path, true)?;
-                let writer = open_fifo_write(&path, true)?;
-                Ok(Shared::Pipe {
-                    writer: Some(writer),
-                    _reader: reader,
-                })
-            }
-            BenchMode::Herdless => {
-                let socket = scratch.dir.socket().to_path_buf();
-                let broker = Broker::bind(&socket, Config::new(cfg.tokens + 1))?;
-                let stopper = broker.stopper();
-                let (tid_tx, tid_rx) = std::sync::mpsc::channel();
-                let thread = thread::Builder::new()
-                    .name("herdless-broker".into())
-                    .spawn(move || {
-                        let _ = tid_tx.send(current_tid());
-                        broker.run()
-                    })?;
-                let tid = tid_rx.recv().ok().flatten();
-                let releaser =
-                    Client::connect_with(&socket, Options::default().implicit_token(false))
-                        .map_err(io::Error::other)?;
-                let held = (0..cfg.tokens)
-                    .map(|_| releaser.acquire())
-                    .collect::<Result<Vec<_>, _>>()
-                    .map_err(io::Error::other)?;
-                Ok(Shared::Herdless {
-                    observer: socket,
-                    _releaser: releaser,
-                    held,
-                    stopper,
-                    thread: Some(thread),
-                    tid,
-                })
-            }
-        }
-    }
-
-    /// CPU time of the relay between waiters — the broker's thread —
-    /// where it can be told apart from the rest of this process, whose
-    /// other thread only reads the waiters' records. `None` means: count
-    /// the whole process (the kernel modes' releaser is this process).
-    fn relay_cpu_ns(&self) -> Option<u64> {
-        match self {
-            Shared::Herdless { tid: Some(tid), .. } => thread_cpu_ns(*tid),
-            _ => None,
-        }
-    }
-
-    /// Puts one token into circulation.
-    fn release(&mut self) -> io::Result<()> {
-        match self {
-            Shared::Pipe { writer, .. } => {
-                let w = writer.as_mut().expect("the FIFO is open until stop");
-                w.write_all(b"+")
-            }
-            Shared::Futex { word, .. } => word.post(),
-            Shared::Herdless { held, .. } => {
-                let token = held.pop().expect("no more releases than tokens held");
-                token.release().map_err(io::Error::other)
-            }
-        }
-    }
-
-    /// Wakes every waiter for the last time.
-    fn stop(&mut self, waiters: u32) -> io::Result<()> {
-        match self {
-            Shared::Pipe { writer, .. } => {
-                drop(writer.take());
-                Ok(())
-            }
-            Shared::Futex { word, stop } => {
-                stop.post()?;
-                for _ in 0..waiters {
-                    word.post()?;
-                }
-                Ok(())
-            }
-            Shared::Herdless {
-                stopper, thread, ..
-            } => {
-                stopper.stop();
-                let status = thread
-                    .take()
-                    .expect("stopped once")
-                    .join()
-                    .map_err(|_| io::Error::other("the broker thread panicked"))??;
-                if status.lost != 0 {
-                    return Err(io::Error::other(format!(
-                        "the broker lost {} token(s)",
-                        status.lost
-                    )));
-                }
-                Ok(())
-            }
-        }
-    }
-}
-
-impl Drop for Shared {
-    fn drop(&mut self) {
-        if let Shared::Herdless {
-            stopper, thread, ..
-        } = self
-        {
-            if let Some(t) = thread.take() {
-                stopper.stop();
-                let _ = t.join();
-            }
-        }
-    }
 }

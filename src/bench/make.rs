@@ -44,8 +44,9 @@ use std::time::Duration;
 
 use nix::poll::{PollFd, PollFlags, PollTimeout};
 
-use super::build::{Variant, TOKENS};
+use super::build::Variant;
 use super::channel::{open_fifo_read, open_fifo_write};
+use super::shared::TOKENS;
 use super::WorkerArgs;
 use crate::client::{Client, Options, Token};
 use crate::rundir::SOCKET_NAME;

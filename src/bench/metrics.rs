@@ -71,11 +71,11 @@ pub(crate) fn idle_while_free(
 /// In what order waiters were served.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Order {
-    /// Nearly every grant (90 % or more) went to a waiter served least
-    /// recently: first come, first served.
+    /// Nearly every grant (90 % or more) went to the waiter that had waited
+    /// longest: first come, first served.
     Fifo,
-    /// Nearly every grant went to the waiter served last: last come, first
-    /// served, so one waiter gets everything while the others starve.
+    /// Nearly every grant went to the waiter that began waiting last: the
+    /// one just served is served again while the others starve.
     Lifo,
     /// Neither: how many grants each waiter got.
     Mixed(Vec<u64>),
@@ -92,32 +92,46 @@ impl Order {
     }
 }
 
-/// Classifies the sequence of winners (waiter indices, in grant order) of
-/// `waiters` waiters.
-pub(crate) fn classify(winners: &[u32], waiters: usize) -> Order {
-    let mut last_served: Vec<Option<usize>> = vec![None; waiters];
-    let mut counts = vec![0u64; waiters];
-    let (mut fifo, mut lifo) = (0usize, 0usize);
-    for (i, &w) in winners.iter().enumerate() {
+/// Classifies who got each token. `grants` are (waiter, wait start, grant
+/// time) in grant-time order; `open_waits[w]` is when waiter `w` began the
+/// wait no grant ended. At each grant the winner's wait is compared with
+/// those of the other waiters waiting at that moment.
+pub(crate) fn classify(grants: &[(u32, u64, u64)], open_waits: &[u64]) -> Order {
+    let n = open_waits.len();
+    // Each waiter's waits, in order: the ones grants ended, then the open one.
+    let mut waits: Vec<Vec<u64>> = vec![Vec::new(); n];
+    for &(w, t_want, _) in grants {
+        if let Some(v) = waits.get_mut(w as usize) {
+            v.push(t_want);
+        }
+    }
+    for (v, &open) in waits.iter_mut().zip(open_waits) {
+        v.push(open);
+    }
+    let mut next = vec![0usize; n];
+    let mut counts = vec![0u64; n];
+    let (mut judged, mut fifo, mut lifo) = (0usize, 0usize, 0usize);
+    for &(w, t_want, t_got) in grants {
         let w = w as usize;
-        if w >= waiters {
+        if w >= n {
             continue;
         }
-        // Never served counts as longest ago.
-        let oldest = last_served.iter().map(|s| s.map_or(-1, |v| v as i64)).min();
-        if oldest == Some(last_served[w].map_or(-1, |v| v as i64)) {
-            fifo += 1;
+        let others: Vec<u64> = (0..n)
+            .filter(|&j| j != w)
+            .map(|j| waits[j][next[j]])
+            .filter(|&t| t <= t_got)
+            .collect();
+        if !others.is_empty() {
+            judged += 1;
+            fifo += usize::from(others.iter().all(|&t| t_want <= t));
+            lifo += usize::from(others.iter().all(|&t| t_want >= t));
         }
-        if i > 0 && winners[i - 1] as usize == w {
-            lifo += 1;
-        }
-        last_served[w] = Some(i);
+        next[w] = (next[w] + 1).min(waits[w].len() - 1);
         counts[w] += 1;
     }
-    let n = winners.len();
-    if n > 1 && waiters > 1 && fifo * 10 >= n * 9 {
+    if judged > 0 && fifo * 10 >= judged * 9 {
         Order::Fifo
-    } else if n > 1 && waiters > 1 && (lifo + 1) * 10 >= n * 9 {
+    } else if judged > 0 && lifo * 10 >= judged * 9 {
         Order::Lifo
     } else {
         Order::Mixed(counts)
@@ -154,17 +168,36 @@ mod tests {
         assert_eq!(idle_while_free(&[0], &[50], &[(0, 50)], 20, 100), 30);
     }
 
+    /// `order[k]` wins grant k at time 10k+10; each waiter starts waiting
+    /// again right after its grant, at 10k+11, and first at `starts[w]`.
+    fn history(order: &[u32], starts: &[u64]) -> (Vec<(u32, u64, u64)>, Vec<u64>) {
+        let mut open = starts.to_vec();
+        let mut grants = Vec::new();
+        for (k, &w) in order.iter().enumerate() {
+            let t = 10 * k as u64 + 10;
+            grants.push((w, open[w as usize], t));
+            open[w as usize] = t + 1;
+        }
+        (grants, open)
+    }
+
     #[test]
     fn orders() {
+        let starts = [0, 1, 2, 3];
         let fifo: Vec<u32> = (0..40).map(|i| i % 4).collect();
-        assert_eq!(classify(&fifo, 4), Order::Fifo);
-        let lifo = vec![2u32; 40];
-        assert_eq!(classify(&lifo, 4), Order::Lifo);
-        let mixed = vec![0u32, 1, 1, 0, 0, 0, 1, 1, 2, 2, 2, 3, 0, 0, 1, 3];
-        match classify(&mixed, 4) {
-            Order::Mixed(counts) => assert_eq!(counts, vec![6, 5, 3, 2]),
+        let (g, open) = history(&fifo, &starts);
+        assert_eq!(classify(&g, &open), Order::Fifo);
+        let (g, open) = history(&[2u32; 40], &starts);
+        assert_eq!(classify(&g, &open), Order::Lifo);
+        let mixed = [
+            0u32, 1, 1, 0, 0, 0, 1, 1, 2, 2, 2, 3, 0, 0, 1, 3, 2, 1, 0, 3,
+        ];
+        let (g, open) = history(&mixed, &starts);
+        match classify(&g, &open) {
+            Order::Mixed(counts) => assert_eq!(counts, vec![7, 6, 4, 3]),
             other => panic!("{other:?}"),
         }
         assert_eq!(Order::Fifo.name(), "FIFO");
+        assert_eq!(classify(&[], &[0, 0]), Order::Mixed(vec![0, 0]));
     }
 }

@@ -28,6 +28,7 @@ pub mod probe;
 mod procs;
 pub mod progress;
 pub mod report;
+mod shared;
 mod waiter;
 
 use std::ffi::OsString;

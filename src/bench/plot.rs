@@ -243,6 +243,8 @@ mod tests {
             wakeups_by_waiter: vec![],
             grants_by_waiter: vec![],
             winners: vec![],
+            grant_times: vec![],
+            open_waits: vec![],
             waiter_cpu: Duration::from_micros(50 * u64::from(w)),
             releaser_cpu: Duration::from_micros(100),
             handoffs_ns: vec![],

@@ -5,8 +5,14 @@
 //! - how many of 32 waiting processes one token wakes (processes whose
 //!   sleep one write ended, counted from context switches);
 //! - in what order 8 waiters are served over 200 grants, one token at a
-//!   time: first come first served (FIFO), the last served again (LIFO),
-//!   or neither, with the count each got.
+//!   time, each written once all waiters sleep again: the one waiting
+//!   longest (FIFO), the one that began waiting last (LIFO), or neither,
+//!   with the count each got.
+//!
+//! The pause before each write shows the kernel's own choice among
+//! sleepers. Without it (as in `bench herd`), a waiter still running from
+//! its last token can take the next byte before the sleeper the kernel
+//! woke gets to run, so even the FIFO modes serve in a mixed order.
 
 use std::fmt::Write as _;
 use std::io;
@@ -92,6 +98,7 @@ pub fn probe(exe: PathBuf, progress: &mut dyn FnMut(&str)) -> io::Result<ProbeRe
                 waiters: WOKEN_OF,
                 grants: 1,
                 tokens: 1,
+                settle: false,
             },
             &mut |_| {},
         )?;
@@ -102,10 +109,11 @@ pub fn probe(exe: PathBuf, progress: &mut dyn FnMut(&str)) -> io::Result<ProbeRe
                 waiters: ORDER_WAITERS,
                 grants: ORDER_GRANTS,
                 tokens: 1,
+                settle: true,
             },
             &mut |_| {},
         )?;
-        let class = classify(&order.winners, ORDER_WAITERS as usize);
+        let class = classify(&order.grant_times, &order.open_waits);
         modes.push(ProbeMode {
             mode: mode.name().to_owned(),
             available: true,

@@ -149,25 +149,43 @@ fn linux_state(pid: u32) -> Option<char> {
     after.trim_start().chars().next()
 }
 
-/// CPU time (user + system, in ns) each process of `pids` has used, all
-/// its threads together, read from outside without waking it.
+/// What the scheduler has counted for one process, all threads together.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) struct Counted {
+    /// User + system time, in ns.
+    pub(crate) cpu_ns: u64,
+    /// Voluntary context switches: sleeps.
+    pub(crate) sleeps: u64,
+}
+
+/// Each process's [`Counted`] figures, read from outside without waking
+/// it.
 ///
 /// # Portability
 ///
-/// Linux: the first field of `/proc/PID/task/TID/schedstat`, the exact
-/// run time the scheduler keeps. `None` where that is not readable (other
-/// systems, kernels without `CONFIG_SCHED_INFO`); callers then use the
-/// processes' own `getrusage()`.
-pub(crate) fn cpu_ns_of(pids: &[u32]) -> Option<Vec<u64>> {
+/// Linux: the first field of `/proc/PID/task/TID/schedstat` (the run time
+/// the scheduler keeps, exact to the nanosecond) and
+/// `voluntary_ctxt_switches` of `/proc/PID/task/TID/status`. `None` where
+/// they are not readable (other systems; kernels without
+/// `CONFIG_SCHED_INFO`); callers then use the processes' own
+/// `getrusage()`.
+pub(crate) fn counted(pids: &[u32]) -> Option<Vec<Counted>> {
     #[cfg(target_os = "linux")]
     {
         pids.iter()
             .map(|pid| {
-                let mut total = 0u64;
+                let mut total = Counted::default();
                 for task in std::fs::read_dir(format!("/proc/{pid}/task")).ok()? {
-                    let path = task.ok()?.path().join("schedstat");
-                    let text = std::fs::read_to_string(path).ok()?;
-                    total += text.split_whitespace().next()?.parse::<u64>().ok()?;
+                    let dir = task.ok()?.path();
+                    let sched = std::fs::read_to_string(dir.join("schedstat")).ok()?;
+                    total.cpu_ns += sched.split_whitespace().next()?.parse::<u64>().ok()?;
+                    let status = std::fs::read_to_string(dir.join("status")).ok()?;
+                    total.sleeps += status
+                        .lines()
+                        .find_map(|l| l.strip_prefix("voluntary_ctxt_switches:"))?
+                        .trim()
+                        .parse::<u64>()
+                        .ok()?;
                 }
                 Some(total)
             })
@@ -269,11 +287,13 @@ mod tests {
     #[test]
     fn reads_cpu_time_from_outside() {
         let me = std::process::id();
-        let a = cpu_ns_of(&[me]).unwrap()[0];
+        let a = counted(&[me]).unwrap()[0];
         crate::bench::make::spin(5_000_000);
-        let b = cpu_ns_of(&[me]).unwrap()[0];
-        assert!(b > a, "{a} {b}");
-        assert_eq!(cpu_ns_of(&[u32::MAX]), None);
+        std::thread::sleep(Duration::from_millis(2));
+        let b = counted(&[me]).unwrap()[0];
+        assert!(b.cpu_ns > a.cpu_ns, "{a:?} {b:?}");
+        assert!(b.sleeps > a.sleeps, "{a:?} {b:?}");
+        assert_eq!(counted(&[u32::MAX]), None);
         let tid = current_tid().unwrap();
         let a = thread_cpu_ns(tid).unwrap();
         crate::bench::make::spin(5_000_000);

@@ -189,6 +189,8 @@ mod tests {
             wakeups_by_waiter: vec![],
             grants_by_waiter: vec![],
             winners: vec![],
+            grant_times: vec![],
+            open_waits: vec![],
             waiter_cpu: Duration::from_micros(100),
             releaser_cpu: Duration::from_micros(100),
             handoffs_ns: vec![10_000; 10],

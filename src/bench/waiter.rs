@@ -16,7 +16,7 @@
 //! macOS keeps no separate count of voluntary switches (XNU's `calcru()`
 //! reports every switch as involuntary), so there both are counted.
 
-use std::io;
+use std::io::{self, Read};
 use std::os::fd::AsFd;
 use std::path::Path;
 
@@ -24,9 +24,9 @@ use herdless_platform::wait::{Mode, PipeWaiter, Woken};
 use herdless_platform::{self_rusage, SharedWord, Usage};
 
 use super::channel::{open_fifo_read, Record, RecordWriter};
-use super::herd::{RECORDS, STOP_FILE, STOP_WORD, TOKENS, WORD};
+use super::shared::{BUDGET, GIVE_BACK, KEEP, RECORDS, STOP, STOP_WORD, TOKENS, WORD};
 use super::{now_ns, BenchMode, WorkerArgs};
-use crate::client::{Client, ErrorKind, Options};
+use crate::client::{Client, Options};
 use crate::rundir::SOCKET_NAME;
 
 pub(super) fn main(args: &WorkerArgs) -> io::Result<()> {
@@ -142,7 +142,6 @@ fn pipe_waiter(mode: Mode, dir: &Path, idx: u32, out: &mut RecordWriter) -> io::
             t_want,
             t_got,
             t_rel: None,
-            parked: false,
         })?;
         t_want = now_ns();
     }
@@ -169,53 +168,56 @@ fn futex_waiter(dir: &Path, idx: u32, out: &mut RecordWriter) -> io::Result<()> 
             t_want,
             t_got,
             t_rel: None,
-            parked: false,
         })?;
     }
 }
 
-/// Takes tokens from the broker and gives each back at once, until the
-/// broker goes away. Once the stop file exists, tokens are kept instead.
+/// Takes tokens from the broker and, for each, does what the next byte of
+/// the budget FIFO says: give it back at once, keep it, or stop (pass it
+/// on, with those kept, and end).
 fn herdless_waiter(dir: &Path, idx: u32, out: &mut RecordWriter) -> io::Result<()> {
     let client = Client::connect_with(
         dir.join(SOCKET_NAME),
         Options::default().implicit_token(false),
     )
     .map_err(io::Error::other)?;
-    let stop = dir.join(STOP_FILE);
+    let mut budget = open_fifo_read(&dir.join(BUDGET), false)?;
     let tally = Tally::start(out, idx)?;
-    let mut parked = Vec::new();
+    let mut kept = Vec::new();
     loop {
         let t_want = now_ns();
-        match client.acquire() {
-            Ok(token) => {
-                let t_got = now_ns();
-                if stop.exists() {
-                    parked.push(token);
-                    out.send(&Record::Got {
-                        idx,
-                        t_want,
-                        t_got,
-                        t_rel: None,
-                        parked: true,
-                    })?;
-                    continue;
-                }
-                let t_rel = now_ns();
+        let token = client.acquire().map_err(io::Error::other)?;
+        let woke = self_rusage()?;
+        let t_got = now_ns();
+        let mut byte = [0u8; 1];
+        budget.read_exact(&mut byte)?;
+        let t_rel = match byte[0] {
+            GIVE_BACK => {
+                let t = now_ns();
                 drop(token);
-                out.send(&Record::Got {
-                    idx,
-                    t_want,
-                    t_got,
-                    t_rel: Some(t_rel),
-                    parked: false,
-                })?;
+                Some(t)
             }
-            Err(e) if e.kind() == ErrorKind::BrokerGone => {
-                let after_wait = self_rusage()?;
-                return tally.finish(out, Some(after_wait), t_want);
+            KEEP => {
+                kept.push(token);
+                None
             }
-            Err(e) => return Err(io::Error::other(e)),
-        }
+            STOP => {
+                drop(token);
+                drop(kept);
+                return tally.finish(out, Some(woke), t_want);
+            }
+            other => {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!("unknown budget byte {other:#x}"),
+                ))
+            }
+        };
+        out.send(&Record::Got {
+            idx,
+            t_want,
+            t_got,
+            t_rel,
+        })?;
     }
 }

@@ -150,6 +150,7 @@ fn bench_herd(args: HerdArgs) -> Result<u8> {
                 waiters: w,
                 grants: args.grants,
                 tokens: args.tokens,
+                settle: false,
             };
             progress.update(&format!("{mode} W={w}: starting"));
             let cell = herd::run_cell(&cfg, &mut |n| {
