@@ -181,6 +181,56 @@ fn round(v: f64, digits: i32) -> f64 {
     (v * f).round() / f
 }
 
+/// The standard matrix's numbers of waiters.
+pub const STANDARD_WAITERS: [u32; 5] = [1, 8, 64, 256, 1024];
+
+/// Runs every (mode, W) cell in turn, modes outermost, drawing a progress
+/// bar on stderr when it is a terminal. Modes the OS lacks are left out,
+/// each with a note on stderr.
+///
+/// # Errors
+///
+/// The first cell that fails, named.
+pub fn run_matrix(
+    exe: &Path,
+    modes: &[BenchMode],
+    waiters: &[u32],
+    grants: u64,
+    tokens: u32,
+) -> io::Result<Vec<CellResult>> {
+    let mut usable = Vec::new();
+    for &m in modes {
+        match m.available() {
+            Ok(()) if !usable.contains(&m) => usable.push(m),
+            Ok(()) => {}
+            Err(why) => eprintln!("herdless: skipping {m}: {why}"),
+        }
+    }
+    let mut bar = super::progress::Progress::new(usable.len() * waiters.len());
+    let mut cells = Vec::new();
+    for &mode in &usable {
+        for &w in waiters {
+            let cfg = CellConfig {
+                exe: exe.to_path_buf(),
+                mode,
+                waiters: w,
+                grants,
+                tokens,
+                settle: false,
+            };
+            bar.update(&format!("{mode} W={w}: starting"));
+            let cell = run_cell(&cfg, &mut |n| {
+                bar.update(&format!("{mode} W={w}: {n}/{grants} grants"))
+            })
+            .map_err(|e| io::Error::new(e.kind(), format!("{mode} with {w} waiters: {e}")))?;
+            bar.step();
+            cells.push(cell);
+        }
+    }
+    bar.finish();
+    Ok(cells)
+}
+
 /// Runs one cell. `progress` is called with the number of grants claimed so
 /// far, now and then.
 ///

@@ -9,7 +9,7 @@ use clap::Subcommand;
 
 use herdless::bench::build::{self, BuildConfig, Variant};
 use herdless::bench::progress::Progress;
-use herdless::bench::{herd, plot, report, BenchMode, CellConfig};
+use herdless::bench::{herd, plot, report, BenchMode};
 
 #[derive(clap::Args, Debug)]
 pub struct BenchArgs {
@@ -123,45 +123,20 @@ fn cpus() -> usize {
 
 fn bench_herd(args: HerdArgs) -> Result<u8> {
     let exe = this_exe()?;
-    let requested = !args.modes.is_empty();
-    let wanted = if requested {
-        args.modes.clone()
-    } else {
+    let modes = if args.modes.is_empty() {
         BenchMode::available_modes()
+    } else {
+        args.modes.clone()
     };
-    let mut modes = Vec::new();
-    for m in wanted {
-        match m.available() {
-            Ok(()) if !modes.contains(&m) => modes.push(m),
-            Ok(()) => {}
-            Err(why) => eprintln!("herdless: skipping {m}: {why}"),
+    if !modes.iter().any(|m| m.available().is_ok()) {
+        for m in &modes {
+            if let Err(why) = m.available() {
+                eprintln!("herdless: skipping {m}: {why}");
+            }
         }
-    }
-    if modes.is_empty() {
         bail!("none of the modes asked for is available on this OS");
     }
-    let mut progress = Progress::new(modes.len() * args.waiters.len());
-    let mut cells = Vec::new();
-    for &mode in &modes {
-        for &w in &args.waiters {
-            let cfg = CellConfig {
-                exe: exe.clone(),
-                mode,
-                waiters: w,
-                grants: args.grants,
-                tokens: args.tokens,
-                settle: false,
-            };
-            progress.update(&format!("{mode} W={w}: starting"));
-            let cell = herd::run_cell(&cfg, &mut |n| {
-                progress.update(&format!("{mode} W={w}: {n}/{} grants", args.grants))
-            })
-            .with_context(|| format!("{mode} with {w} waiters"))?;
-            progress.step();
-            cells.push(cell);
-        }
-    }
-    progress.finish();
+    let cells = herd::run_matrix(&exe, &modes, &args.waiters, args.grants, args.tokens)?;
     if args.json {
         let rows: Vec<_> = cells.iter().map(|c| c.row()).collect();
         println!("{}", serde_json::to_string_pretty(&rows)?);
