@@ -165,6 +165,8 @@ pub struct Broker {
     dirty: Vec<Token>,
     bridge: Option<Bridge>,
     native_grants: u64,
+    /// Grants that woke a waiting native client: one process each.
+    native_wakeups: u64,
     max_in_use: u32,
 }
 
@@ -235,6 +237,7 @@ impl Broker {
             dirty: Vec::new(),
             bridge: None,
             native_grants: 0,
+            native_wakeups: 0,
             max_in_use: 0,
         })
     }
@@ -631,7 +634,10 @@ impl Broker {
             {
                 return;
             }
-            (Effect::Grant { .. }, _) => self.native_grants += 1,
+            (Effect::Grant { waited, .. }, _) => {
+                self.native_grants += 1;
+                self.native_wakeups += u64::from(*waited);
+            }
             _ => {}
         }
         {
@@ -719,7 +725,7 @@ impl Broker {
             grants: stats.grants,
             immediate: stats.immediate,
             waits: stats.waits,
-            wakeups: stats.wakeups,
+            wakeups: self.native_wakeups,
             denied: stats.denied,
             cancelled: stats.cancelled,
             reclaimed: stats.reclaimed,

@@ -109,21 +109,11 @@ fn sixty_four_execs_under_j4_run_four_at_a_time() {
     assert_eq!(max, 4, "at most 4 at once, and 4 reached");
     assert_eq!(stat_line(&stderr, "tokens lost"), "0");
     assert_eq!(stat_line(&stderr, "max in use"), "4");
-    // Every exec was granted exactly once; the rest went to the pipe.
-    let grants: u64 = stat_line(&stderr, "grants")
-        .split(' ')
-        .next()
-        .unwrap()
-        .parse()
-        .unwrap();
-    let offered: u64 = stat_line(&stderr, "classic")
-        .split(": ")
-        .nth(1)
-        .and_then(|s| s.split(' ').next())
-        .unwrap()
-        .parse()
-        .unwrap();
-    assert_eq!(grants - offered, 64, "{stderr}");
+    // Every exec was granted exactly once.
+    assert!(
+        stat_line(&stderr, "grants").starts_with("64 to native clients"),
+        "{stderr}"
+    );
 }
 
 #[test]

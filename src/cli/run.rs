@@ -82,16 +82,21 @@ pub fn print_report(r: &Status) {
             "-j {} ({} shared token(s) and the command's implicit one)",
             r.jobs, r.capacity
         ),
-        format!(
-            "grants        {} ({} at once, {} after a wait{})",
-            r.grants,
-            r.immediate,
-            r.wakeups,
-            r.classic
-                .as_ref()
-                .map(|c| format!("; {} of them into the classic pipe", c.offered))
-                .unwrap_or_default()
-        ),
+        {
+            let classic = r.classic.as_ref().map_or(0, |c| c.offered);
+            let native = r.grants - classic;
+            format!(
+                "grants        {} to native clients ({} at once, {} after a wait){}",
+                native,
+                native - r.wakeups,
+                r.wakeups,
+                if r.classic.is_some() {
+                    format!(", {classic} into the classic pipe")
+                } else {
+                    String::new()
+                }
+            )
+        },
         format!("max in use    {}", r.max_in_use),
         format!(
             "wait          p50 {}, p99 {}, max {}",
