@@ -244,10 +244,13 @@ pub(crate) fn die_with_parent() {
 ///
 /// A message naming the limit and how to raise it.
 pub(crate) fn ensure_limits(processes: u64, fds: u64) -> io::Result<()> {
+    use nix::sys::resource::RLIM_INFINITY;
+    // rlim_t is unsigned on Linux and macOS, signed on the BSDs.
+    let lim = |n: u64| libc::rlim_t::try_from(n).unwrap_or(RLIM_INFINITY);
     let (soft, hard) = getrlimit(Resource::RLIMIT_NOFILE)?;
-    let want = fds + 64;
-    if soft != nix::sys::resource::RLIM_INFINITY && soft < want {
-        if hard == nix::sys::resource::RLIM_INFINITY || hard >= want {
+    let want = lim(fds + 64);
+    if soft != RLIM_INFINITY && soft < want {
+        if hard == RLIM_INFINITY || hard >= want {
             setrlimit(Resource::RLIMIT_NOFILE, want, hard)?;
         } else {
             return Err(io::Error::other(format!(
@@ -256,14 +259,21 @@ pub(crate) fn ensure_limits(processes: u64, fds: u64) -> io::Result<()> {
             )));
         }
     }
-    let (nproc, _) = getrlimit(Resource::RLIMIT_NPROC)?;
-    let want = processes + 32;
-    if nproc != nix::sys::resource::RLIM_INFINITY && nproc < want {
-        return Err(io::Error::other(format!(
-            "this run starts {processes} processes, but this user may have at most {nproc} \
-             (`ulimit -u`); raise it or use fewer waiters"
-        )));
+    // nix has no RLIMIT_NPROC for Apple systems; there fork() reports the
+    // limit when it is reached.
+    #[cfg(not(target_vendor = "apple"))]
+    {
+        let (nproc, _) = getrlimit(Resource::RLIMIT_NPROC)?;
+        let want = lim(processes + 32);
+        if nproc != RLIM_INFINITY && nproc < want {
+            return Err(io::Error::other(format!(
+                "this run starts {processes} processes, but this user may have at most {nproc} \
+                 (`ulimit -u`); raise it or use fewer waiters"
+            )));
+        }
     }
+    #[cfg(target_vendor = "apple")]
+    let _ = processes;
     Ok(())
 }
 
