@@ -8,10 +8,10 @@ use super::herd::CellResult;
 use super::BenchMode;
 
 const WIDTH: f64 = 980.0;
-const HEIGHT: f64 = 470.0;
+const HEIGHT: f64 = 490.0;
 const PANEL_W: f64 = 360.0;
 const PANEL_H: f64 = 320.0;
-const TOP: f64 = 70.0;
+const TOP: f64 = 88.0;
 const LEFTS: [f64; 2] = [80.0, 520.0];
 
 /// Colours that stay apart for the usual eight modes (Okabe–Ito, then
@@ -145,7 +145,7 @@ pub fn svg(cells: &[CellResult], caption: &str) -> String {
             out,
             r#"<g><text x="{}" y="{}" font-size="14" text-anchor="middle">{}</text>"#,
             left + PANEL_W / 2.0,
-            TOP - 10.0,
+            TOP - 12.0,
             esc(title)
         );
         // Horizontal grid at each power of ten.
@@ -208,11 +208,10 @@ pub fn svg(cells: &[CellResult], caption: &str) -> String {
         let _ = writeln!(out, "</g>");
     }
 
-    // Legend, under the panels.
+    // Legend, under the panels, each entry as wide as its name.
     let legend_y = TOP + PANEL_H + 62.0;
-    let step = (WIDTH - 2.0 * LEFTS[0]) / modes.len().max(1) as f64;
-    for (i, &m) in modes.iter().enumerate() {
-        let lx = LEFTS[0] + i as f64 * step;
+    let mut lx = LEFTS[0];
+    for &m in &modes {
         let _ = writeln!(
             out,
             r#"<line x1="{lx:.1}" y1="{legend_y}" x2="{:.1}" y2="{legend_y}" stroke="{}" stroke-width="3"/><text x="{:.1}" y="{:.1}">{}</text>"#,
@@ -222,6 +221,7 @@ pub fn svg(cells: &[CellResult], caption: &str) -> String {
             legend_y + 4.0,
             esc(m.name())
         );
+        lx += 48.0 + 7.0 * m.name().len() as f64;
     }
     out.push_str("</svg>\n");
     out
