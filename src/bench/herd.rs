@@ -18,9 +18,13 @@
 //!    which hands it to the next waiter in line. The broker is the relay
 //!    the releaser is in the kernel modes. A budget of give-backs (see
 //!    the `shared` module) ends the circulation after exactly G grants.
-//! 4. When every waiter sleeps again, the coordinator stops them all (it
-//!    closes the FIFO, posts a stop, or stops the broker); each reports how
-//!    often it woke and how much CPU it used, and exits.
+//! 4. When every waiter sleeps again, the coordinator stops them all with
+//!    one last wake-up each (it closes the FIFO, posts a stop, or passes
+//!    one more token down the broker's line); each reports how often it
+//!    woke and how much CPU it used, and exits. On Linux the counters are
+//!    read from `/proc` instead, from outside, while every waiter sleeps
+//!    just before the first token and just after the last (see the
+//!    `procs` and `waiter` modules).
 //!
 //! A release is the moment a token enters the mechanism (the write, the
 //! post, the give-back to the broker); the hand-off ends when a waiter

@@ -3,15 +3,19 @@
 //!
 //! # Counting wake-ups
 //!
+//! On Linux the coordinator reads every waiter's counters from `/proc`
+//! while all of them sleep, before the first token and after the last, and
+//! uses those. Elsewhere it uses what each waiter reports here.
+//!
 //! A process's voluntary context switches grow by one each time it goes to
 //! sleep; each sleep that ends is a wake-up. The waiter reads its own
-//! counters (`getrusage(RUSAGE_SELF)`, so it works where `/proc` does not)
-//! once right after it reports ready, before its first sleep, and once right
-//! after the wait call that the coordinator's stop ended. Between the two,
-//! every sleep counted was ended by something: a token, the herd of someone
-//! else's token, a lock on the pipe — except the last, which the stop ended
-//! and which is therefore taken off. The coordinator stops only once every
-//! waiter is asleep, so that last sleep exists.
+//! counters (`getrusage(RUSAGE_SELF)`) once right after it reports ready,
+//! before its first sleep, and once right after the wait call that the
+//! coordinator's stop ended. Between the two, every sleep counted was ended
+//! by something: a token, the herd of someone else's token, a lock on the
+//! pipe — except the last, which the stop ended and which is therefore
+//! taken off. The coordinator stops only once every waiter is asleep, so
+//! that last sleep exists.
 //!
 //! macOS keeps no separate count of voluntary switches (XNU's `calcru()`
 //! reports every switch as involuntary), so there both are counted.

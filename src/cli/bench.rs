@@ -70,9 +70,10 @@ struct BuildArgs {
     /// CPU time of one job in µs, a busy loop (X).
     #[arg(long, value_name = "X", default_value_t = 5000)]
     job_us: u64,
-    /// At most N jobs at once, as make's -j; the pool holds N − 1 tokens.
+    /// At most N jobs at once, as make's -j; the pool holds N − 1 tokens
+    /// (at most 4096, which a FIFO holds on every supported system).
     #[arg(short = 'j', long = "jobs", value_name = "N", default_value_t = 32,
-          value_parser = clap::value_parser!(u32).range(1..=65536))]
+          value_parser = clap::value_parser!(u32).range(1..=4096))]
     jobs: u32,
     /// Variants, comma-separated: P0C0R0 … P1C1R1 (P: poll the pipe, C:
     /// implicit-token check, R: sleep 1 s after a failed read), herdless
