@@ -129,6 +129,7 @@ fn bad_peers_are_cut_off_and_the_rest_go_on() {
     assert!(log.contains("tokens lost   0"), "{log}");
 }
 
+#[cfg(target_os = "linux")]
 #[test]
 fn a_peer_of_another_user_is_refused() {
     if !nix::unistd::geteuid().is_root() {
@@ -154,6 +155,7 @@ fn a_peer_of_another_user_is_refused() {
     );
 }
 
+#[cfg(target_os = "linux")]
 /// Connects as uid 65534 (through `setpriv` from util-linux, running
 /// this test binary's `raw-hello` role) and returns what the broker said.
 fn connect_as_nobody(socket: &std::path::Path) -> String {

@@ -3,8 +3,6 @@
 
 mod common;
 
-use std::time::Duration;
-
 use common::{Helper, Serve, PATIENCE};
 use herdless::client::{Client, ErrorKind, Options};
 
@@ -66,6 +64,7 @@ fn serve_stops_cleanly_on_sigint_and_sigterm() {
 }
 
 /// CPU time (user + system, in clock ticks) used so far by `pid`.
+#[cfg(target_os = "linux")]
 fn cpu_ticks(pid: i32) -> u64 {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
     let after_comm = &stat[stat.rfind(')').unwrap() + 2..];
@@ -113,7 +112,7 @@ fn out_of_file_descriptors_keeps_serving_and_does_not_spin() {
 
     // Idle at the limit: the broker must not spin.
     let before = cpu_ticks(serve.pid());
-    std::thread::sleep(Duration::from_millis(1000));
+    std::thread::sleep(std::time::Duration::from_millis(1000));
     let used = cpu_ticks(serve.pid()) - before;
     assert!(
         used < 20,

@@ -169,13 +169,17 @@ fn run_exports_a_private_socket_and_removes_it() {
         "--",
         "sh",
         "-c",
-        r#"echo "$HERDLESS_SOCKET"; stat -c %a "$(dirname "$HERDLESS_SOCKET")"; herdless status --json"#,
+        r#"echo "$HERDLESS_SOCKET"; ls -ld "$(dirname "$HERDLESS_SOCKET")" | cut -c1-10; herdless status --json"#,
     ]));
     assert!(out.status.success(), "{out:?}");
     let stdout = String::from_utf8_lossy(&out.stdout);
     let mut lines = stdout.lines();
     let socket = lines.next().unwrap();
-    assert_eq!(lines.next(), Some("700"));
+    assert_eq!(
+        lines.next(),
+        Some("drwx------"),
+        "a directory only its user can enter"
+    );
     let status: herdless::broker::Status = serde_json::from_str(lines.next().unwrap()).unwrap();
     assert_eq!((status.jobs, status.capacity), (3, 2));
     // Nobody holds a token: each is free or in the classic pipe.

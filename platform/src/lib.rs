@@ -73,6 +73,6 @@ pub use caps::{capabilities, Capabilities};
 pub use clock::monotonic;
 pub use cred::{peer_cred, PeerCred};
 pub use kernel::{kernel, parse_release, Kernel};
-pub use pipe::bytes_readable;
+pub use pipe::{bytes_readable, pipe_cloexec};
 pub use shared_word::SharedWord;
 pub use usage::{children_rusage, process_ctx_switches, self_rusage, CtxSwitches, Usage};

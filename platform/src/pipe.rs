@@ -1,7 +1,7 @@
 //! Questions about a pipe that only an `ioctl` answers.
 
 use std::io;
-use std::os::fd::{AsRawFd, BorrowedFd};
+use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
 
 /// `ioctl(fd, FIONREAD)`: how many bytes wait unread in the pipe or FIFO
 /// behind `fd` (or in a socket's receive buffer).
@@ -31,6 +31,38 @@ pub fn bytes_readable(fd: BorrowedFd<'_>) -> io::Result<usize> {
     Ok(usize::try_from(n).unwrap_or(0))
 }
 
+/// `pipe2(O_CLOEXEC [| O_NONBLOCK])`, or on systems without `pipe2`
+/// (macOS) `pipe(2)` followed by `fcntl(2)` on both ends.
+///
+/// # Portability
+///
+/// On macOS the two steps are not atomic: a `fork` in another thread in
+/// between would inherit the descriptors. herdless only uses these pipes in
+/// processes that do not fork from other threads at that moment.
+pub fn pipe_cloexec(nonblocking: bool) -> io::Result<(OwnedFd, OwnedFd)> {
+    #[cfg(not(any(target_os = "macos", target_os = "ios")))]
+    {
+        use nix::fcntl::OFlag;
+        let mut flags = OFlag::O_CLOEXEC;
+        if nonblocking {
+            flags |= OFlag::O_NONBLOCK;
+        }
+        Ok(nix::unistd::pipe2(flags)?)
+    }
+    #[cfg(any(target_os = "macos", target_os = "ios"))]
+    {
+        use nix::fcntl::{fcntl, FcntlArg, FdFlag, OFlag};
+        let (r, w) = nix::unistd::pipe()?;
+        for fd in [&r, &w] {
+            fcntl(fd, FcntlArg::F_SETFD(FdFlag::FD_CLOEXEC))?;
+            if nonblocking {
+                fcntl(fd, FcntlArg::F_SETFL(OFlag::O_NONBLOCK))?;
+            }
+        }
+        Ok((r, w))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -44,5 +76,19 @@ mod tests {
         let mut w = std::fs::File::from(w);
         w.write_all(b"+++").unwrap();
         assert_eq!(bytes_readable(r.as_fd()).unwrap(), 3);
+    }
+
+    #[test]
+    fn cloexec_pipes_have_their_flags() {
+        use nix::fcntl::{fcntl, FcntlArg, FdFlag, OFlag};
+        for nonblocking in [false, true] {
+            let (r, w) = pipe_cloexec(nonblocking).unwrap();
+            for fd in [&r, &w] {
+                let fd_flags = FdFlag::from_bits_retain(fcntl(fd, FcntlArg::F_GETFD).unwrap());
+                assert!(fd_flags.contains(FdFlag::FD_CLOEXEC));
+                let fl = OFlag::from_bits_retain(fcntl(fd, FcntlArg::F_GETFL).unwrap());
+                assert_eq!(fl.contains(OFlag::O_NONBLOCK), nonblocking);
+            }
+        }
     }
 }

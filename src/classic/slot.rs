@@ -272,7 +272,7 @@ impl SharedSlot {
     pub(crate) fn new(parent: u32, id: (u64, u64)) -> io::Result<SharedSlot> {
         let dir = slot_dir()?;
         let path = dir.join(format!("{parent}-{:x}-{:x}.lock", id.0, id.1));
-        let (read, write) = nix::unistd::pipe2(OFlag::O_CLOEXEC | OFlag::O_NONBLOCK)?;
+        let (read, write) = herdless_platform::pipe_cloexec(true)?;
         Ok(SharedSlot {
             path,
             shared: Arc::new(Mutex::new(Shared::default())),

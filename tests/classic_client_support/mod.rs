@@ -90,7 +90,7 @@ impl TokenPipe {
 
     /// A pipe whose descriptors are closed on exec, for this process only.
     pub fn private(tokens: &[u8]) -> TokenPipe {
-        let (read, write) = nix::unistd::pipe2(OFlag::O_CLOEXEC).expect("pipe2");
+        let (read, write) = herdless_platform::pipe_cloexec(false).expect("pipe");
         set_nonblocking(&read);
         let p = TokenPipe { read, write };
         p.put(tokens);
