@@ -6,21 +6,7 @@ mod common;
 use std::path::Path;
 use std::process::{Command, Output, Stdio};
 
-use common::{path_with_bin, signal, wait_timeout, BIN, PATIENCE};
-
-/// A shell snippet for one job: registers itself in `$dir/running`,
-/// records how many jobs are running, works a little, unregisters, and
-/// counts itself done. Counts only ever under-estimate concurrency, so
-/// "at most N" is exact and "N is reached" is conservative.
-const JOB: &str = r#"
-dir=$1
-mkdir "$dir/running/$$"
-set -- "$dir"/running/*
-echo "$#" >> "$dir/peaks"
-sleep 0.2
-rmdir "$dir/running/$$"
-echo x >> "$dir/done"
-"#;
+use common::{path_with_bin, signal, stat, wait_timeout, JobTree, BIN, PATIENCE};
 
 fn herdless(args: &[&str]) -> Command {
     let mut cmd = Command::new(BIN);
@@ -41,61 +27,12 @@ fn output_within(mut cmd: Command) -> Output {
     child.wait_with_output().unwrap()
 }
 
-fn peaks(dir: &Path) -> (usize, u32) {
-    let done = std::fs::read_to_string(dir.join("done")).unwrap_or_default();
-    let peaks = std::fs::read_to_string(dir.join("peaks")).unwrap_or_default();
-    let max = peaks
-        .lines()
-        .map(|l| l.trim().parse::<u32>().unwrap())
-        .max()
-        .unwrap_or(0);
-    (done.lines().count(), max)
-}
-
-fn stat_line<'a>(stderr: &'a str, key: &str) -> &'a str {
-    stderr
-        .lines()
-        .find_map(|l| {
-            l.strip_prefix("herdless: ")
-                .and_then(|l| l.strip_prefix(key))
-        })
-        .unwrap_or_else(|| panic!("no {key:?} line in:\n{stderr}"))
-        .trim()
-}
-
-fn tempdir() -> tempdir::Dir {
-    tempdir::Dir::new()
-}
-
-mod tempdir {
-    pub struct Dir(pub std::path::PathBuf);
-    impl Dir {
-        pub fn new() -> Dir {
-            let p = std::env::temp_dir().join(format!(
-                "herdless-test-{}-{}",
-                std::process::id(),
-                std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .unwrap()
-                    .as_nanos()
-            ));
-            std::fs::create_dir_all(p.join("running")).unwrap();
-            Dir(p)
-        }
-    }
-    impl Drop for Dir {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
-    }
-}
-
 #[test]
 fn sixty_four_execs_under_j4_run_four_at_a_time() {
-    let dir = tempdir();
+    let tree = JobTree::new("sixty-four");
     let script = format!(
-        r#"for i in $(seq 64); do herdless exec sh -c '{JOB}' job "{}" & done; wait"#,
-        dir.0.display()
+        r#"for i in $(seq 64); do herdless exec sh {0}/job.sh {0} & done; wait"#,
+        tree.dir.display()
     );
     let out = output_within({
         let mut c = herdless(&["run", "-j", "4", "--stats", "--", "sh", "-c", &script]);
@@ -104,14 +41,14 @@ fn sixty_four_execs_under_j4_run_four_at_a_time() {
     });
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");
-    let (done, max) = peaks(&dir.0);
+    let (done, max) = tree.counts();
     assert_eq!(done, 64, "every job finished");
     assert_eq!(max, 4, "at most 4 at once, and 4 reached");
-    assert_eq!(stat_line(&stderr, "tokens lost"), "0");
-    assert_eq!(stat_line(&stderr, "max in use"), "4");
+    assert_eq!(stat(&stderr, "tokens lost"), "0");
+    assert_eq!(stat(&stderr, "max in use"), "4");
     // Every exec was granted exactly once.
     assert!(
-        stat_line(&stderr, "grants").starts_with("64 to native clients"),
+        stat(&stderr, "grants").starts_with("64 to native clients"),
         "{stderr}"
     );
 }

@@ -313,3 +313,89 @@ pub fn helper_main() {
     }
     std::process::exit(0);
 }
+
+/// The job every Makefile runs: registers itself, records how many jobs
+/// run at once, works a little, unregisters, counts itself done. The counts
+/// only ever under-estimate concurrency, so "at most N" is exact.
+pub const JOB_SH: &str = r#"#!/bin/sh
+dir=$1
+mkdir "$dir/running/$$"
+set -- "$dir"/running/*
+echo "$#" >> "$dir/peaks"
+sleep ${JOB_SLEEP:-0.15}
+rmdir "$dir/running/$$"
+echo x >> "$dir/done"
+"#;
+
+/// A scratch directory where jobs record themselves (see `JOB_SH`).
+pub struct JobTree {
+    pub dir: PathBuf,
+}
+
+impl JobTree {
+    pub fn new(name: &str) -> JobTree {
+        let dir = std::env::temp_dir().join(format!("herdless-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(dir.join("running")).unwrap();
+        std::fs::write(dir.join("job.sh"), JOB_SH).unwrap();
+        JobTree { dir }
+    }
+
+    pub fn path(&self, name: &str) -> PathBuf {
+        self.dir.join(name)
+    }
+
+    /// A Makefile (GNU and bmake syntax alike) of `n` jobs named `p1..pn`.
+    pub fn flat_makefile(&self, name: &str, prefix: &str, n: usize) {
+        let targets: Vec<String> = (1..=n).map(|i| format!("{prefix}{i}")).collect();
+        let mut mk = format!("all: {}\n", targets.join(" "));
+        for t in &targets {
+            mk += &format!("{t}:\n\t@sh {0}/job.sh {0}\n", self.dir.display());
+        }
+        std::fs::write(self.path(name), mk).unwrap();
+    }
+
+    /// A recursive tree: the top Makefile runs `branches` sub-makes of
+    /// `per` jobs each.
+    pub fn recursive_makefile(&self, branches: usize, per: usize) {
+        let subs: Vec<String> = (1..=branches).map(|b| format!("branch{b}")).collect();
+        let mut top = format!("all: {}\n", subs.join(" "));
+        for (b, sub) in subs.iter().enumerate() {
+            let file = format!("sub{}.mk", b + 1);
+            self.flat_makefile(&file, &format!("b{}j", b + 1), per);
+            top += &format!("{sub}:\n\t@${{MAKE}} -f {}\n", self.path(&file).display());
+        }
+        std::fs::write(self.path("Makefile"), top).unwrap();
+    }
+
+    /// (jobs done, most running at once)
+    pub fn counts(&self) -> (usize, u32) {
+        let done = std::fs::read_to_string(self.path("done")).unwrap_or_default();
+        let peaks = std::fs::read_to_string(self.path("peaks")).unwrap_or_default();
+        let max = peaks
+            .lines()
+            .filter_map(|l| l.trim().parse().ok())
+            .max()
+            .unwrap_or(0);
+        (done.lines().count(), max)
+    }
+}
+
+impl Drop for JobTree {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// The value of a `herdless: KEY …` line of `--stats` output.
+pub fn stat(stderr: &str, key: &str) -> String {
+    stderr
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("herdless: ")
+                .and_then(|l| l.strip_prefix(key))
+        })
+        .unwrap_or_else(|| panic!("no {key:?} line in:\n{stderr}"))
+        .trim()
+        .to_string()
+}
