@@ -242,3 +242,36 @@ fn a_timeout_in_one_thread_withdraws_only_its_own_request() {
     c.release_raw().unwrap();
     serve.wait_for("all back", |s| s.free == 1);
 }
+
+#[test]
+fn a_forgotten_implicit_token_is_released_locally() {
+    let serve = Serve::start(2);
+    let c = Client::connect(&serve.socket).unwrap();
+    let implicit = c.acquire().unwrap();
+    assert!(implicit.is_implicit());
+    implicit.forget();
+    c.release_raw().unwrap();
+    // The broker never saw it, and the connection is still good.
+    let s = serve.status();
+    assert_eq!((s.grants, s.clients.len()), (0, 1), "{s:#?}");
+    assert!(c
+        .try_acquire()
+        .unwrap()
+        .expect("implicit again")
+        .is_implicit());
+}
+
+#[test]
+fn concurrent_status_calls_each_get_a_reply() {
+    let serve = Serve::start(2);
+    let c = shared_only(&serve);
+    let threads: Vec<_> = (0..4)
+        .map(|_| {
+            let c = c.clone();
+            std::thread::spawn(move || (0..50).all(|_| c.status_json().is_ok()))
+        })
+        .collect();
+    for t in threads {
+        assert!(t.join().unwrap());
+    }
+}

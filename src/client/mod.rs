@@ -115,6 +115,9 @@ struct Inner {
     backend: Backend,
     options: Options,
     implicit_in_use: AtomicBool,
+    /// The implicit token was forgotten while in use: the next
+    /// `release_raw` gives it back, locally.
+    implicit_forgotten: AtomicBool,
 }
 
 /// A handle on the jobserver. Cheap to clone; `Send + Sync`: several
@@ -199,6 +202,7 @@ impl Client {
                 backend,
                 options,
                 implicit_in_use: AtomicBool::new(false),
+                implicit_forgotten: AtomicBool::new(false),
             }),
         }
     }
@@ -493,6 +497,12 @@ impl Token {
     /// connection closes, or through [`Client::release_raw`].
     pub fn forget(mut self) {
         self.live = false;
+        if self.kind == TokenKind::Implicit {
+            self.client
+                .inner
+                .implicit_forgotten
+                .store(true, Ordering::Release);
+        }
     }
 
     fn give_back(&self) -> Result<()> {
@@ -525,12 +535,18 @@ impl Drop for Token {
 }
 
 impl Client {
-    /// Gives back one shared token that was [`Token::forget`]-ten. The
-    /// caller keeps count: releasing a token the client does not hold makes
-    /// the broker close the connection. On a classic jobserver it writes
-    /// back the byte most recently read (or gives back the parent's slot
-    /// when no byte is held); holding none is a `NotHolding` error.
+    /// Gives back one token that was [`Token::forget`]-ten: the implicit
+    /// token first (which never involves the broker), then a shared one.
+    /// The caller keeps count: releasing a shared token the client does not
+    /// hold makes the broker close the connection. On a classic jobserver
+    /// it writes back the byte most recently read (or gives back the
+    /// parent's slot when no byte is held); holding none is a `NotHolding`
+    /// error.
     pub fn release_raw(&self) -> Result<()> {
+        if self.inner.implicit_forgotten.swap(false, Ordering::AcqRel) {
+            self.inner.implicit_in_use.store(false, Ordering::Release);
+            return Ok(());
+        }
         match &self.inner.backend {
             Backend::Native(n) => n.release(),
             Backend::Classic(c) => c.release_any(),

@@ -37,14 +37,13 @@ struct State {
     wanting: u32,
     /// Grants received and not yet handed out.
     ready: u32,
-    /// Denials received and not yet seen by the try that asked.
-    denied: u32,
     /// One thread is waiting in poll() on the socket.
     reading: bool,
     aborted: Option<AbortReason>,
     /// Why the connection is unusable, once it is.
     dead: Option<(ErrorKind, String)>,
-    status: Option<String>,
+    /// Status replies not yet taken, in arrival order.
+    statuses: std::collections::VecDeque<String>,
 }
 
 /// How a blocking wait may end early.
@@ -321,7 +320,19 @@ impl Native {
 
     /// Reads whatever has arrived, without blocking, and folds it into the
     /// state.
+    /// Reads what has arrived, unless another thread is the reader: only
+    /// the reader reads the socket while it waits in `poll`, or a frame it
+    /// is waiting for could be taken from under it and its `poll` would
+    /// never return. It folds what it reads in as soon as `poll` returns.
     fn drain(&self, st: &mut State) {
+        if !st.reading {
+            self.read_socket(st);
+        }
+    }
+
+    /// Reads whatever has arrived, without blocking, and folds it into the
+    /// state.
+    fn read_socket(&self, st: &mut State) {
         let mut buf = [0u8; 4096];
         while st.dead.is_none() {
             match (&self.stream).read(&mut buf) {
@@ -374,7 +385,6 @@ impl Native {
             }
             Reply::Denied => {
                 st.tries = st.tries.saturating_sub(1);
-                st.denied += 1;
             }
             Reply::Cancelled { cancelled } => {
                 st.cancels = st.cancels.saturating_sub(1);
@@ -388,7 +398,7 @@ impl Native {
                 st.acquires = 0;
                 st.tries = 0;
             }
-            Reply::Status { json } => st.status = Some(json),
+            Reply::Status { json } => st.statuses.push_back(json),
             Reply::Error { message } => {
                 st.dead = Some((
                     ErrorKind::Refused,
@@ -450,7 +460,7 @@ impl Native {
             let polled = wait_fd(self.stream.as_fd(), PollFlags::POLLIN, wait.deadline);
             st = lock(&self.state);
             st.reading = false;
-            self.drain(&mut st);
+            self.read_socket(&mut st);
             self.cond.notify_all();
             match polled {
                 Ok(true) => {}
@@ -487,8 +497,7 @@ impl Native {
     pub(crate) fn acquire(&self, wait: Wait) -> Result<bool> {
         let mut st = lock(&self.state);
         self.drain(&mut st);
-        if st.ready > 0 {
-            st.ready -= 1;
+        if take_spare(&mut st) {
             return Ok(true);
         }
         Self::check(&st)?;
@@ -520,12 +529,12 @@ impl Native {
                 Ok(true) => {}
                 Ok(false) => {
                     st.wanting -= 1;
-                    let (guard, got) = self.withdraw(st);
-                    st = guard;
-                    if got {
-                        st.ready -= 1;
+                    st = self.withdraw(st);
+                    if take_spare(&mut st) {
                         return Ok(true);
                     }
+                    // An abort or a dead broker says more than the timeout.
+                    Self::check(&st)?;
                     return Ok(false);
                 }
                 Err(e) => break Err(e),
@@ -536,8 +545,8 @@ impl Native {
     }
 
     /// After a timeout: cancels requests nobody wants any more and waits
-    /// for the answers. Returns whether a grant is ready after all.
-    fn withdraw<'a>(&'a self, mut st: MutexGuard<'a, State>) -> (MutexGuard<'a, State>, bool) {
+    /// for the answers (a grant that raced the cancel stays in `ready`).
+    fn withdraw<'a>(&'a self, mut st: MutexGuard<'a, State>) -> MutexGuard<'a, State> {
         while st.acquires > st.cancels && st.acquires - st.cancels + st.ready > st.wanting {
             if self.send(&Request::Cancel).is_err() {
                 break;
@@ -545,9 +554,7 @@ impl Native {
             st.cancels += 1;
         }
         let (guard, _) = self.wait_until(st, NO_DEADLINE, |s| s.cancels == 0);
-        st = guard;
-        let got = st.ready > 0;
-        (st, got)
+        guard
     }
 
     /// Asks for a token without waiting for one to be released.
@@ -569,10 +576,6 @@ impl Native {
         r?;
         if take_spare(&mut st) {
             return Ok(true);
-        }
-        if st.denied > 0 {
-            st.denied -= 1;
-            return Ok(false);
         }
         Self::check(&st)?;
         Ok(false)
@@ -602,7 +605,7 @@ impl Native {
         self.drain(&mut st);
         // Withdraws only requests beyond what blocked threads still want,
         // so their places in the queue are kept.
-        let (mut st, _) = self.withdraw(st);
+        let mut st = self.withdraw(st);
         // A grant that arrived and that no blocked thread waits for is the
         // caller's.
         let got = take_spare(&mut st);
@@ -628,12 +631,12 @@ impl Native {
 
     /// The broker's status report, as JSON.
     pub(crate) fn status(&self) -> Result<String> {
-        let mut st = lock(&self.state);
-        st.status = None;
+        let st = lock(&self.state);
         self.send(&Request::Status)?;
-        let (mut st, r) = self.wait_until(st, NO_DEADLINE, |s| s.status.is_some());
+        // Replies come in request order; any one of them will do.
+        let (mut st, r) = self.wait_until(st, NO_DEADLINE, |s| !s.statuses.is_empty());
         r?;
-        match st.status.take() {
+        match st.statuses.pop_front() {
             Some(json) => Ok(json),
             None => {
                 if let Some((kind, msg)) = &st.dead {
