@@ -85,6 +85,12 @@ fn run_passes_on_the_exit_status() {
         Some(7)
     );
     assert_eq!(code(&["run", "-j", "2", "--", "true"]), Some(0));
+    // As make users type it, and a command whose own options follow.
+    assert_eq!(code(&["run", "-j2", "sh", "-c", "exit 6"]), Some(6));
+    assert_eq!(
+        code(&["run", "--jobs=2", "--", "sh", "-e", "-c", "false"]),
+        Some(1)
+    );
     assert_eq!(
         code(&["run", "-j", "2", "--", "sh", "-c", "kill -TERM $$"]),
         Some(143)

@@ -73,12 +73,7 @@ struct RunArgs {
     #[arg(long)]
     no_classic: bool,
     /// The command to run, and its arguments.
-    #[arg(
-        required = true,
-        trailing_var_arg = true,
-        allow_hyphen_values = true,
-        value_name = "CMD"
-    )]
+    #[arg(required = true, trailing_var_arg = true, value_name = "CMD")]
     command: Vec<OsString>,
 }
 
@@ -100,12 +95,7 @@ struct ExecArgs {
     #[arg(long)]
     abort_on_failure: bool,
     /// The command to run, and its arguments.
-    #[arg(
-        required = true,
-        trailing_var_arg = true,
-        allow_hyphen_values = true,
-        value_name = "CMD"
-    )]
+    #[arg(required = true, trailing_var_arg = true, value_name = "CMD")]
     command: Vec<OsString>,
 }
 
