@@ -496,12 +496,14 @@ impl Bridge {
         }
         // Natives wait: keep at most the current offer in the pipe.
         let tokens = pool.held_by(id).unwrap_or(0);
-        let natives_holding = pool.capacity() - pool.free() - tokens;
         let classic_holding = tokens.saturating_sub(in_pipe);
         let keep = match &self.offer {
             Some(o) if in_pipe > 0 => {
                 let ignored = native_grants.saturating_sub(o.native_grants_at) >= o.patience;
-                let deadlock = natives_holding == 0 && classic_holding == 0;
+                // Nobody can give a token back without being granted one
+                // first (every native holder is itself waiting): keeping
+                // the offer would stall the natives for good.
+                let deadlock = pool.holders_not_waiting(id) == 0 && classic_holding == 0;
                 if ignored || deadlock {
                     // Nobody read it: back off before the next offer.
                     self.backoff = (self.backoff + 1).min(MAX_BACKOFF);

@@ -216,6 +216,16 @@ impl Pool {
             .map(|c| c.pool_held + u32::from(c.slot_held))
     }
 
+    /// Clients other than `except` that hold shared tokens and are not
+    /// waiting for more: the ones that can still give a token back without
+    /// first being granted another.
+    pub fn holders_not_waiting(&self, except: ClientId) -> usize {
+        self.clients
+            .iter()
+            .filter(|(&id, c)| id != except && c.pool_held > 0 && c.waiting == 0)
+            .count()
+    }
+
     /// Shared tokens that are neither free nor held by a connected client.
     /// Zero unless the pool's own accounting is broken: a pool on its own
     /// cannot lose a token, because a closed connection returns all of its.

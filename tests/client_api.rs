@@ -177,7 +177,83 @@ fn try_acquire_gets_a_token_left_unread_in_the_classic_pipe() {
 }
 
 #[test]
+fn a_native_holding_and_waiting_is_not_stalled_by_an_unread_offer() {
+    // Under `herdless run` with no classic client at all: a native that
+    // holds a token and waits for a second must not wait for ever while a
+    // token sits unread in the classic pipe.
+    let mut child = std::process::Command::new(common::BIN)
+        .args(["run", "-j", "3", "--"])
+        .arg(std::env::current_exe().unwrap())
+        .args(["--exact", "helper_process", "--nocapture"])
+        .env("HERDLESS_TEST_ROLE", "hold-and-wait")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    if common::wait_timeout(&mut child, common::PATIENCE * 2).is_none() {
+        let _ = child.kill();
+        panic!("the native clients stalled with a token unread in the classic pipe");
+    }
+    let out = child.wait_with_output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("role: second token granted"), "{stdout}");
+}
+
+fn hold_and_wait() {
+    let socket = herdless::client::socket_from_env().unwrap();
+    let connect =
+        || Client::connect_with(&socket, Options::default().implicit_token(false)).unwrap();
+    let observer = Client::observe(&socket).unwrap();
+    let waiting = || -> u32 {
+        let s: herdless::broker::Status = serde_json::from_str(&observer.json().unwrap()).unwrap();
+        s.clients.iter().map(|c| c.waiting).sum()
+    };
+    let until = |what: &str, pred: &dyn Fn() -> bool| {
+        let start = Instant::now();
+        while !pred() {
+            assert!(
+                start.elapsed() < common::PATIENCE,
+                "timed out waiting for {what}"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    };
+    let (a, b, c) = (connect(), connect(), connect());
+    let a1 = a.acquire().unwrap();
+    let b1 = b.acquire().unwrap();
+    let c_thread = std::thread::spawn(move || c.acquire().map(drop));
+    until("C to queue", &|| waiting() >= 1);
+    let a2 = {
+        let a = a.clone();
+        std::thread::spawn(move || {
+            a.acquire_timeout(Duration::from_secs(20))
+                .map(|t| t.is_some())
+        })
+    };
+    until("A to queue", &|| waiting() >= 2);
+    // B's token goes to C, which gives it back at once: the next token
+    // must reach A, which holds one and waits for another.
+    drop(b1);
+    c_thread.join().unwrap().unwrap();
+    let granted = a2.join().unwrap().unwrap();
+    println!(
+        "role: second token {}",
+        if granted { "granted" } else { "never came" }
+    );
+    drop(a1);
+}
+
+#[test]
 fn helper_process() {
+    if std::env::var("HERDLESS_TEST_ROLE").as_deref() == Ok("hold-and-wait") {
+        hold_and_wait();
+        std::process::exit(0);
+    }
     if std::env::var("HERDLESS_TEST_ROLE").as_deref() == Ok("try-twice") {
         let c = Client::from_env_with(Options::default().implicit_token(false)).unwrap();
         let a = c.try_acquire().unwrap();
