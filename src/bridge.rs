@@ -129,6 +129,15 @@ pub struct ClassicStatus {
     pub lost: u32,
 }
 
+/// How a byte came back from the classic side.
+#[derive(Clone, Copy)]
+enum How {
+    /// Written to the returns FIFO by a classic client.
+    Returned,
+    /// Read back out of the offers pipe by the bridge.
+    TakenBack,
+}
+
 struct Offer {
     native_grants_at: u64,
     patience: u64,
@@ -162,6 +171,8 @@ pub struct Bridge {
     offered: u64,
     returned: u64,
     taken_back: u64,
+    /// Bytes written by classic clients that were not tokens they held.
+    stray: u64,
     lost: u32,
 }
 
@@ -253,6 +264,7 @@ impl Bridge {
             offered: 0,
             returned: 0,
             taken_back: 0,
+            stray: 0,
             lost: 0,
         })
     }
@@ -413,12 +425,12 @@ impl Bridge {
             self.classic_active();
         }
         for b in got {
-            self.take_in(pool, b, now, "returned");
+            self.take_in(pool, b, now, How::Returned);
         }
     }
 
     /// Accounts for one byte read from the classic side.
-    fn take_in(&mut self, pool: &mut Pool, byte: u8, now: std::time::Duration, how: &str) {
+    fn take_in(&mut self, pool: &mut Pool, byte: u8, now: std::time::Duration, how: How) {
         let id = self.client.expect("attached");
         if self.flavor == Flavor::Bmake && byte != TOKEN {
             let reason = AbortReason::from_byte(byte).unwrap_or(AbortReason::Error);
@@ -431,18 +443,53 @@ impl Bridge {
             }
             return;
         }
-        if pool.held_by(id).unwrap_or(0) == 0 {
-            log!(
-                Level::Warn,
-                "a classic client wrote a token it never took (byte {byte:#04x}); ignored"
-            );
+        let tokens = pool.held_by(id).unwrap_or(0);
+        // A return is a token only if a classic client is holding one: the
+        // tokens on the classic side include those still unread in the pipe.
+        let out_with_clients = match how {
+            How::Returned => tokens.saturating_sub(self.in_pipe()),
+            How::TakenBack => tokens,
+        };
+        if out_with_clients == 0 {
+            self.stray += 1;
+            if self.stray.is_power_of_two() {
+                log!(
+                    Level::Warn,
+                    "a classic client wrote a token it never took (byte {byte:#04x}); \
+                     ignored ({} such bytes so far)",
+                    self.stray
+                );
+            }
             return;
         }
         match how {
-            "returned" => self.returned += 1,
-            _ => self.taken_back += 1,
+            How::Returned => self.returned += 1,
+            How::TakenBack => self.taken_back += 1,
         }
         let _ = pool.release(id, now);
+    }
+
+    /// Reads up to `n` bytes out of the pipe that are not tokens.
+    fn discard(&mut self, n: u32) -> u32 {
+        let mut got = 0;
+        let mut byte = [0u8; 1];
+        while got < n {
+            match (&self.offers).read(&mut byte) {
+                Ok(1) => got += 1,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                _ => break,
+            }
+        }
+        self.expected_in_pipe = self.expected_in_pipe.saturating_sub(got);
+        if got > 0 {
+            self.stray += u64::from(got);
+            log!(
+                Level::Warn,
+                "{got} byte(s) in the jobserver FIFO were not tokens (written back by a \
+                 client that never took them); removed"
+            );
+        }
+        got
     }
 
     /// Takes up to `n` unread tokens back out of the pipe into the pool.
@@ -454,7 +501,7 @@ impl Bridge {
                 Ok(1) => {
                     got += 1;
                     self.expected_in_pipe = self.expected_in_pipe.saturating_sub(1);
-                    self.take_in(pool, byte[0], now, "taken back");
+                    self.take_in(pool, byte[0], now, How::TakenBack);
                 }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 // Empty: a classic client took it first.
@@ -483,6 +530,12 @@ impl Bridge {
         // Fewer tokens in the pipe than put there: classic clients took some.
         self.refresh();
         let mut in_pipe = self.expected_in_pipe;
+        let tokens = pool.held_by(id).unwrap_or(0);
+        if in_pipe > tokens {
+            // More bytes than tokens (a client wrote back what it never
+            // took, fifo style): read the surplus out so it cannot run jobs.
+            in_pipe -= self.discard(in_pipe - tokens);
+        }
         let natives_waiting = pool.waiting().saturating_sub(usize::from(self.queued));
         if natives_waiting == 0 {
             // Nobody native is waiting: the whole free pool goes to the pipe.
@@ -495,7 +548,6 @@ impl Bridge {
             return;
         }
         // Natives wait: keep at most the current offer in the pipe.
-        let tokens = pool.held_by(id).unwrap_or(0);
         let classic_holding = tokens.saturating_sub(in_pipe);
         let keep = match &self.offer {
             Some(o) if in_pipe > 0 => {

@@ -562,7 +562,11 @@ impl Broker {
             Request::Hello { .. } => return Err("second hello on one connection".into()),
             Request::Acquire => self.pool.acquire(id, now),
             Request::TryAcquire => {
-                if self.pool.free() == 0 {
+                // Only when nobody queues ahead and no parent slot would
+                // serve: otherwise the token would go elsewhere and the
+                // classic side would just lose its offer.
+                if self.pool.free() == 0 && self.pool.waiting() == 0 && !self.pool.slot_free_for(id)
+                {
                     let now = self.now();
                     if let Some(bridge) = self.bridge.as_mut() {
                         bridge.reclaim_one(&mut self.pool, now);

@@ -216,6 +216,13 @@ impl Pool {
             .map(|c| c.pool_held + u32::from(c.slot_held))
     }
 
+    /// Whether `client` would be granted its parent's implicit slot now.
+    pub fn slot_free_for(&self, client: ClientId) -> bool {
+        self.clients.get(&client).is_some_and(|c| {
+            c.info.job_of_parent && !c.slot_held && !self.slots.contains_key(&c.info.ppid)
+        })
+    }
+
     /// Clients other than `except` that hold shared tokens and are not
     /// waiting for more: the ones that can still give a token back without
     /// first being granted another.

@@ -451,3 +451,29 @@ fn a_native_abort_stops_bmake_through_the_stopper_token() {
         "{stderr}"
     );
 }
+
+#[test]
+fn bytes_written_back_without_being_taken_add_no_tokens() {
+    // A misbehaving classic client writes tokens it never read into the
+    // returns side: they must not become extra tokens.
+    let tree = Tree::new("stray");
+    let d = tree.dir.display();
+    let script = format!(
+        r#"printf '++++' > "$(dirname "$HERDLESS_SOCKET")/returns.fifo"; sleep 0.2
+for i in 1 2 3 4 5 6; do herdless exec sh {d}/job.sh {d} & done; wait"#
+    );
+    let out = run(
+        &tree.dir,
+        &["-j", "3", "--stats", "--", "sh", "-c", &script],
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let (done, max) = tree.counts();
+    assert_eq!(done, 6);
+    assert!(
+        max <= 3,
+        "stray bytes ran extra jobs: {max} at once\n{stderr}"
+    );
+    assert!(stderr.contains("wrote a token it never took"), "{stderr}");
+    assert_eq!(stat(&stderr, "tokens lost"), "0", "{stderr}");
+}
