@@ -185,13 +185,21 @@ impl Broker {
                 "-j must be at least 1",
             ));
         }
-        if socket.exists() {
+        if let Ok(meta) = std::fs::symlink_metadata(socket) {
+            use std::os::unix::fs::FileTypeExt;
+            if !meta.file_type().is_socket() {
+                return Err(io::Error::new(
+                    io::ErrorKind::AlreadyExists,
+                    format!("{} exists and is not a socket", socket.display()),
+                ));
+            }
             if std::os::unix::net::UnixStream::connect(socket).is_ok() {
                 return Err(io::Error::new(
                     io::ErrorKind::AddrInUse,
                     format!("a broker is already listening on {}", socket.display()),
                 ));
             }
+            // A socket nobody listens on: left by a broker that died.
             std::fs::remove_file(socket)?;
         }
         let mut listener = UnixListener::bind(socket).map_err(|e| {

@@ -15,6 +15,7 @@ pub struct RunDir {
     dir: PathBuf,
     socket: PathBuf,
     owned: bool,
+    bound: bool,
 }
 
 /// The file name of the socket inside a directory made by [`RunDir::create`].
@@ -47,6 +48,7 @@ impl RunDir {
             dir,
             socket,
             owned: true,
+            bound: false,
         })
     }
 
@@ -104,7 +106,15 @@ impl RunDir {
             dir,
             socket: socket.to_path_buf(),
             owned,
+            bound: false,
         })
+    }
+
+    /// Records that this process bound the socket, so that dropping the
+    /// directory removes it. A socket some other broker listens on is never
+    /// removed.
+    pub fn set_bound(&mut self) {
+        self.bound = true;
     }
 
     /// The socket's path.
@@ -120,7 +130,9 @@ impl RunDir {
 
 impl Drop for RunDir {
     fn drop(&mut self) {
-        let _ = fs::remove_file(&self.socket);
+        if self.bound {
+            let _ = fs::remove_file(&self.socket);
+        }
         if self.owned {
             let _ = fs::remove_dir(&self.dir);
         }

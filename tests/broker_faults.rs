@@ -133,3 +133,32 @@ fn out_of_file_descriptors_keeps_serving_and_does_not_spin() {
     assert!(log.contains("refusing a new client"), "{log}");
     assert!(log.contains("tokens lost   0"), "{log}");
 }
+
+#[test]
+fn a_second_serve_leaves_the_first_one_alone() {
+    let first = Serve::start(2);
+    let out = std::process::Command::new(common::BIN)
+        .args(["serve", "-j", "2", "--socket"])
+        .arg(&first.socket)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(125));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("already listening"), "{stderr}");
+    // The first broker's socket is still there and still answers.
+    assert!(first.socket.exists());
+    assert_eq!(first.status().jobs, 2);
+
+    // A path that is some other file is refused, not deleted.
+    let file = first.socket.with_file_name("not-a-socket");
+    std::fs::write(&file, b"keep me").unwrap();
+    let out = std::process::Command::new(common::BIN)
+        .args(["serve", "-j", "2", "--socket"])
+        .arg(&file)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(125));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("is not a socket"));
+    assert_eq!(std::fs::read(&file).unwrap(), b"keep me");
+    std::fs::remove_file(&file).unwrap();
+}

@@ -21,8 +21,9 @@ use super::RunArgs;
 /// broker gives each exec the implicit slot of its parent process when no
 /// sibling holds it). Either way, at most N jobs run at once.
 pub fn run(args: RunArgs) -> Result<u8> {
-    let dir = RunDir::create().context("cannot prepare the socket directory")?;
+    let mut dir = RunDir::create().context("cannot prepare the socket directory")?;
     let mut broker = Broker::bind(dir.socket(), Config::new(args.jobs))?;
+    dir.set_bound();
     let mut env = vec![(SOCKET_ENV, dir.socket().as_os_str().to_owned())];
     // Scripts can call `"$HERDLESS" exec …` without herdless on PATH.
     if let Ok(me) = std::env::current_exe() {

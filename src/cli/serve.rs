@@ -12,7 +12,7 @@ use super::ServeArgs;
 /// Listens, prints the line to export, serves until SIGINT or SIGTERM, then
 /// removes its socket and prints the final report to stderr.
 pub fn serve(args: ServeArgs) -> Result<u8> {
-    let dir = match &args.socket {
+    let mut dir = match &args.socket {
         Some(path) => RunDir::at(path),
         None => RunDir::create(),
     }
@@ -22,6 +22,7 @@ pub fn serve(args: ServeArgs) -> Result<u8> {
         handle_signals: true,
     };
     let broker = Broker::bind(dir.socket(), config)?;
+    dir.set_bound();
     let mut out = std::io::stdout().lock();
     writeln!(
         out,
