@@ -53,6 +53,11 @@ const FIRST_CONN: usize = 16;
 /// it is disconnected rather than allowed to grow the broker's memory.
 const MAX_PENDING_OUTPUT: usize = 4 * MAX_REPLY_PAYLOAD;
 
+/// The most acquires one connection may have waiting. A build tool waits
+/// for a few tokens at a time; a client that queues more is broken or
+/// hostile, and would otherwise grow the broker's queue without bound.
+pub const MAX_PENDING_ACQUIRES: u32 = 4096;
+
 /// How a broker is set up.
 #[derive(Clone, Debug)]
 pub struct Config {
@@ -568,6 +573,11 @@ impl Broker {
         };
         let result = match req {
             Request::Hello { .. } => return Err("second hello on one connection".into()),
+            Request::Acquire if self.pool.pending(id) >= MAX_PENDING_ACQUIRES => {
+                return Err(format!(
+                    "more than {MAX_PENDING_ACQUIRES} acquires waiting on one connection"
+                ));
+            }
             Request::Acquire => self.pool.acquire(id, now),
             Request::TryAcquire => {
                 // Only when nobody queues ahead and no parent slot would

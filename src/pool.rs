@@ -216,6 +216,11 @@ impl Pool {
             .map(|c| c.pool_held + u32::from(c.slot_held))
     }
 
+    /// Acquires `client` has waiting in the queue.
+    pub fn pending(&self, client: ClientId) -> u32 {
+        self.clients.get(&client).map_or(0, |c| c.waiting)
+    }
+
     /// Whether `client` would be granted its parent's implicit slot now.
     pub fn slot_free_for(&self, client: ClientId) -> bool {
         self.clients.get(&client).is_some_and(|c| {
@@ -366,6 +371,10 @@ impl Pool {
         };
         if client.waiting > 0 {
             self.queue.retain(|w| w.client != id);
+            // Give back the memory of a queue one client had flooded.
+            if self.queue.capacity() > 1024 && self.queue.len() < self.queue.capacity() / 4 {
+                self.queue.shrink_to_fit();
+            }
         }
         let mut reclaimed = client.pool_held;
         self.free += client.pool_held;

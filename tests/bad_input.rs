@@ -100,6 +100,17 @@ fn bad_peers_are_cut_off_and_the_rest_go_on() {
     let r = send_raw(&serve, &misuse, false);
     assert!(error_of(&r).contains("does not hold"), "{r:?}");
 
+    // A flood of acquires on one connection.
+    let mut flood = hello(1);
+    for _ in 0..=herdless::broker::MAX_PENDING_ACQUIRES {
+        Request::Acquire.encode(&mut flood);
+    }
+    let r = send_raw(&serve, &flood, false);
+    assert!(
+        error_of(&r).contains("acquires waiting on one connection"),
+        "{r:?}"
+    );
+
     // The well-behaved clients were never disturbed: the waiter is still
     // queued, and gets the token as soon as the holder lets go.
     let s = serve.wait_for("bad peers gone", |s| s.clients.len() == 2);
@@ -120,6 +131,7 @@ fn bad_peers_are_cut_off_and_the_rest_go_on() {
         "expected a hello frame first",
         "in the middle of a frame (7 bytes unread)",
         "released a token it does not hold",
+        "more than 4096 acquires waiting on one connection",
     ] {
         assert!(
             log.contains(reason),
