@@ -186,3 +186,40 @@ fn exec_without_a_broker_fails_at_once() {
         "{stderr}"
     );
 }
+
+#[test]
+fn signals_ignored_at_start_stay_ignored() {
+    // As under nohup: SIGHUP ignored when herdless starts is ignored by the
+    // command too.
+    let out = output_within(herdless(&[
+        "run",
+        "-j",
+        "2",
+        "--",
+        "sh",
+        "-c",
+        r#"trap '' HUP; exec "$HERDLESS" exec sh -c 'kill -HUP $$; echo survived'"#,
+    ]));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{out:?}");
+    assert_eq!(stdout.trim(), "survived");
+}
+
+#[test]
+fn exec_dies_of_the_signal_that_killed_its_command() {
+    use std::os::unix::process::ExitStatusExt;
+    let serve = common::Serve::start(2);
+    let mut exec = Command::new(BIN)
+        .args(["exec", "--", "sleep", "30"])
+        .env("HERDLESS_SOCKET", &serve.socket)
+        .spawn()
+        .unwrap();
+    serve.wait_for("exec to hold its token", |s| s.in_use == 1);
+    signal(exec.id() as i32, libc::SIGINT);
+    let status = wait_timeout(&mut exec, PATIENCE).expect("exec did not end");
+    // Killed by SIGINT itself, so a shell running it stops too, rather
+    // than an ordinary exit status 130 that a shell would carry on after.
+    assert_eq!(status.signal(), Some(libc::SIGINT), "{status:?}");
+    let s = serve.wait_for("the token back", |s| s.in_use == 0);
+    assert_eq!(s.lost, 0);
+}

@@ -66,6 +66,7 @@ mod cred;
 mod kernel;
 mod pipe;
 mod shared_word;
+mod signal;
 mod usage;
 pub mod wait;
 
@@ -75,4 +76,5 @@ pub use cred::{peer_cred, PeerCred};
 pub use kernel::{kernel, parse_release, Kernel};
 pub use pipe::{bytes_readable, pipe_cloexec};
 pub use shared_word::SharedWord;
+pub use signal::signal_ignored;
 pub use usage::{children_rusage, process_ctx_switches, self_rusage, CtxSwitches, Usage};

@@ -1,25 +1,50 @@
-//! Running a command as a child: spawn, forward signals, map its status.
+//! Running a command as a child: spawn, pass signals on, map its status.
+//!
+//! - Signals ignored when herdless starts (SIGHUP under `nohup`, SIGINT in
+//!   a shell's background job) stay ignored, for herdless and the command.
+//! - A signal sent to herdless by another process is passed on to the
+//!   command. One the terminal sends (Ctrl-C) reaches the command directly,
+//!   through the process group, so it is not sent a second time.
+//! - When the command dies of a signal that herdless received too,
+//!   herdless dies of it as well once it has cleaned up, so a shell running
+//!   it sees an interrupted job, not an ordinary exit status, and stops.
 
 use std::ffi::OsString;
 use std::io;
 use std::os::fd::OwnedFd;
 use std::os::unix::process::ExitStatusExt;
 use std::process::{Command, ExitStatus};
+use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::Arc;
 
 use anyhow::{anyhow, Result};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
-use signal_hook::iterator::Signals;
+use signal_hook::iterator::exfiltrator::WithOrigin;
+use signal_hook::iterator::SignalsInfo;
+use signal_hook::low_level::siginfo::Cause;
 
 /// The signals `run` and `exec` pass on to their command.
 const FORWARDED: [i32; 3] = [SIGINT, SIGTERM, SIGHUP];
 
 /// How the command ended, or why it never started.
 pub enum Outcome {
-    Exited(ExitStatus),
+    Exited {
+        status: ExitStatus,
+        /// The last forwarded signal herdless itself received.
+        received: Option<i32>,
+    },
     /// Exit code 126 or 127, with the message already printed.
     NotStarted(u8),
+}
+
+/// How herdless itself ends.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Exit {
+    Code(u8),
+    /// Die of this signal (after cleaning up), as the command did.
+    Signal(i32),
 }
 
 impl Outcome {
@@ -28,11 +53,23 @@ impl Outcome {
     pub fn code(&self) -> u8 {
         match self {
             Outcome::NotStarted(code) => *code,
-            Outcome::Exited(status) => match (status.code(), status.signal()) {
+            Outcome::Exited { status, .. } => match (status.code(), status.signal()) {
                 (Some(code), _) => code as u8,
                 (None, Some(sig)) => 128u8.wrapping_add(sig as u8),
                 (None, None) => super::EXIT_FAILURE,
             },
+        }
+    }
+
+    /// How herdless should end: of the command's signal when herdless
+    /// received that signal too, otherwise with [`Outcome::code`].
+    pub fn exit(&self) -> Exit {
+        match self {
+            Outcome::Exited {
+                status,
+                received: Some(got),
+            } if status.signal() == Some(*got) => Exit::Signal(*got),
+            _ => Exit::Code(self.code()),
         }
     }
 }
@@ -53,8 +90,13 @@ pub fn run_inheriting(
     let (program, args) = argv
         .split_first()
         .ok_or_else(|| anyhow!("no command given"))?;
+    // Leave ignored signals ignored: the command inherits SIG_IGN.
+    let watched: Vec<i32> = FORWARDED
+        .into_iter()
+        .filter(|&sig| !herdless_platform::signal_ignored(sig).unwrap_or(false))
+        .collect();
     // Register before spawning so that no signal slips between the two.
-    let mut signals = Signals::new(FORWARDED)?;
+    let mut signals = SignalsInfo::<WithOrigin>::new(&watched)?;
     let handle = signals.handle();
     let mut cmd = Command::new(program);
     cmd.args(args);
@@ -76,15 +118,43 @@ pub fn run_inheriting(
         }
     };
     let pid = Pid::from_raw(child.id() as i32);
-    let forwarder = std::thread::spawn(move || {
-        for sig in signals.forever() {
-            if let Ok(sig) = Signal::try_from(sig) {
-                let _ = kill(pid, sig);
+    let received = Arc::new(AtomicI32::new(0));
+    let forwarder = {
+        let received = received.clone();
+        std::thread::spawn(move || {
+            for origin in signals.forever() {
+                received.store(origin.signal, Ordering::SeqCst);
+                // The terminal signals the whole process group itself.
+                if matches!(origin.cause, Cause::Kernel) {
+                    continue;
+                }
+                if let Ok(sig) = Signal::try_from(origin.signal) {
+                    let _ = kill(pid, sig);
+                }
             }
-        }
-    });
+        })
+    };
     let status = child.wait();
     handle.close();
     let _ = forwarder.join();
-    Ok(Outcome::Exited(status?))
+    let received = match received.load(Ordering::SeqCst) {
+        0 => None,
+        sig => Some(sig),
+    };
+    Ok(Outcome::Exited {
+        status: status?,
+        received,
+    })
+}
+
+/// Ends this process as `exit` says; for a signal, by its default action.
+pub fn end(exit: Exit) -> u8 {
+    match exit {
+        Exit::Code(code) => code,
+        Exit::Signal(sig) => {
+            let _ = signal_hook::low_level::emulate_default_handler(sig);
+            // Only reached if the signal does not end the process.
+            128u8.wrapping_add(sig as u8)
+        }
+    }
 }

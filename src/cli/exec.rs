@@ -29,5 +29,6 @@ pub fn exec(args: ExecArgs) -> Result<u8> {
             .abort(reason)
             .context("cannot post the abort to the tree")?;
     }
-    Ok(code)
+    drop(client);
+    Ok(child::end(outcome.exit()))
 }

@@ -58,14 +58,14 @@ pub fn run(args: RunArgs) -> Result<u8> {
         .join()
         .map_err(|_| anyhow::anyhow!("the broker thread panicked"))??;
     drop(dir);
-    let code = outcome?.code();
+    let outcome = outcome?;
     if args.stats {
         print_report(&report);
     }
     if report.lost != 0 {
         eprintln!("herdless: {} token(s) lost", report.lost);
     }
-    Ok(code)
+    Ok(child::end(outcome.exit()))
 }
 
 fn ms(us: f64) -> String {
