@@ -346,3 +346,47 @@ fn bmake_target_without_make_attribute_is_told_why() {
         text(&ran.out)
     );
 }
+
+#[test]
+fn a_job_of_a_job_under_a_recipe_shell_does_not_deadlock() {
+    use std::os::unix::process::CommandExt;
+    // The outer `herdless exec` runs under the recipe's shell and holds
+    // that shell's slot; the inner one must not wait for that slot.
+    let dir = std::env::temp_dir().join(format!("herdless-jobofjob-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let bin = env!("CARGO_BIN_EXE_herdless");
+    let mut mk = String::from("all: a b\n");
+    for t in ["a", "b"] {
+        mk += &format!("{t}:\n\t+cd . && {bin} exec sh -c '{bin} exec echo {t}'\n");
+    }
+    std::fs::write(dir.join("Makefile"), mk).unwrap();
+    let mut child = std::process::Command::new("make")
+        .args(["-s", "-j2"])
+        .current_dir(&dir)
+        .env_remove("MAKEFLAGS")
+        .env_remove("MFLAGS")
+        .env_remove("CARGO_MAKEFLAGS")
+        .env_remove("HERDLESS_SOCKET")
+        .stdout(std::process::Stdio::null())
+        .process_group(0)
+        .spawn()
+        .unwrap();
+    let start = std::time::Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if start.elapsed() > std::time::Duration::from_secs(60) {
+            // The whole tree, so no stuck job outlives the test.
+            let _ = nix::sys::signal::killpg(
+                nix::unistd::Pid::from_raw(child.id() as i32),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+            let _ = child.wait();
+            panic!("make -j2 deadlocked on a job of a job");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(status.success(), "{status:?}");
+}

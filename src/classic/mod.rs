@@ -83,9 +83,10 @@
 //! since the slot's holder is running its job), and a program named like a
 //! make is taken for one (its children may then exceed the limit by one
 //! each, as any classic client with an implicit token would). A job of a
-//! job — `herdless exec sh -c 'herdless exec a & herdless exec b'` run by
-//! make — shares the slot of the outer job, which is right: the outer job
-//! only waits. A slot held by a thread of this process is not handed to
+//! job — `herdless exec sh -c 'herdless exec a & herdless exec b'` — runs
+//! in a slot below the outer `herdless exec`, which counts as a job runner:
+//! the outer job only waits for its command, so its command's first job
+//! needs no token, and never waits for the slot the outer job holds. A slot held by a thread of this process is not handed to
 //! another thread of it that is already waiting (as with the implicit
 //! token); it is taken at that thread's next acquire.
 //!

@@ -35,13 +35,15 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 /// Whether `name` (a process's command name) is a program that starts each
 /// job it runs in a job slot of its own: make in its variants, ninja,
-/// samurai, cargo. Their direct children own their slot outright.
+/// samurai, cargo, and `herdless exec` itself (its command is the job it
+/// holds a slot for, and that command's own jobs run below it). Their
+/// direct children own their slot outright.
 pub(crate) fn runs_each_job_in_a_slot(name: &str) -> bool {
     let name = name.trim();
     let name = name.rsplit('/').next().unwrap_or(name).to_ascii_lowercase();
     name.ends_with("make")
         || name.starts_with("make-")
-        || matches!(name.as_str(), "ninja" | "samu" | "cargo")
+        || matches!(name.as_str(), "ninja" | "samu" | "cargo" | "herdless")
 }
 
 /// Whose slot a job of its parent runs in.
@@ -449,12 +451,13 @@ mod tests {
             "make-4.4.1",
             "ninja",
             "cargo",
+            "herdless",
             "/usr/bin/make\n",
         ] {
             assert!(runs_each_job_in_a_slot(n), "{n}");
         }
         for n in [
-            "sh", "dash", "bash", "xargs", "parallel", "herdless", "python3", "makeinfo",
+            "sh", "dash", "bash", "xargs", "parallel", "python3", "makeinfo",
         ] {
             assert!(!runs_each_job_in_a_slot(n), "{n}");
         }
@@ -494,6 +497,8 @@ mod tests {
             (50, 20, "herdless"), // herdless exec run directly by make
             (60, 50, "sh"),
             (70, 10, "cargo-test"),
+            (80, 30, "herdless"), // herdless exec under the recipe's shell
+            (90, 80, "sh"),       // the script it runs
         ];
         let t = table(&rows);
         // Run by make itself: its own slot.
@@ -501,8 +506,13 @@ mod tests {
         // Under the recipe's shell, or a subshell of it: the shell's slot.
         assert_eq!(slot_owner(30, &t), Owner::Shared(30));
         assert_eq!(slot_owner(40, &t), Owner::Shared(30));
-        // Under a job that runs a script: that job's slot.
-        assert_eq!(slot_owner(60, &t), Owner::Shared(50));
+        // Under a herdless exec that runs a script: the script's slot.
+        assert_eq!(slot_owner(60, &t), Owner::Shared(60));
+        // A job of a job whose outer exec holds the recipe shell's slot: a
+        // slot of its own below the outer job, never the one the outer job
+        // holds (which would wait for ever for the job it is part of).
+        assert_eq!(slot_owner(80, &t), Owner::Own);
+        assert_eq!(slot_owner(90, &t), Owner::Shared(90));
         // No job runner above: the parent's.
         assert_eq!(slot_owner(70, &t), Owner::Shared(70));
         assert_eq!(slot_owner(10, &t), Owner::Shared(10));
