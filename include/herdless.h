@@ -27,7 +27,10 @@
  * handle; the socket is close-on-exec.
  *
  * Signals: herdless_acquire returns -EINTR when a signal handler runs
- * during its wait, whatever SA_RESTART says, and loses no token.
+ * during its wait, whatever SA_RESTART says, and loses no token. With
+ * several threads waiting on one handle, only the thread reading the
+ * socket sees the signal; the others keep waiting. A make that relies on
+ * SIGCHLD ending its wait should wait on a handle from one thread.
  *
  * Link: pkg-config --cflags --libs herdless (add --static for
  * libherdless.a).

@@ -236,6 +236,13 @@ impl Classic {
             // Claim after every return, whatever ended the wait: a wake-up
             // the kernel aimed at this process is used, or the byte is gone.
             if from_slot()? {
+                // The slot won; a token that woke this process too must not
+                // be left unannounced in the pipe (an exclusive wake-up went
+                // to this process only): take it and write it straight back,
+                // which wakes the next waiter.
+                if self.claim(false)? {
+                    self.release_byte()?;
+                }
                 return Ok(Some(Got::Slot));
             }
             if self.claim(false)? {
