@@ -108,6 +108,36 @@ pub fn is_classic_client(program: &OsStr) -> bool {
     )
 }
 
+/// `MAKEFLAGS` without the job-count and jobserver flags of an outer
+/// make (`-jN`, `-j N`, `--jobserver-auth=…`, `--jobserver-fds=…`, bmake's
+/// `-J R,W`), so the tree sees only herdless's; everything else, and the
+/// variable definitions after `--`, is kept as it was.
+pub fn without_jobserver(makeflags: &str) -> String {
+    let numeric = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    let mut kept: Vec<&str> = Vec::new();
+    let mut words = makeflags.split(' ').filter(|w| !w.is_empty()).peekable();
+    while let Some(w) = words.next() {
+        if w == "--" {
+            kept.push(w);
+            kept.extend(words.by_ref());
+            break;
+        }
+        match w {
+            // The value may be the next word (bmake writes `-j 4`).
+            "-j" | "-J" => {
+                if words.peek().is_some_and(|v| numeric(v) || v.contains(',')) {
+                    words.next();
+                }
+            }
+            _ if w.starts_with("--jobserver-auth=") || w.starts_with("--jobserver-fds=") => {}
+            _ if w.starts_with("-j") && numeric(&w[2..]) => {}
+            _ if w.starts_with("-J") && w[2..].contains(',') => {}
+            _ => kept.push(w),
+        }
+    }
+    kept.join(" ")
+}
+
 /// The token byte. GNU make writes back whatever it read; bmake uses `+`.
 const TOKEN: u8 = b'+';
 
@@ -302,7 +332,9 @@ impl Bridge {
             Flavor::Gnu => format!("-j{}", self.jobs),
             Flavor::Bmake => format!("-j {}", self.jobs),
         };
-        let mut flags = makeflags.map(|m| m.to_os_string()).unwrap_or_default();
+        let mut flags = OsString::from(without_jobserver(
+            &makeflags.map(OsStr::to_string_lossy).unwrap_or_default(),
+        ));
         if !flags.is_empty() {
             flags.push(" ");
         }
@@ -677,5 +709,26 @@ impl Drop for Bridge {
         if let Some(p) = &self.returns_path {
             let _ = std::fs::remove_file(p);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::without_jobserver;
+
+    #[test]
+    fn outer_jobserver_flags_are_dropped() {
+        assert_eq!(without_jobserver(""), "");
+        assert_eq!(
+            without_jobserver("k -j3 --jobserver-auth=3,4 -- CC=gcc -j5"),
+            "k -- CC=gcc -j5"
+        );
+        assert_eq!(
+            without_jobserver(" -j 4 -J 15,16 .MAKE.LEVEL.ENV=MAKELEVEL"),
+            ".MAKE.LEVEL.ENV=MAKELEVEL"
+        );
+        assert_eq!(without_jobserver("-j --jobserver-fds=3,4 -s"), "-s");
+        assert_eq!(without_jobserver("-J3,4 -k"), "-k");
+        assert_eq!(without_jobserver("--jobserver-auth=fifo:/tmp/x -w"), "-w");
     }
 }

@@ -477,3 +477,39 @@ for i in 1 2 3 4 5 6; do herdless exec sh {d}/job.sh {d} & done; wait"#
     assert!(stderr.contains("wrote a token it never took"), "{stderr}");
     assert_eq!(stat(&stderr, "tokens lost"), "0", "{stderr}");
 }
+
+#[test]
+fn a_run_nested_in_a_make_recipe_replaces_the_outer_jobserver() {
+    require("make");
+    let tree = Tree::new("nested");
+    tree.flat_makefile("sub.mk", "s", 10);
+    let d = tree.dir.display();
+    fs::write(
+        tree.path("Makefile"),
+        format!("all:\n\t+herdless run -j 2 --stats -- $(MAKE) -s -f {d}/sub.mk\n"),
+    )
+    .unwrap();
+    let mut child = Command::new("make")
+        .args(["-s", "-j8"])
+        .current_dir(&tree.dir)
+        .env("PATH", path_with_bin())
+        .env_remove("MAKEFLAGS")
+        .env_remove("MFLAGS")
+        .env_remove("CARGO_MAKEFLAGS")
+        .env_remove("HERDLESS_SOCKET")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    if wait_timeout(&mut child, PATIENCE * 2).is_none() {
+        let _ = child.kill();
+        panic!("nested run did not finish");
+    }
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let (done, max) = tree.counts();
+    assert_eq!(done, 10);
+    assert_eq!(max, 2, "the inner -j 2 rules, not the outer -j8\n{stderr}");
+    assert_eq!(stat(&stderr, "tokens lost"), "0", "{stderr}");
+}
