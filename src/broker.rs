@@ -717,8 +717,10 @@ impl Broker {
                 message: reason.clone(),
             }
             .encode(&mut conn.tx);
-            let _ = flush(&mut conn);
         }
+        // Replies already owed (to a client that only half-closed) go out
+        // before the connection does, as far as the socket takes them.
+        let _ = flush(&mut conn);
         let _ = self.poll.registry().deregister(&mut conn.stream);
         if let Some(id) = conn.client {
             self.by_client.remove(&id);
