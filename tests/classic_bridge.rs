@@ -8,7 +8,7 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 
-use common::{path_with_bin, stat, wait_timeout, JobTree as Tree, BIN, PATIENCE};
+use common::{path_with_bin, stat, JobTree as Tree, BIN, PATIENCE};
 
 fn gnu_make_44() -> PathBuf {
     let path = std::env::var_os("HERDLESS_GNU_MAKE_44")
@@ -39,25 +39,19 @@ fn require(tool: &str) {
 
 /// `herdless run ARGS…` in `dir`, bounded in time.
 fn run(dir: &Path, args: &[&str]) -> Output {
-    let mut child = Command::new(BIN)
-        .arg("run")
-        .args(args)
-        .current_dir(dir)
-        .env("PATH", path_with_bin())
-        .env_remove("MAKEFLAGS")
-        .env_remove("MFLAGS")
-        .env_remove("CARGO_MAKEFLAGS")
-        .env_remove("MAKELEVEL")
-        .env_remove("HERDLESS_SOCKET")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    if wait_timeout(&mut child, PATIENCE * 4).is_none() {
-        let _ = child.kill();
-        panic!("herdless run {args:?} did not finish");
-    }
-    child.wait_with_output().unwrap()
+    common::output_within(
+        Command::new(BIN)
+            .arg("run")
+            .args(args)
+            .current_dir(dir)
+            .env("PATH", path_with_bin())
+            .env_remove("MAKEFLAGS")
+            .env_remove("MFLAGS")
+            .env_remove("CARGO_MAKEFLAGS")
+            .env_remove("MAKELEVEL")
+            .env_remove("HERDLESS_SOCKET"),
+        PATIENCE * 4,
+    )
 }
 
 fn check(tree: &Tree, out: &Output, jobs: usize, limit: u32) {
@@ -489,23 +483,17 @@ fn a_run_nested_in_a_make_recipe_replaces_the_outer_jobserver() {
         format!("all:\n\t+herdless run -j 2 --stats -- $(MAKE) -s -f {d}/sub.mk\n"),
     )
     .unwrap();
-    let mut child = Command::new("make")
-        .args(["-s", "-j8"])
-        .current_dir(&tree.dir)
-        .env("PATH", path_with_bin())
-        .env_remove("MAKEFLAGS")
-        .env_remove("MFLAGS")
-        .env_remove("CARGO_MAKEFLAGS")
-        .env_remove("HERDLESS_SOCKET")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    if wait_timeout(&mut child, PATIENCE * 2).is_none() {
-        let _ = child.kill();
-        panic!("nested run did not finish");
-    }
-    let out = child.wait_with_output().unwrap();
+    let out = common::output_within(
+        Command::new("make")
+            .args(["-s", "-j8"])
+            .current_dir(&tree.dir)
+            .env("PATH", path_with_bin())
+            .env_remove("MAKEFLAGS")
+            .env_remove("MFLAGS")
+            .env_remove("CARGO_MAKEFLAGS")
+            .env_remove("HERDLESS_SOCKET"),
+        PATIENCE * 2,
+    );
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");
     let (done, max) = tree.counts();

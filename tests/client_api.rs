@@ -181,20 +181,14 @@ fn a_native_holding_and_waiting_is_not_stalled_by_an_unread_offer() {
     // Under `herdless run` with no classic client at all: a native that
     // holds a token and waits for a second must not wait for ever while a
     // token sits unread in the classic pipe.
-    let mut child = std::process::Command::new(common::BIN)
-        .args(["run", "-j", "3", "--"])
-        .arg(std::env::current_exe().unwrap())
-        .args(["--exact", "helper_process", "--nocapture"])
-        .env("HERDLESS_TEST_ROLE", "hold-and-wait")
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    if common::wait_timeout(&mut child, common::PATIENCE * 2).is_none() {
-        let _ = child.kill();
-        panic!("the native clients stalled with a token unread in the classic pipe");
-    }
-    let out = child.wait_with_output().unwrap();
+    let out = common::output_within(
+        std::process::Command::new(common::BIN)
+            .args(["run", "-j", "3", "--"])
+            .arg(std::env::current_exe().unwrap())
+            .args(["--exact", "helper_process", "--nocapture"])
+            .env("HERDLESS_TEST_ROLE", "hold-and-wait"),
+        common::PATIENCE * 2,
+    );
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),

@@ -15,16 +15,7 @@ fn herdless(args: &[&str]) -> Command {
 }
 
 fn output_within(mut cmd: Command) -> Output {
-    let mut child = cmd
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    if wait_timeout(&mut child, PATIENCE * 2).is_none() {
-        let _ = child.kill();
-        panic!("command did not finish: {cmd:?}");
-    }
-    child.wait_with_output().unwrap()
+    common::output_within(&mut cmd, PATIENCE * 2)
 }
 
 #[test]

@@ -150,6 +150,22 @@ pub fn wait_timeout(child: &mut Child, limit: Duration) -> Option<std::process::
     }
 }
 
+/// Runs `cmd` with its output captured; panics, killing it, if it has not
+/// finished within `limit`.
+pub fn output_within(cmd: &mut Command, limit: Duration) -> std::process::Output {
+    let mut child = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn");
+    if wait_timeout(&mut child, limit).is_none() {
+        let _ = child.kill();
+        let _ = child.wait();
+        panic!("command did not finish within {limit:?}: {cmd:?}");
+    }
+    child.wait_with_output().expect("collect output")
+}
+
 /// A client process playing a role (see `helper_main`).
 pub struct Helper {
     pub child: Child,
