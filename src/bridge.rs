@@ -354,6 +354,7 @@ impl Bridge {
             job_of_parent: false,
             observer: false,
             label: "classic",
+            internal: true,
         });
         self.client = Some(id);
     }

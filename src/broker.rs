@@ -552,6 +552,7 @@ impl Broker {
                 } else {
                     "native"
                 },
+                internal: false,
             };
             let id = self.pool.connect(info);
             conn.client = Some(id);

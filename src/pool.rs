@@ -49,6 +49,9 @@ pub struct ClientInfo {
     pub observer: bool,
     /// A short label for status output (`"native"`, `"classic"`).
     pub label: &'static str,
+    /// The broker's own client (the classic bridge): its waits stay out of
+    /// the wait-time figures, which describe native clients.
+    pub internal: bool,
 }
 
 /// Where a granted token comes from.
@@ -471,10 +474,12 @@ impl Pool {
         let waiter = self.queue.remove(pos).expect("position is in the queue");
         let client = self.clients.get_mut(&waiter.client).expect("waiter exists");
         client.waiting -= 1;
-        let waited = now.saturating_sub(waiter.since);
-        self.stats
-            .wait_ns
-            .record(u64::try_from(waited.as_nanos()).unwrap_or(u64::MAX));
+        if !client.info.internal {
+            let waited = now.saturating_sub(waiter.since);
+            self.stats
+                .wait_ns
+                .record(u64::try_from(waited.as_nanos()).unwrap_or(u64::MAX));
+        }
         waiter.client
     }
 

@@ -278,7 +278,7 @@ proptest! {
             now += Duration::from_micros(7);
             match op {
                 Op::Connect { job, ppid } => {
-                    let info = ClientInfo { pid: 100 + m.live.len() as u32, ppid, job_of_parent: job, observer: false, label: "native" };
+                    let info = ClientInfo { pid: 100 + m.live.len() as u32, ppid, job_of_parent: job, observer: false, label: "native", internal: false };
                     let id = pool.connect(info.clone());
                     m.live.push((id, info));
                     m.held.insert(id, (0, false));
