@@ -150,6 +150,9 @@ struct Conn {
     client: Option<ClientId>,
     /// From the kernel where it tells (SO_PEERCRED), else from the hello.
     pid: Option<u32>,
+    /// Watched for writability: only while replies wait in `tx`, so a
+    /// client reading its grant does not wake the broker again.
+    watching_writes: bool,
 }
 
 /// The broker. Build it with [`Broker::bind`], run it with [`Broker::run`].
@@ -435,11 +438,11 @@ impl Broker {
         };
         let token = Token(self.next_token);
         self.next_token += 1;
-        if let Err(e) = self.poll.registry().register(
-            &mut stream,
-            token,
-            Interest::READABLE | Interest::WRITABLE,
-        ) {
+        if let Err(e) = self
+            .poll
+            .registry()
+            .register(&mut stream, token, Interest::READABLE)
+        {
             log!(Level::Error, "cannot watch a new connection: {e}");
             return;
         }
@@ -451,6 +454,7 @@ impl Broker {
                 tx: Vec::new(),
                 client: None,
                 pid,
+                watching_writes: false,
             },
         );
         // The client may have written its hello already; with
@@ -692,7 +696,28 @@ impl Broker {
                 Ok(()) if conn.tx.len() > MAX_PENDING_OUTPUT => {
                     self.close(token, Some("client does not read its replies".into()));
                 }
-                Ok(()) => {}
+                Ok(()) => {
+                    // Watch for writability only while output is pending.
+                    let want = !conn.tx.is_empty();
+                    if want != conn.watching_writes {
+                        let interest = if want {
+                            Interest::READABLE | Interest::WRITABLE
+                        } else {
+                            Interest::READABLE
+                        };
+                        match self
+                            .poll
+                            .registry()
+                            .reregister(&mut conn.stream, token, interest)
+                        {
+                            Ok(()) => conn.watching_writes = want,
+                            Err(e) => {
+                                log!(Level::Error, "cannot watch connection {}: {e}", token.0);
+                                self.close(token, None);
+                            }
+                        }
+                    }
+                }
                 Err(e) => {
                     log!(Level::Debug, "write to connection {}: {e}", token.0);
                     self.close(token, None);

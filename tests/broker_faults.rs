@@ -162,3 +162,43 @@ fn a_second_serve_leaves_the_first_one_alone() {
     assert_eq!(std::fs::read(&file).unwrap(), b"keep me");
     std::fs::remove_file(&file).unwrap();
 }
+
+#[test]
+fn replies_a_client_is_slow_to_read_all_arrive() {
+    use herdless::protocol::{decode_reply, HelloFlags, Reply, Request};
+    use std::io::{Read, Write};
+    let serve = Serve::start(2);
+    let mut s = std::os::unix::net::UnixStream::connect(&serve.socket).unwrap();
+    let mut out = Vec::new();
+    Request::Hello {
+        version: 1,
+        flags: HelloFlags::empty(),
+        pid: std::process::id(),
+        ppid: 1,
+    }
+    .encode(&mut out);
+    // Far more status replies than a socket buffer holds, asked for before
+    // reading any: the broker must keep the rest and send them as the
+    // client reads.
+    const N: usize = 3000;
+    for _ in 0..N {
+        Request::Status.encode(&mut out);
+    }
+    s.write_all(&out).unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    s.set_read_timeout(Some(PATIENCE)).unwrap();
+    let (mut buf, mut at, mut statuses) = (Vec::new(), 0, 0);
+    let mut chunk = [0u8; 65536];
+    while statuses < N {
+        let n = s.read(&mut chunk).expect("the replies stopped coming");
+        assert!(n > 0, "the broker closed after {statuses} replies");
+        buf.extend_from_slice(&chunk[..n]);
+        while let Ok(Some((reply, used))) = decode_reply(&buf[at..]) {
+            at += used;
+            if matches!(reply, Reply::Status { .. }) {
+                statuses += 1;
+            }
+        }
+    }
+    assert_eq!(statuses, N);
+}
