@@ -62,10 +62,12 @@ fn json_rows_have_exactly_the_documented_keys() {
         [("poll", 2), ("poll", 4), ("herdless", 2), ("herdless", 4)]
     );
     // The broker wakes at most the one waiter it grants to (fewer when
-    // that waiter had not gone back to sleep yet, as with two waiters).
+    // that waiter had not gone back to sleep yet, as with two waiters); a
+    // loaded machine may add the odd sleep of a waiter's own, where a herd
+    // would show about one wake-up per waiter.
     for r in rows.iter().filter(|r| r["mode"] == "herdless") {
         if !cfg!(target_vendor = "apple") {
-            assert!(r["wakeups_per_grant"].as_f64().unwrap() <= 1.0, "{r:?}");
+            assert!(r["wakeups_per_grant"].as_f64().unwrap() <= 1.5, "{r:?}");
         }
     }
     let plot = std::fs::read_to_string(&svg).unwrap();

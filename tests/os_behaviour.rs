@@ -47,11 +47,32 @@ fn assert_one_wakeup_per_grant(waiters: u32, grants: u64) {
             assert!(*g > 0 || *w == 0, "{r:#?}");
         }
     } else {
-        assert_eq!(
-            r.wakeups_by_waiter, r.grants_by_waiter,
-            "wake-ups and grants of each of {waiters} waiters"
+        // Each waiter wakes once per token it is handed. A herd would show
+        // every waiter waking at nearly every grant; a loaded machine can
+        // add the odd sleep of a waiter's own (a page fault, a record write
+        // that blocks), hence a margin of two per waiter, which no herd
+        // fits in.
+        for (i, (w, g)) in r
+            .wakeups_by_waiter
+            .iter()
+            .zip(&r.grants_by_waiter)
+            .enumerate()
+        {
+            assert!(
+                *w <= *g + 2,
+                "waiter {i} of {waiters} woke {w} times for {g} grants: {r:#?}"
+            );
+        }
+        assert!(
+            r.wakeups <= r.grants + u64::from(waiters) / 8 + 2,
+            "{} wake-ups for {} grants among {waiters} waiters",
+            r.wakeups,
+            r.grants
         );
-        assert_eq!(r.wakeups, r.grants);
+        assert!(
+            r.wakeups >= r.grants / 2,
+            "wake-ups were not counted: {r:#?}"
+        );
     }
 }
 

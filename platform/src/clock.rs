@@ -38,11 +38,10 @@ mod tests {
         let a = monotonic();
         let start = std::time::Instant::now();
         std::thread::sleep(Duration::from_millis(5));
-        let b = monotonic();
         let elapsed = start.elapsed();
-        assert!(b > a);
-        // Instant's clock runs at the same rate: the two spans agree.
-        let d = (b - a).as_secs_f64() - elapsed.as_secs_f64();
-        assert!(d.abs() < 0.004, "{a:?} {b:?} {elapsed:?}");
+        let b = monotonic();
+        // The span read with `monotonic` encloses the one `Instant` read
+        // inside it, however long the thread was preempted in between.
+        assert!(b - a >= elapsed, "{a:?} {b:?} {elapsed:?}");
     }
 }
