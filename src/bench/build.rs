@@ -234,7 +234,7 @@ pub fn run_variant(
         ));
     }
     ensure_limits(u64::from(cfg.makes) + 1, u64::from(cfg.makes) + 8)?;
-    let dir = RunDir::create()?;
+    let mut dir = RunDir::create()?;
     let spin_iters = (cfg.job_us as f64 * iters_per_us).round() as u64;
     let capacity = cfg.jobs - 1;
 
@@ -252,6 +252,7 @@ pub fn run_variant(
         }
         Variant::Herdless => {
             let b = Broker::bind(dir.socket(), Config::new(cfg.jobs))?;
+            dir.set_bound();
             let stopper = b.stopper();
             let t = thread::Builder::new()
                 .name("herdless-broker".into())

@@ -247,6 +247,7 @@ impl Shared {
                 // T tokens to circulate and one for the stop; the pool of
                 // `-j N` holds N − 1.
                 let broker = Broker::bind(&socket, Config::new(tokens + 2))?;
+                scratch.dir.set_bound();
                 let stopper = broker.stopper();
                 let (tid_tx, tid_rx) = mpsc::channel();
                 let thread = thread::Builder::new()
