@@ -32,8 +32,9 @@
 //!   taken back and granted to them, except one *offer* for classic
 //!   clients: the bridge queues for a token in the pool's FIFO like any
 //!   waiter, and writes it into the pipe when its turn comes. An offer
-//!   nobody reads is taken back after a full round of native grants (or at
-//!   once if nothing else could free a token), and each ignored offer
+//!   nobody reads is taken back after a round of native grants (one per
+//!   waiting native, at most as many as there are tokens), or at once if
+//!   nothing else could free a token; each ignored offer
 //!   doubles the number of rounds before the next one, up to
 //!   [`MAX_BACKOFF`]; an offer that is read resets that. So a classic client
 //!   that starts waiting while natives contend gets a token within at most
@@ -171,6 +172,13 @@ enum How {
 struct Offer {
     native_grants_at: u64,
     patience: u64,
+}
+
+/// A round of native grants: one per waiter, but no more than there are
+/// tokens, since a classic reader that wants an offer takes it at once and
+/// a long native queue must not leave it idle for long.
+fn round(pool: &Pool, natives_waiting: u64) -> u64 {
+    natives_waiting.min(u64::from(pool.capacity())).max(1)
 }
 
 /// The most doublings of the gap between offers nobody reads.
@@ -422,10 +430,13 @@ impl Bridge {
             Ok(1) => {
                 self.offered += 1;
                 self.expected_in_pipe += 1;
+                // With natives waiting this token is the classic side's
+                // offer; otherwise it is just the pipe filling up, which the
+                // natives may take back as soon as they wait.
                 let waiting = (pool.waiting() as u64).saturating_sub(u64::from(self.queued));
-                self.offer = Some(Offer {
+                self.offer = (waiting > 0).then_some(Offer {
                     native_grants_at: native_grants,
-                    patience: waiting.max(1),
+                    patience: round(pool, waiting),
                 });
             }
             other => {
@@ -592,7 +603,7 @@ impl Bridge {
                 if ignored || deadlock {
                     // Nobody read it: back off before the next offer.
                     self.backoff = (self.backoff + 1).min(MAX_BACKOFF);
-                    let round = natives_waiting as u64;
+                    let round = round(pool, natives_waiting as u64);
                     self.next_offer_at = native_grants + round * ((1u64 << self.backoff) - 1);
                     self.offer = None;
                     0
