@@ -16,18 +16,8 @@ fn helper_process() {
 /// Voluntary + involuntary context switches of every thread of `pid`.
 #[cfg(target_os = "linux")]
 fn switches(pid: u32) -> u64 {
-    let mut total = 0;
-    for task in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap() {
-        let status = std::fs::read_to_string(task.unwrap().path().join("status")).unwrap();
-        for line in status.lines() {
-            if let Some((key, value)) = line.split_once(':') {
-                if key.ends_with("ctxt_switches") {
-                    total += value.trim().parse::<u64>().unwrap();
-                }
-            }
-        }
-    }
-    total
+    let c = herdless_platform::process_ctx_switches_all_threads(pid as i32).unwrap();
+    c.voluntary + c.involuntary
 }
 
 #[test]

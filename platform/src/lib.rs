@@ -77,4 +77,7 @@ pub use kernel::{kernel, parse_release, Kernel};
 pub use pipe::{bytes_readable, pipe_cloexec};
 pub use shared_word::SharedWord;
 pub use signal::signal_ignored;
-pub use usage::{children_rusage, process_ctx_switches, self_rusage, CtxSwitches, Usage};
+pub use usage::{
+    children_rusage, process_ctx_switches, process_ctx_switches_all_threads, self_rusage,
+    CtxSwitches, Usage,
+};

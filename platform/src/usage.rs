@@ -52,6 +52,39 @@ pub fn process_ctx_switches(pid: i32) -> io::Result<CtxSwitches> {
     sys::process_ctx_switches(pid)
 }
 
+/// The context switches of every thread of process `pid`, summed: whether
+/// any thread of it ran, where [`process_ctx_switches`] counts the thread
+/// whose id is `pid` only.
+///
+/// # Errors
+///
+/// As [`process_ctx_switches`]; a thread that exits while being read is
+/// skipped.
+///
+/// # Portability
+///
+/// Linux only (`/proc/PID/task`); elsewhere `Unsupported`.
+pub fn process_ctx_switches_all_threads(pid: i32) -> io::Result<CtxSwitches> {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        // Gives the precise error: no such process, or no counters here.
+        return process_ctx_switches(pid);
+    };
+    let mut total = CtxSwitches::default();
+    for task in tasks {
+        let tid = task?.file_name().to_string_lossy().parse::<i32>();
+        let Ok(tid) = tid else { continue };
+        match process_ctx_switches(tid) {
+            Ok(c) => {
+                total.voluntary += c.voluntary;
+                total.involuntary += c.involuntary;
+            }
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(total)
+}
+
 /// Parses the `voluntary_ctxt_switches` and `nonvoluntary_ctxt_switches`
 /// lines of a Linux `/proc/PID/status` file.
 #[cfg_attr(not(target_os = "linux"), allow(dead_code))]
@@ -220,5 +253,31 @@ mod tests {
         assert!(after.since(&before).voluntary_ctx >= 3);
         assert!(after.cpu() >= before.cpu());
         children_rusage().unwrap();
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn all_threads_include_a_sleeping_thread() {
+        let pid = std::process::id() as i32;
+        let (slept_tx, slept_rx) = std::sync::mpsc::channel();
+        let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+        // Another thread sleeps five times, then stays alive until read.
+        let t = std::thread::spawn(move || {
+            for _ in 0..5 {
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+            slept_tx.send(()).unwrap();
+            let _ = done_rx.recv();
+        });
+        slept_rx.recv().unwrap();
+        let main_only = process_ctx_switches(pid).unwrap();
+        let all = process_ctx_switches_all_threads(pid).unwrap();
+        done_tx.send(()).unwrap();
+        t.join().unwrap();
+        assert!(
+            all.voluntary >= main_only.voluntary + 5,
+            "{main_only:?} {all:?}"
+        );
+        assert!(process_ctx_switches_all_threads(i32::MAX).is_err());
     }
 }
