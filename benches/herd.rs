@@ -14,8 +14,8 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use herdless::bench::herd::{run_matrix, STANDARD_WAITERS};
-use herdless::bench::{kernel_label, plot, report, BenchMode};
+use herdless_bench::herd::{run_matrix, STANDARD_WAITERS};
+use herdless_bench::{kernel_label, plot, report, BenchMode};
 
 struct Args {
     modes: Vec<BenchMode>,

@@ -2,7 +2,7 @@
 
 use std::process::Command;
 
-use herdless::bench::build::BuildRow;
+use herdless_bench::build::BuildRow;
 
 const BIN: &str = env!("CARGO_BIN_EXE_herdless");
 

@@ -204,7 +204,7 @@ fn hold_and_wait() {
         || Client::connect_with(&socket, Options::default().implicit_token(false)).unwrap();
     let observer = Client::observe(&socket).unwrap();
     let waiting = || -> u32 {
-        let s: herdless::broker::Status = serde_json::from_str(&observer.json().unwrap()).unwrap();
+        let s: herdless::status::Status = serde_json::from_str(&observer.json().unwrap()).unwrap();
         s.clients.iter().map(|c| c.waiting).sum()
     };
     let until = |what: &str, pred: &dyn Fn() -> bool| {

@@ -1,5 +1,5 @@
 //! The C ABI, from C: the committed header is what cbindgen makes of
-//! `src/ffi.rs`, `herdless.pc` names what the static library needs, and
+//! `crates/ffi/src/lib.rs`, `herdless.pc` names what the static library needs, and
 //! the C programs under `tests/c/`, compiled with the system `cc` (or
 //! `$CC`) and linked against `libherdless.a`, run under a real broker.
 //!
@@ -39,19 +39,24 @@ fn root() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
 }
 
-fn header_path() -> PathBuf {
-    root().join("include").join("herdless.h")
+/// The C ABI's crate: `src/lib.rs`, `include/`, `cbindgen.toml`, `herdless.pc`.
+fn ffi_crate() -> PathBuf {
+    root().join("crates").join("ffi")
 }
 
-/// What cbindgen makes of `src/ffi.rs` with `cbindgen.toml`.
+fn header_path() -> PathBuf {
+    ffi_crate().join("include").join("herdless.h")
+}
+
+/// What cbindgen makes of `crates/ffi/src/lib.rs` with `cbindgen.toml`.
 fn generated_header() -> Vec<u8> {
-    let config = cbindgen::Config::from_file(root().join("cbindgen.toml"))
+    let config = cbindgen::Config::from_file(ffi_crate().join("cbindgen.toml"))
         .unwrap_or_else(|e| panic!("cbindgen.toml: {e}"));
     let bindings = cbindgen::Builder::new()
         .with_config(config)
-        .with_src(root().join("src").join("ffi.rs"))
+        .with_src(ffi_crate().join("src").join("lib.rs"))
         .generate()
-        .unwrap_or_else(|e| panic!("cbindgen on src/ffi.rs: {e}"));
+        .unwrap_or_else(|e| panic!("cbindgen on crates/ffi/src/lib.rs: {e}"));
     let mut out = Vec::new();
     bindings.write(&mut out);
     out
@@ -77,7 +82,7 @@ fn header_matches_the_rust_side() {
         .position(|(a, b)| a != b)
         .unwrap_or_else(|| committed.lines().count().min(fresh.lines().count()));
     panic!(
-        "include/herdless.h does not match src/ffi.rs; regenerate it with\n    \
+        "crates/ffi/include/herdless.h does not match crates/ffi/src/lib.rs; regenerate it with\n    \
          HERDLESS_BLESS=1 cargo test --test ffi header\n\
          first difference at line {}:\n  committed: {:?}\n  generated: {:?}",
         line + 1,
@@ -88,7 +93,7 @@ fn header_matches_the_rust_side() {
 
 #[test]
 fn header_declares_the_api() {
-    let header = fs::read_to_string(header_path()).expect("include/herdless.h");
+    let header = fs::read_to_string(header_path()).expect("crates/ffi/include/herdless.h");
     assert!(header.contains("typedef struct herdless_client herdless_client;"));
     for f in [
         "herdless_client *herdless_client_from_env(void);",
@@ -104,13 +109,16 @@ fn header_declares_the_api() {
         "void herdless_client_free(herdless_client *c);",
         "const char *herdless_strerror(int code);",
     ] {
-        assert!(header.contains(f), "include/herdless.h lacks `{f}`");
+        assert!(
+            header.contains(f),
+            "crates/ffi/include/herdless.h lacks `{f}`"
+        );
     }
 }
 
 /// `herdless.pc`'s `KEY: value` field.
 fn pc_field(key: &str) -> String {
-    let pc = fs::read_to_string(root().join("herdless.pc")).expect("herdless.pc");
+    let pc = fs::read_to_string(ffi_crate().join("herdless.pc")).expect("herdless.pc");
     pc.lines()
         .find_map(|l| l.strip_prefix(key)?.strip_prefix(':'))
         .unwrap_or_else(|| panic!("herdless.pc has no {key}"))
@@ -170,13 +178,13 @@ fn tmp_dir(name: &str) -> PathBuf {
     dir
 }
 
-/// `libherdless.a`, built by this `cargo test` with the library.
+/// `libherdless.a`, built by this `cargo test` from the `herdless-ffi`
+/// crate, a dev-dependency of these tests.
 ///
-/// The library is a dependency of this test, so cargo leaves its outputs in
-/// `target/<profile>/deps/`, beside this test's executable, and copies them
-/// up to `target/<profile>/` only for `cargo build`: the copy there may be
-/// from an older build. The archive's name has no hash, because the
-/// library is also a `cdylib`.
+/// Cargo leaves a dependency's outputs in `target/<profile>/deps/`, beside
+/// this test's executable, and copies them up to `target/<profile>/` only
+/// for `cargo build`: the copy there may be from an older build. The
+/// archive's name has no hash, because the crate is also a `cdylib`.
 fn static_lib() -> PathBuf {
     let exe = env::current_exe().expect("the test's executable");
     let deps = exe.parent().expect("target/<profile>/deps");
@@ -186,17 +194,27 @@ fn static_lib() -> PathBuf {
             .and_then(|m| m.modified())
             .unwrap_or_else(|e| {
                 panic!(
-                    "{}: {e} (cargo builds it with the library: crate-type staticlib)",
+                    "{}: {e} (cargo builds it with herdless-ffi: crate-type staticlib)",
                     p.display()
                 )
             })
     };
-    // One rustc run writes the rlib this test links and the archive: an
-    // archive much older than the rlib is left from another build.
-    let (a, rlib) = (built(&lib), built(&deps.join("libherdless.rlib")));
+    // The archive is built after the library it wraps: one much older than
+    // the newest library rlib beside it is left from another build.
+    let newest_rlib = fs::read_dir(deps)
+        .expect("target/<profile>/deps")
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("libherdless-") && n.ends_with(".rlib"))
+        })
+        .map(|p| built(&p))
+        .max()
+        .expect("the herdless library's rlib beside the archive");
     assert!(
-        a + Duration::from_secs(60) >= rlib,
-        "{} is older than libherdless.rlib beside it",
+        built(&lib) + Duration::from_secs(60) >= newest_rlib,
+        "{} is older than the herdless library beside it",
         lib.display()
     );
     lib
@@ -217,7 +235,7 @@ fn build_c(name: &str) -> PathBuf {
     let out = Command::new(&cc)
         .args(["-std=c11", "-g", "-Wall", "-Wextra", "-Werror"])
         .arg("-I")
-        .arg(root().join("include"))
+        .arg(ffi_crate().join("include"))
         .arg(root().join("tests").join("c").join(format!("{name}.c")))
         .arg("-o")
         .arg(&exe)

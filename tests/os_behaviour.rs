@@ -5,7 +5,7 @@
 //! token wakes when every waiter sleeps, never a timing. Each test spawns
 //! the `herdless` binary as its waiters (`herdless bench worker waiter`).
 
-use herdless::bench::{run_cell, BenchMode, CellConfig, CellResult};
+use herdless_bench::{run_cell, BenchMode, CellConfig, CellResult};
 use herdless_platform::wait::Mode;
 
 fn run(mode: BenchMode, waiters: u32, grants: u64) -> CellResult {

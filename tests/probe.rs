@@ -2,7 +2,7 @@
 
 use std::process::Command;
 
-use herdless::bench::probe::ProbeReport;
+use herdless_bench::probe::ProbeReport;
 
 #[test]
 fn probe_reports_every_mode_and_herdless_wakes_one_in_order() {
@@ -28,7 +28,7 @@ fn probe_reports_every_mode_and_herdless_wakes_one_in_order() {
     assert_eq!(h.order.as_deref(), Some("FIFO"), "{h:?}");
     assert_eq!(h.served.as_ref().map(|s| s.len()), Some(8));
 
-    let table = herdless::bench::probe::table(&r);
+    let table = herdless_bench::probe::table(&r);
     assert!(table.contains("capabilities"), "{table}");
     assert!(table.contains("herdless"), "{table}");
 

@@ -114,7 +114,7 @@ fn run_exports_a_private_socket_and_removes_it() {
         Some("drwx------"),
         "a directory only its user can enter"
     );
-    let status: herdless::broker::Status = serde_json::from_str(lines.next().unwrap()).unwrap();
+    let status: herdless::status::Status = serde_json::from_str(lines.next().unwrap()).unwrap();
     assert_eq!((status.jobs, status.capacity), (3, 2));
     // Nobody holds a token: each is free or in the classic pipe.
     let classic = status.classic.expect("a classic jobserver by default");

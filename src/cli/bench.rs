@@ -7,9 +7,9 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use clap::Subcommand;
 
-use herdless::bench::build::{self, BuildConfig, Variant};
-use herdless::bench::progress::Progress;
-use herdless::bench::{herd, plot, report, BenchMode};
+use herdless_bench::build::{self, BuildConfig, Variant};
+use herdless_bench::progress::Progress;
+use herdless_bench::{herd, plot, report, BenchMode};
 
 #[derive(clap::Args, Debug)]
 pub struct BenchArgs {
@@ -108,7 +108,7 @@ pub fn bench(args: BenchArgs) -> Result<u8> {
         BenchCommand::Herd(a) => bench_herd(a),
         BenchCommand::Build(a) => bench_build(a),
         BenchCommand::Worker(a) => {
-            herdless::bench::worker_main(a.args)?;
+            herdless_bench::worker_main(a.args)?;
             Ok(0)
         }
     }
@@ -151,7 +151,7 @@ fn bench_herd(args: HerdArgs) -> Result<u8> {
     if let Some(path) = &args.plot {
         let caption = format!(
             "{} · {} CPUs · {} grants per point, {} token(s) at a time · herdless bench herd",
-            herdless::bench::kernel_label(),
+            herdless_bench::kernel_label(),
             cpus(),
             args.grants,
             args.tokens
@@ -205,7 +205,7 @@ fn bench_build(args: BuildArgs) -> Result<u8> {
             cfg.job_us,
             cfg.jobs,
             cfg.jobs - 1,
-            herdless::bench::kernel_label(),
+            herdless_bench::kernel_label(),
             cpus()
         );
         println!("{}", report::build_table(&results));

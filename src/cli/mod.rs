@@ -17,7 +17,9 @@ use std::ffi::OsString;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+use clap::builder::{PossibleValuesParser, TypedValueParser};
 use clap::{Parser, Subcommand};
+use herdless::bridge::{Flavor, Style};
 
 /// Exit code when herdless itself fails.
 pub const EXIT_FAILURE: u8 = 125;
@@ -63,12 +65,12 @@ struct RunArgs {
     /// How classic jobserver clients (make, cargo, …) reach the pool:
     /// inherited descriptors (every classic client reads these) or a named
     /// FIFO (GNU make 4.4 and later).
-    #[arg(long, value_enum, default_value = "pipe")]
-    style: herdless::bridge::Style,
+    #[arg(long, default_value = "pipe", value_parser = style_parser())]
+    style: Style,
     /// Whose flags to export: GNU make's MAKEFLAGS and CARGO_MAKEFLAGS, or
     /// bmake's -J (default: bmake when CMD is bmake or bsdmake).
-    #[arg(long, value_enum)]
-    flavor: Option<herdless::bridge::Flavor>,
+    #[arg(long, value_parser = flavor_parser())]
+    flavor: Option<Flavor>,
     /// Export no classic jobserver: only native clients take tokens.
     #[arg(long)]
     no_classic: bool,
@@ -128,4 +130,16 @@ pub fn main() -> ExitCode {
             ExitCode::from(EXIT_FAILURE)
         }
     }
+}
+
+/// `--style`: the library's names, listed in `--help`.
+fn style_parser() -> impl TypedValueParser<Value = Style> {
+    PossibleValuesParser::new(Style::ALL.map(Style::name))
+        .map(|s| s.parse::<Style>().expect("a listed style"))
+}
+
+/// `--flavor`: the library's names, listed in `--help`.
+fn flavor_parser() -> impl TypedValueParser<Value = Flavor> {
+    PossibleValuesParser::new(Flavor::ALL.map(Flavor::name))
+        .map(|s| s.parse::<Flavor>().expect("a listed flavour"))
 }

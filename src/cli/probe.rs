@@ -3,8 +3,8 @@
 
 use anyhow::{Context, Result};
 
-use herdless::bench::probe;
-use herdless::bench::progress::Progress;
+use herdless_bench::probe;
+use herdless_bench::progress::Progress;
 
 #[derive(clap::Args, Debug)]
 pub struct ProbeArgs {
@@ -15,7 +15,7 @@ pub struct ProbeArgs {
 
 pub fn probe(args: ProbeArgs) -> Result<u8> {
     let exe = std::env::current_exe().context("cannot find the herdless binary")?;
-    let modes = herdless::bench::BenchMode::available_modes().len();
+    let modes = herdless_bench::BenchMode::available_modes().len();
     let mut progress = Progress::new(modes);
     let report = probe::probe(exe, &mut |mode| {
         progress.update(&format!("probing {mode}"));

@@ -5,9 +5,10 @@ use anyhow::{Context, Result};
 use std::os::fd::AsRawFd;
 
 use herdless::bridge::{is_classic_client, Bridge, Flavor};
-use herdless::broker::{Broker, Config, Status};
+use herdless::broker::{Broker, Config};
 use herdless::client::SOCKET_ENV;
 use herdless::rundir::RunDir;
+use herdless::status::Status;
 
 use super::child;
 use super::RunArgs;

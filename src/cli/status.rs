@@ -2,8 +2,8 @@
 
 use anyhow::{anyhow, Context, Result};
 
-use herdless::broker::Status;
 use herdless::client::{socket_from_env, Client};
+use herdless::status::Status;
 
 use super::StatusArgs;
 

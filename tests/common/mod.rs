@@ -13,8 +13,8 @@ use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use herdless::broker::Status;
 use herdless::client::{Client, Options};
+use herdless::status::Status;
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_herdless");
 

@@ -45,8 +45,8 @@ use super::metrics::{handoffs, idle_while_free, quantile};
 use super::procs::{counted, ensure_limits, wait_all_asleep, Workers};
 use super::shared::{Scratch, Shared, RECORDS};
 use super::{kernel_label, now_ns, BenchMode};
-use crate::broker::Status;
-use crate::client::Client;
+use herdless::client::Client;
+use herdless::status::Status;
 
 /// How long a run may go without any record from any waiter before it is
 /// declared stuck. Not in any hand-off path: the coordinator waits for

@@ -298,7 +298,7 @@ mod tests {
     fn reads_cpu_time_from_outside() {
         let me = std::process::id();
         let a = counted(&[me]).unwrap()[0];
-        crate::bench::make::spin(5_000_000);
+        crate::make::spin(5_000_000);
         std::thread::sleep(Duration::from_millis(2));
         let b = counted(&[me]).unwrap()[0];
         assert!(b.cpu_ns > a.cpu_ns, "{a:?} {b:?}");
@@ -306,7 +306,7 @@ mod tests {
         assert_eq!(counted(&[u32::MAX]), None);
         let tid = current_tid().unwrap();
         let a = thread_cpu_ns(tid).unwrap();
-        crate::bench::make::spin(5_000_000);
+        crate::make::spin(5_000_000);
         assert!(thread_cpu_ns(tid).unwrap() > a);
     }
 

@@ -329,7 +329,7 @@ mod tests {
 
     #[test]
     fn records_cross_a_fifo() {
-        let dir = crate::rundir::RunDir::create().unwrap();
+        let dir = herdless::rundir::RunDir::create().unwrap();
         let path = dir.dir().join("records");
         make_fifo(&path).unwrap();
         let mut reader = RecordReader::open(&path).unwrap();

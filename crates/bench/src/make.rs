@@ -48,8 +48,8 @@ use super::build::Variant;
 use super::channel::{open_fifo_read, open_fifo_write};
 use super::shared::TOKENS;
 use super::WorkerArgs;
-use crate::client::{Client, Options, Token};
-use crate::rundir::SOCKET_NAME;
+use herdless::client::{Client, Options, Token};
+use herdless::rundir::SOCKET_NAME;
 
 /// bmake's `POLL_MSEC`: how long a classic make's poll waits at most.
 const CLASSIC_POLL_MS: u16 = 5000;

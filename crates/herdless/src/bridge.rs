@@ -56,16 +56,14 @@ use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
-use serde::{Deserialize, Serialize};
-
 use crate::log;
 use crate::log::Level;
 use crate::pool::{ClientId, ClientInfo, Pool};
 use crate::protocol::AbortReason;
+use crate::status::ClassicStatus;
 
 /// How classic clients reach the pool.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
-#[serde(rename_all = "lowercase")]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Style {
     /// Inherited descriptors `R,W`: every classic client reads these.
     Pipe,
@@ -74,13 +72,60 @@ pub enum Style {
 }
 
 /// Which make's conventions the exported flags follow.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
-#[serde(rename_all = "lowercase")]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Flavor {
     /// GNU make, cargo, rustc, gcc: `MAKEFLAGS=-jN --jobserver-auth=…`.
     Gnu,
     /// bmake: `MAKEFLAGS=-j N -J R,W`, with `E` and `I` abort tokens.
     Bmake,
+}
+
+impl Style {
+    /// Every style, in the order the command line lists them.
+    pub const ALL: [Style; 2] = [Style::Pipe, Style::Fifo];
+
+    /// The style's name: `pipe` or `fifo`.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Style::Pipe => "pipe",
+            Style::Fifo => "fifo",
+        }
+    }
+}
+
+impl std::str::FromStr for Style {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Style, String> {
+        Style::ALL
+            .into_iter()
+            .find(|v| v.name() == s)
+            .ok_or_else(|| format!("unknown jobserver style {s:?} (pipe or fifo)"))
+    }
+}
+
+impl Flavor {
+    /// Every flavour, in the order the command line lists them.
+    pub const ALL: [Flavor; 2] = [Flavor::Gnu, Flavor::Bmake];
+
+    /// The flavour's name: `gnu` or `bmake`.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Flavor::Gnu => "gnu",
+            Flavor::Bmake => "bmake",
+        }
+    }
+}
+
+impl std::str::FromStr for Flavor {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Flavor, String> {
+        Flavor::ALL
+            .into_iter()
+            .find(|v| v.name() == s)
+            .ok_or_else(|| format!("unknown jobserver flavour {s:?} (gnu or bmake)"))
+    }
 }
 
 impl Flavor {
@@ -141,24 +186,6 @@ pub fn without_jobserver(makeflags: &str) -> String {
 
 /// The token byte. GNU make writes back whatever it read; bmake uses `+`.
 const TOKEN: u8 = b'+';
-
-/// The classic side, for status reports.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ClassicStatus {
-    pub style: String,
-    pub flavor: String,
-    /// Tokens on the classic side: in the pipe plus held by classic clients.
-    pub tokens: u32,
-    /// Tokens unread in the pipe.
-    pub in_pipe: u32,
-    /// Tokens classic clients have taken and not given back.
-    pub held: u32,
-    pub offered: u64,
-    pub returned: u64,
-    pub taken_back: u64,
-    /// At exit: classic tokens that never came back.
-    pub lost: u32,
-}
 
 /// How a byte came back from the classic side.
 #[derive(Clone, Copy)]
@@ -702,8 +729,8 @@ impl Bridge {
             0
         };
         ClassicStatus {
-            style: format!("{:?}", self.style).to_lowercase(),
-            flavor: format!("{:?}", self.flavor).to_lowercase(),
+            style: self.style.name().to_string(),
+            flavor: self.flavor.name().to_string(),
             tokens,
             in_pipe,
             held: tokens - in_pipe,

@@ -33,8 +33,8 @@ use super::kernel_label;
 use super::make::{make_args, spin};
 use super::procs::ensure_limits;
 use super::shared::TOKENS;
-use crate::broker::{Broker, Config};
-use crate::rundir::RunDir;
+use herdless::broker::{Broker, Config};
+use herdless::rundir::RunDir;
 
 /// How the makes of one run take tokens.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -30,8 +30,8 @@ use herdless_platform::{self_rusage, SharedWord, Usage};
 use super::channel::{open_fifo_read, Record, RecordWriter};
 use super::shared::{BUDGET, GIVE_BACK, KEEP, RECORDS, STOP, STOP_WORD, TOKENS, WORD};
 use super::{now_ns, BenchMode, WorkerArgs};
-use crate::client::{Client, Options};
-use crate::rundir::SOCKET_NAME;
+use herdless::client::{Client, Options};
+use herdless::rundir::SOCKET_NAME;
 
 pub(super) fn main(args: &WorkerArgs) -> io::Result<()> {
     let mode: BenchMode = args.get("mode")?;

@@ -36,8 +36,8 @@ use std::time::{Duration, Instant};
 
 use nix::errno::Errno;
 
-use crate::client::{self, Client, ErrorKind, Options, Token};
-use crate::protocol::AbortReason;
+use herdless_lib::client::{self, Client, ErrorKind, Options, Token};
+use herdless_lib::protocol::AbortReason;
 
 /// Passed as `timeout_ms` to `herdless_acquire`: wait until a token is
 /// granted, the tree aborts, the broker goes away or a signal arrives.

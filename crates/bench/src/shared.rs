@@ -42,10 +42,11 @@ use herdless_platform::SharedWord;
 use super::channel::{make_fifo, open_fifo_read, open_fifo_write};
 use super::procs::{current_tid, thread_cpu_ns};
 use super::BenchMode;
-use crate::broker::{Broker, Config, Status, Stopper};
-use crate::client::{Client, Options};
-use crate::rundir::RunDir;
-use crate::Token;
+use herdless::broker::{Broker, Config, Stopper};
+use herdless::client::{Client, Options};
+use herdless::rundir::RunDir;
+use herdless::status::Status;
+use herdless::Token;
 
 /// The FIFO the pipe modes wait on.
 pub(crate) const TOKENS: &str = "tokens";

@@ -32,15 +32,15 @@ use std::time::{Duration, Instant};
 
 use mio::net::{UnixListener, UnixStream};
 use mio::{Events, Interest, Poll, Token, Waker};
-use serde::{Deserialize, Serialize};
 
-use crate::bridge::{Bridge, ClassicStatus};
+use crate::bridge::Bridge;
 use crate::log;
 use crate::log::Level;
 use crate::pool::{ClientId, ClientInfo, Effect, Pool};
 use crate::protocol::{
     FrameBuffer, HelloFlags, ProtocolError, Reply, Request, MAX_REPLY_PAYLOAD, PROTOCOL_VERSION,
 };
+use crate::status::{ClientStatus, Status};
 
 const LISTENER: Token = Token(0);
 const WAKER: Token = Token(1);
@@ -95,52 +95,6 @@ impl Stopper {
             log!(Level::Error, "cannot wake the broker to stop it: {e}");
         }
     }
-}
-
-/// One client's line in a status report.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ClientStatus {
-    pub id: u64,
-    pub pid: u32,
-    pub kind: String,
-    pub held: u32,
-    pub waiting: u32,
-}
-
-/// What `herdless status` shows, and what the broker reports when it stops.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct Status {
-    /// The broker's process id.
-    pub pid: u32,
-    /// The `-j` figure.
-    pub jobs: u32,
-    /// Shared tokens (`jobs - 1`).
-    pub capacity: u32,
-    pub free: u32,
-    /// Tokens in use now, parent slots included.
-    pub in_use: u32,
-    pub waiting: u32,
-    /// `"E"` or `"I"` once the tree has aborted.
-    pub aborted: Option<String>,
-    pub grants: u64,
-    pub immediate: u64,
-    pub waits: u64,
-    pub wakeups: u64,
-    pub denied: u64,
-    pub cancelled: u64,
-    pub reclaimed: u64,
-    pub connections: u64,
-    pub max_in_use: u32,
-    pub wait_p50_us: f64,
-    pub wait_p99_us: f64,
-    pub wait_max_us: f64,
-    /// Tokens the broker cannot account for, classic ones included. Must
-    /// be 0.
-    pub lost: i64,
-    pub clients: Vec<ClientStatus>,
-    /// The classic bridge, when there is one.
-    #[serde(default)]
-    pub classic: Option<ClassicStatus>,
 }
 
 struct Conn {
@@ -607,7 +561,7 @@ impl Broker {
             }
             Request::Status => {
                 let status = self.status();
-                let json = serde_json::to_string(&status).expect("status serializes");
+                let json = status.to_json();
                 self.send(token, &Reply::Status { json });
                 Ok(())
             }

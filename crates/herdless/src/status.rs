@@ -1,0 +1,323 @@
+//! The status document: what `herdless status` shows, what a client gets
+//! for a `Status` request, and what the broker reports when it stops.
+//!
+//! The broker writes it as one JSON object ([`Status::to_json`]) without a
+//! serialisation library, so the library an embedder links carries none.
+//! With the `serde` feature the types also derive `serde::Deserialize` (and
+//! `Serialize`), which is how the command-line tool and the benchmarks read
+//! it back. A unit test checks that both agree.
+
+use std::fmt::Write;
+
+/// One client's line in a status report.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+pub struct ClientStatus {
+    /// The broker's number for the connection (never reused while it runs).
+    pub id: u64,
+    /// The client's process id, from the kernel where it tells.
+    pub pid: u32,
+    /// What kind of client: `native`, `job` (a job of its parent, such as
+    /// `herdless exec`) or `classic` (the bridge's side of the pool).
+    pub kind: String,
+    /// Shared tokens the client holds now (a borrowed parent slot counts).
+    pub held: u32,
+    /// Acquires the client has waiting in the queue.
+    pub waiting: u32,
+}
+
+/// The classic side of the pool: the pipe or fifo that make, cargo and
+/// gcc read.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+pub struct ClassicStatus {
+    /// `pipe` (inherited `R,W`) or `fifo` (`fifo:PATH`).
+    pub style: String,
+    /// `gnu` or `bmake`: whose conventions the exported flags follow.
+    pub flavor: String,
+    /// Tokens on the classic side: in the pipe plus held by classic clients.
+    pub tokens: u32,
+    /// Tokens unread in the pipe.
+    pub in_pipe: u32,
+    /// Tokens classic clients have taken and not given back.
+    pub held: u32,
+    /// Tokens written into the pipe, in all.
+    pub offered: u64,
+    /// Tokens classic clients wrote back.
+    pub returned: u64,
+    /// Unread tokens the bridge read back out of the pipe for natives.
+    pub taken_back: u64,
+    /// At exit: classic tokens that never came back.
+    pub lost: u32,
+}
+
+/// The whole pool at one moment.
+#[derive(Clone, Debug, PartialEq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+pub struct Status {
+    /// The broker's process id.
+    pub pid: u32,
+    /// The `-j` figure.
+    pub jobs: u32,
+    /// Shared tokens (`jobs - 1`).
+    pub capacity: u32,
+    /// Shared tokens nobody holds.
+    pub free: u32,
+    /// Tokens in use now, parent slots included.
+    pub in_use: u32,
+    /// Acquires waiting in the queue.
+    pub waiting: u32,
+    /// `"E"` or `"I"` once the tree has aborted.
+    pub aborted: Option<String>,
+    /// Tokens granted, in all (`immediate + waits`).
+    pub grants: u64,
+    /// Grants made at once, without a wait.
+    pub immediate: u64,
+    /// Grants made after a wait.
+    pub waits: u64,
+    /// Native clients woken to take a grant: one per grant that waited.
+    pub wakeups: u64,
+    /// Try-acquires refused because no token was free.
+    pub denied: u64,
+    /// Waiting acquires withdrawn by their client.
+    pub cancelled: u64,
+    /// Tokens taken back from clients that closed while holding them.
+    pub reclaimed: u64,
+    /// Connections that completed the handshake, in all.
+    pub connections: u64,
+    /// The most tokens in use at once (parent slots included).
+    pub max_in_use: u32,
+    /// Median wait of the grants that waited, in microseconds.
+    pub wait_p50_us: f64,
+    /// 99th percentile of those waits, in microseconds.
+    pub wait_p99_us: f64,
+    /// The longest of those waits, in microseconds.
+    pub wait_max_us: f64,
+    /// Tokens the broker cannot account for, classic ones included. Must
+    /// be 0.
+    pub lost: i64,
+    /// One line per connected client.
+    pub clients: Vec<ClientStatus>,
+    /// The classic bridge, when there is one.
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub classic: Option<ClassicStatus>,
+}
+
+impl Status {
+    /// The document as one line of JSON, the form the broker sends.
+    pub fn to_json(&self) -> String {
+        let mut o = Object::new();
+        o.num("pid", self.pid);
+        o.num("jobs", self.jobs);
+        o.num("capacity", self.capacity);
+        o.num("free", self.free);
+        o.num("in_use", self.in_use);
+        o.num("waiting", self.waiting);
+        match &self.aborted {
+            Some(r) => o.str("aborted", r),
+            None => o.raw("aborted", "null"),
+        }
+        o.num("grants", self.grants);
+        o.num("immediate", self.immediate);
+        o.num("waits", self.waits);
+        o.num("wakeups", self.wakeups);
+        o.num("denied", self.denied);
+        o.num("cancelled", self.cancelled);
+        o.num("reclaimed", self.reclaimed);
+        o.num("connections", self.connections);
+        o.num("max_in_use", self.max_in_use);
+        o.float("wait_p50_us", self.wait_p50_us);
+        o.float("wait_p99_us", self.wait_p99_us);
+        o.float("wait_max_us", self.wait_max_us);
+        o.num("lost", self.lost);
+        let clients: Vec<String> = self.clients.iter().map(ClientStatus::to_json).collect();
+        o.raw("clients", &format!("[{}]", clients.join(",")));
+        match &self.classic {
+            Some(c) => o.raw("classic", &c.to_json()),
+            None => o.raw("classic", "null"),
+        }
+        o.finish()
+    }
+}
+
+impl ClientStatus {
+    fn to_json(&self) -> String {
+        let mut o = Object::new();
+        o.num("id", self.id);
+        o.num("pid", self.pid);
+        o.str("kind", &self.kind);
+        o.num("held", self.held);
+        o.num("waiting", self.waiting);
+        o.finish()
+    }
+}
+
+impl ClassicStatus {
+    fn to_json(&self) -> String {
+        let mut o = Object::new();
+        o.str("style", &self.style);
+        o.str("flavor", &self.flavor);
+        o.num("tokens", self.tokens);
+        o.num("in_pipe", self.in_pipe);
+        o.num("held", self.held);
+        o.num("offered", self.offered);
+        o.num("returned", self.returned);
+        o.num("taken_back", self.taken_back);
+        o.num("lost", self.lost);
+        o.finish()
+    }
+}
+
+/// A JSON object written field by field.
+struct Object {
+    out: String,
+}
+
+impl Object {
+    fn new() -> Object {
+        Object {
+            out: String::from("{"),
+        }
+    }
+
+    fn key(&mut self, key: &str) {
+        if self.out.len() > 1 {
+            self.out.push(',');
+        }
+        push_string(&mut self.out, key);
+        self.out.push(':');
+    }
+
+    fn raw(&mut self, key: &str, value: &str) {
+        self.key(key);
+        self.out.push_str(value);
+    }
+
+    fn num(&mut self, key: &str, value: impl Into<i128>) {
+        self.key(key);
+        let _ = write!(self.out, "{}", value.into());
+    }
+
+    /// A finite number; JSON has no infinity or NaN, and the figures
+    /// written here (quantiles of a histogram) never are.
+    fn float(&mut self, key: &str, value: f64) {
+        self.key(key);
+        if value.is_finite() {
+            let _ = write!(self.out, "{value:?}");
+        } else {
+            self.out.push_str("null");
+        }
+    }
+
+    fn str(&mut self, key: &str, value: &str) {
+        self.key(key);
+        push_string(&mut self.out, value);
+    }
+
+    fn finish(mut self) -> String {
+        self.out.push('}');
+        self.out
+    }
+}
+
+/// `s` as a JSON string literal.
+fn push_string(out: &mut String, s: &str) {
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            c if u32::from(c) < 0x20 => {
+                let _ = write!(out, "\\u{:04x}", u32::from(c));
+            }
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample(classic: bool) -> Status {
+        Status {
+            pid: 42,
+            jobs: 4,
+            capacity: 3,
+            free: 1,
+            in_use: 3,
+            waiting: 2,
+            aborted: Some("E".into()),
+            grants: 10,
+            immediate: 4,
+            waits: 6,
+            wakeups: 6,
+            denied: 1,
+            cancelled: 0,
+            reclaimed: 2,
+            connections: 7,
+            max_in_use: 4,
+            wait_p50_us: 251.7,
+            wait_p99_us: 0.0,
+            wait_max_us: 1e-3,
+            lost: -1,
+            clients: vec![ClientStatus {
+                id: 1,
+                pid: 99,
+                kind: "na\"ti\\ve\n\u{1}é".into(),
+                held: 1,
+                waiting: 2,
+            }],
+            classic: classic.then(|| ClassicStatus {
+                style: "fifo".into(),
+                flavor: "gnu".into(),
+                tokens: 2,
+                in_pipe: 1,
+                held: 1,
+                offered: 5,
+                returned: 3,
+                taken_back: 1,
+                lost: 0,
+            }),
+        }
+    }
+
+    #[test]
+    fn json_is_valid_and_complete() {
+        for classic in [false, true] {
+            let s = sample(classic);
+            let v: serde_json::Value = serde_json::from_str(&s.to_json()).expect("valid JSON");
+            assert_eq!(v["pid"], 42);
+            assert_eq!(v["lost"], -1);
+            assert_eq!(v["aborted"], "E");
+            assert_eq!(v["wait_p50_us"], 251.7);
+            assert_eq!(v["clients"][0]["kind"], "na\"ti\\ve\n\u{1}é");
+            assert_eq!(v["classic"].is_null(), !classic);
+            if classic {
+                assert_eq!(v["classic"]["taken_back"], 1);
+            }
+        }
+    }
+
+    #[cfg(feature = "serde")]
+    #[test]
+    fn serde_reads_what_the_broker_writes() {
+        for classic in [false, true] {
+            let s = sample(classic);
+            let back: Status = serde_json::from_str(&s.to_json()).expect("deserializes");
+            assert_eq!(back, s);
+        }
+    }
+
+    #[test]
+    fn a_non_finite_figure_is_null() {
+        let mut s = sample(false);
+        s.wait_max_us = f64::INFINITY;
+        let v: serde_json::Value = serde_json::from_str(&s.to_json()).expect("valid JSON");
+        assert!(v["wait_max_us"].is_null());
+    }
+}
