@@ -21,9 +21,8 @@ use anyhow::{anyhow, Result};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
-use signal_hook::iterator::exfiltrator::WithOrigin;
+use signal_hook::iterator::exfiltrator::WithRawSiginfo;
 use signal_hook::iterator::SignalsInfo;
-use signal_hook::low_level::siginfo::Cause;
 
 /// The signals `run` and `exec` pass on to their command.
 const FORWARDED: [i32; 3] = [SIGINT, SIGTERM, SIGHUP];
@@ -96,7 +95,7 @@ pub fn run_inheriting(
         .filter(|&sig| !herdless_platform::signal_ignored(sig).unwrap_or(false))
         .collect();
     // Register before spawning so that no signal slips between the two.
-    let mut signals = SignalsInfo::<WithOrigin>::new(&watched)?;
+    let mut signals = SignalsInfo::<WithRawSiginfo>::new(&watched)?;
     let handle = signals.handle();
     let mut cmd = Command::new(program);
     cmd.args(args);
@@ -122,13 +121,13 @@ pub fn run_inheriting(
     let forwarder = {
         let received = received.clone();
         std::thread::spawn(move || {
-            for origin in signals.forever() {
-                received.store(origin.signal, Ordering::SeqCst);
+            for info in signals.forever() {
+                received.store(info.si_signo, Ordering::SeqCst);
                 // The terminal signals the whole process group itself.
-                if matches!(origin.cause, Cause::Kernel) {
+                if herdless_platform::sent_by_kernel(info.si_code) {
                     continue;
                 }
-                if let Ok(sig) = Signal::try_from(origin.signal) {
+                if let Ok(sig) = Signal::try_from(info.si_signo) {
                     let _ = kill(pid, sig);
                 }
             }

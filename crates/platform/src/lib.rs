@@ -76,7 +76,7 @@ pub use cred::{peer_cred, PeerCred};
 pub use kernel::{kernel, parse_release, Kernel};
 pub use pipe::{bytes_readable, pipe_cloexec};
 pub use shared_word::SharedWord;
-pub use signal::signal_ignored;
+pub use signal::{sent_by_kernel, signal_ignored};
 pub use usage::{
     children_rusage, process_ctx_switches, process_ctx_switches_all_threads, self_rusage,
     CtxSwitches, Usage,

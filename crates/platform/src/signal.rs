@@ -1,4 +1,4 @@
-//! Signal dispositions.
+//! Signal dispositions, and who sent a signal.
 
 use std::io;
 
@@ -23,6 +23,22 @@ pub fn signal_ignored(sig: i32) -> io::Result<bool> {
     Ok(old.sa_sigaction == libc::SIG_IGN)
 }
 
+/// Whether a signal whose `siginfo_t` has this `si_code` came from the
+/// kernel itself (`SI_KERNEL`), as a terminal's Ctrl-C does on Linux and
+/// FreeBSD, rather than from a process's `kill`. Systems without such a
+/// code (macOS, NetBSD) always get `false`.
+pub fn sent_by_kernel(si_code: i32) -> bool {
+    SI_KERNEL == Some(si_code)
+}
+
+#[cfg(target_os = "linux")]
+const SI_KERNEL: Option<i32> = Some(libc::SI_KERNEL);
+/// `<sys/signal.h>`; the libc crate does not define it for FreeBSD.
+#[cfg(target_os = "freebsd")]
+const SI_KERNEL: Option<i32> = Some(0x10006);
+#[cfg(not(any(target_os = "linux", target_os = "freebsd")))]
+const SI_KERNEL: Option<i32> = None;
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -34,5 +50,17 @@ mod tests {
         assert!(signal_ignored(libc::SIGPIPE).unwrap());
         assert!(!signal_ignored(libc::SIGTERM).unwrap());
         assert!(signal_ignored(-1).is_err());
+    }
+
+    #[test]
+    fn only_si_kernel_is_the_kernel() {
+        // SI_USER, what kill(2) sets: 0 on Linux and NetBSD, 0x10001 on
+        // FreeBSD and macOS.
+        assert!(!sent_by_kernel(0));
+        assert!(!sent_by_kernel(0x10001));
+        #[cfg(target_os = "linux")]
+        assert!(sent_by_kernel(0x80));
+        #[cfg(target_os = "freebsd")]
+        assert!(sent_by_kernel(0x10006));
     }
 }
