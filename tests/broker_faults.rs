@@ -95,18 +95,19 @@ fn out_of_file_descriptors_keeps_serving_and_does_not_spin() {
     let mut waiter = Helper::spawn(&serve.socket, "acquire", 1);
     assert_eq!(waiter.line(), "waiting");
 
-    // Open connections until the broker refuses one.
+    // Open connections until the broker turns one away. Raw sockets: the
+    // library's client would wait and try again.
     let mut extra = Vec::new();
     let refused = loop {
         assert!(extra.len() < 64, "the broker never ran out of descriptors");
-        match Client::connect_with(&serve.socket, Options::default().implicit_token(false)) {
-            Ok(c) => extra.push(c),
-            Err(e) => break e,
+        match raw_hello(&serve.socket) {
+            Ok(s) => extra.push(s),
+            Err(message) => break message,
         }
     };
-    assert_eq!(refused.kind(), ErrorKind::Refused, "{refused}");
     assert!(
-        refused.to_string().contains("out of file descriptors"),
+        refused.starts_with(herdless::protocol::BUSY_PREFIX)
+            && refused.contains("out of file descriptors"),
         "{refused}"
     );
 
@@ -119,19 +120,63 @@ fn out_of_file_descriptors_keeps_serving_and_does_not_spin() {
         "broker used {used} ticks in 1 s while idle at its fd limit"
     );
 
+    // A library client waits for a descriptor instead of failing.
+    let socket = serve.socket.clone();
+    let patient = std::thread::spawn(move || {
+        Client::connect_with(&socket, Options::default().implicit_token(false))
+            .map(|c| c.capacity())
+            .map_err(|e| e.to_string())
+    });
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    assert!(!patient.is_finished(), "the client gave up at once");
+
     // The clients it has are still served.
     holder.finish();
     assert_eq!(waiter.line(), "got");
     waiter.finish();
-    // And once descriptors free up, new clients get in again.
+    // And once descriptors free up, the waiting client gets in.
     extra.clear();
-    let again = Client::connect_with(&serve.socket, Options::default().implicit_token(false));
-    assert!(again.is_ok(), "{:?}", again.err());
-    drop(again);
+    assert_eq!(patient.join().unwrap(), Ok(Some(1)));
     let (status, log) = serve.stop();
     assert!(status.success(), "{log}");
-    assert!(log.contains("refusing a new client"), "{log}");
+    assert!(log.contains("asking a new client to retry"), "{log}");
     assert!(log.contains("tokens lost   0"), "{log}");
+}
+
+/// Connects and says hello without the library: the welcome's stream, or
+/// the broker's error message.
+#[cfg(target_os = "linux")]
+fn raw_hello(socket: &std::path::Path) -> Result<std::os::unix::net::UnixStream, String> {
+    use herdless::protocol::{FrameBuffer, HelloFlags, Reply, Request};
+    use std::io::{Read, Write};
+    let mut s = std::os::unix::net::UnixStream::connect(socket).map_err(|e| e.to_string())?;
+    s.set_read_timeout(Some(PATIENCE)).unwrap();
+    let mut out = Vec::new();
+    Request::Hello {
+        version: 1,
+        flags: HelloFlags::empty(),
+        pid: std::process::id(),
+        ppid: 1,
+    }
+    .encode(&mut out);
+    // The broker may have written its refusal and closed already.
+    let _ = s.write_all(&out);
+    let mut rx = FrameBuffer::new();
+    let mut buf = [0u8; 1024];
+    loop {
+        match rx.next_reply() {
+            Ok(Some(Reply::Welcome { .. })) => return Ok(s),
+            Ok(Some(Reply::Error { message })) => return Err(message),
+            Ok(Some(other)) => panic!("unexpected {other}"),
+            Ok(None) => {}
+            Err(e) => panic!("{e}"),
+        }
+        match s.read(&mut buf) {
+            Ok(0) => return Err("closed".into()),
+            Ok(n) => rx.extend(&buf[..n]),
+            Err(e) => return Err(e.to_string()),
+        }
+    }
 }
 
 #[test]

@@ -99,6 +99,9 @@ pub fn run_inheriting(
     let handle = signals.handle();
     let mut cmd = Command::new(program);
     cmd.args(args);
+    if let Some(limit) = super::NOFILE.get() {
+        herdless_platform::child_nofile_limit(&mut cmd, *limit);
+    }
     for (k, v) in env {
         cmd.env(k, v);
     }

@@ -21,6 +21,21 @@ use clap::builder::{PossibleValuesParser, TypedValueParser};
 use clap::{Parser, Subcommand};
 use herdless::bridge::{Flavor, Style};
 
+/// The descriptor limits, once `run` or `serve` has raised its own: the
+/// commands it runs get the original soft limit back.
+static NOFILE: std::sync::OnceLock<herdless_platform::NofileLimit> = std::sync::OnceLock::new();
+
+/// Raises the soft descriptor limit to the hard one, for a process that
+/// will serve a connection per job (see `herdless_platform::nofile`).
+fn raise_nofile_limit() {
+    match herdless_platform::raise_nofile_limit() {
+        Ok(limit) => {
+            let _ = NOFILE.set(limit);
+        }
+        Err(e) => eprintln!("herdless: cannot raise the descriptor limit: {e}"),
+    }
+}
+
 /// Exit code when herdless itself fails.
 pub const EXIT_FAILURE: u8 = 125;
 

@@ -22,6 +22,7 @@ use super::RunArgs;
 /// broker gives each exec the implicit slot of its parent process when no
 /// sibling holds it). Either way, at most N jobs run at once.
 pub fn run(args: RunArgs) -> Result<u8> {
+    super::raise_nofile_limit();
     let mut dir = RunDir::create().context("cannot prepare the socket directory")?;
     let mut broker = Broker::bind(dir.socket(), Config::new(args.jobs))?;
     dir.set_bound();

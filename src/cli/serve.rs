@@ -12,14 +12,15 @@ use super::ServeArgs;
 /// Listens, prints the line to export, serves until SIGINT or SIGTERM, then
 /// removes its socket and prints the final report to stderr.
 pub fn serve(args: ServeArgs) -> Result<u8> {
+    super::raise_nofile_limit();
     let mut dir = match &args.socket {
         Some(path) => RunDir::at(path),
         None => RunDir::create(),
     }
     .context("cannot prepare the socket directory")?;
     let config = Config {
-        jobs: args.jobs,
         handle_signals: true,
+        ..Config::new(args.jobs)
     };
     let broker = Broker::bind(dir.socket(), config)?;
     dir.set_bound();

@@ -19,7 +19,23 @@
 //!   accept the pending connection and tell it the broker is out of file
 //!   descriptors, so the client sees an error at once instead of hanging;
 //!   the clients already connected keep being served, and the loop does not
-//!   spin (no retry until the listener signals again).
+//!   spin: it accepts again when the listener signals or a connection
+//!   closes. The refusal starts with `busy:` so the client retries.
+//!
+//! # Fairness and bounds
+//!
+//! Each wake-up gives every ready connection one *turn*: at most
+//! [`READ_BUDGET`] requests and [`READ_CHUNK`] bytes. A connection with more
+//! to read queues for another turn after the others, and the loop polls
+//! without sleeping until none is left, so one client flooding requests
+//! cannot hold the loop. A connection is not read while its replies wait
+//! unsent past [`OUTPUT_PAUSE`] or while a `Status` reply of its own waits,
+//! so a client that does not read cannot grow the broker's memory. The other
+//! bounds (handshakes, queued acquires, the status document) and what a
+//! client sees at each are listed in [`limits`].
+//!
+//! The only timer is the handshake deadline: the loop sleeps with a timeout
+//! only while some connection has not yet sent its `Hello`.
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -38,9 +54,17 @@ use crate::log;
 use crate::log::Level;
 use crate::pool::{ClientId, ClientInfo, Effect, Pool};
 use crate::protocol::{
-    FrameBuffer, HelloFlags, ProtocolError, Reply, Request, MAX_REPLY_PAYLOAD, PROTOCOL_VERSION,
+    FrameBuffer, HelloFlags, ProtocolError, Reply, Request, BUSY_PREFIX, PROTOCOL_VERSION,
 };
 use crate::status::{ClientStatus, Status};
+
+pub mod limits;
+
+use limits::{
+    Handshakes, Turns, HANDSHAKE_DEADLINE, MAX_HANDSHAKING, MAX_PENDING_OUTPUT,
+    MAX_QUEUED_ACQUIRES, OUTPUT_PAUSE, READ_BUDGET, READ_CHUNK, TOTAL_OUTPUT_PAUSE,
+};
+pub use limits::MAX_PENDING_ACQUIRES;
 
 const LISTENER: Token = Token(0);
 const WAKER: Token = Token(1);
@@ -48,15 +72,6 @@ const SIGNALS: Token = Token(2);
 const CLASSIC_OFFERS: Token = Token(3);
 const CLASSIC_RETURNS: Token = Token(4);
 const FIRST_CONN: usize = 16;
-
-/// A client whose unsent replies pile up past this is not reading them;
-/// it is disconnected rather than allowed to grow the broker's memory.
-const MAX_PENDING_OUTPUT: usize = 4 * MAX_REPLY_PAYLOAD;
-
-/// The most acquires one connection may have waiting. A build tool waits
-/// for a few tokens at a time; a client that queues more is broken or
-/// hostile, and would otherwise grow the broker's queue without bound.
-pub const MAX_PENDING_ACQUIRES: u32 = 4096;
 
 /// How a broker is set up.
 #[derive(Clone, Debug)]
@@ -68,6 +83,9 @@ pub struct Config {
     /// Stop cleanly on SIGINT and SIGTERM (for `herdless serve`). A broker
     /// embedded in `herdless run` leaves signals to its host.
     pub handle_signals: bool,
+    /// How long a new connection may take to send its `Hello` before it
+    /// is closed ([`limits::HANDSHAKE_DEADLINE`] unless changed).
+    pub handshake_deadline: Duration,
 }
 
 impl Config {
@@ -76,6 +94,7 @@ impl Config {
         Config {
             jobs,
             handle_signals: false,
+            handshake_deadline: HANDSHAKE_DEADLINE,
         }
     }
 }
@@ -107,6 +126,14 @@ struct Conn {
     /// Watched for writability: only while replies wait in `tx`, so a
     /// client reading its grant does not wake the broker again.
     watching_writes: bool,
+    /// In `Broker::turns`, waiting for a turn.
+    queued: bool,
+    /// Not read until its replies drain (see [`Broker::reading_paused`]).
+    paused: bool,
+    /// Bytes at the front of `tx` up to the end of the last `Status` reply:
+    /// while non-zero the connection is not read, so a client never has
+    /// more than one status document in the broker.
+    status_owed: usize,
 }
 
 /// The broker. Build it with [`Broker::bind`], run it with [`Broker::run`].
@@ -130,6 +157,14 @@ pub struct Broker {
     /// Grants that woke a waiting native client: one process each.
     native_wakeups: u64,
     max_in_use: u32,
+    turns: Turns,
+    handshakes: Handshakes,
+    /// Unsent reply bytes over all connections.
+    output_total: usize,
+    /// `accept` ran out of descriptors: try again when one is freed.
+    accept_starved: bool,
+    /// A connection closed since the last look.
+    fd_freed: bool,
 }
 
 fn ns_to_us(ns: u64) -> f64 {
@@ -209,6 +244,11 @@ impl Broker {
             native_grants: 0,
             native_wakeups: 0,
             max_in_use: 0,
+            turns: Turns::default(),
+            handshakes: Handshakes::default(),
+            output_total: 0,
+            accept_starved: false,
+            fd_freed: false,
         })
     }
 
@@ -260,7 +300,8 @@ impl Broker {
     pub fn run(mut self) -> io::Result<Status> {
         let mut events = Events::with_capacity(256);
         while !self.stop.load(Ordering::SeqCst) {
-            if let Err(e) = self.poll.poll(&mut events, None) {
+            let timeout = self.poll_timeout();
+            if let Err(e) = self.poll.poll(&mut events, timeout) {
                 if e.kind() == io::ErrorKind::Interrupted {
                     continue;
                 }
@@ -290,8 +331,30 @@ impl Broker {
                 self.rebalance();
                 self.flush_dirty();
             }
+            self.take_turns();
+            self.expire_handshakes();
+            if self.accept_starved && self.fd_freed {
+                self.accept_all();
+            }
+            self.fd_freed = false;
+            self.rebalance();
+            self.flush_dirty();
         }
         Ok(self.shut_down())
+    }
+
+    /// No sleep while a connection waits for a turn; otherwise until the
+    /// next handshake deadline, or for I/O only.
+    fn poll_timeout(&mut self) -> Option<Duration> {
+        if !self.turns.is_empty() || (self.accept_starved && self.fd_freed) {
+            return Some(Duration::ZERO);
+        }
+        let conns = &self.conns;
+        let deadline = self
+            .handshakes
+            .next_deadline(|t| conns.get(&t).is_some_and(|c| c.client.is_none()))?;
+        // Round up so the loop does not wake just before the deadline.
+        Some(deadline.saturating_sub(self.now()) + Duration::from_millis(1))
     }
 
     fn now(&self) -> Duration {
@@ -317,6 +380,7 @@ impl Broker {
     }
 
     fn accept_all(&mut self) {
+        self.accept_starved = false;
         loop {
             match self.listener.accept() {
                 Ok((stream, _)) => self.admit(stream),
@@ -325,8 +389,10 @@ impl Broker {
                 Err(e) if e.raw_os_error() == Some(libc::ECONNABORTED) => {}
                 Err(e) if matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE)) => {
                     if !self.refuse_for_lack_of_fds(&e) {
-                        // No reserve left: wait for the listener's next
-                        // edge rather than spin.
+                        // No reserve left: try again when a connection
+                        // closes, or on the listener's next edge, rather
+                        // than spin.
+                        self.accept_starved = true;
                         return;
                     }
                 }
@@ -339,7 +405,8 @@ impl Broker {
     }
 
     /// Spends the reserve descriptor to accept one pending connection and
-    /// tell it why it cannot be served. Returns whether it accepted one.
+    /// tell it to come back later. Returns whether it accepted one; either
+    /// way the listener is tried again once a connection closes.
     fn refuse_for_lack_of_fds(&mut self, cause: &io::Error) -> bool {
         let Some(reserve) = self.reserve.take() else {
             log!(Level::Warn, "accept: {cause}; no reserve descriptor left");
@@ -349,13 +416,15 @@ impl Broker {
         let accepted = match self.listener.accept() {
             Ok((mut stream, _)) => {
                 log!(
-                    Level::Warn,
-                    "accept: {cause}; refusing a new client, serving the {} connected",
+                    Level::Info,
+                    "accept: {cause}; asking a new client to retry, serving the {} connected",
                     self.conns.len()
                 );
                 let mut frame = Vec::new();
                 Reply::Error {
-                    message: format!("broker is out of file descriptors ({cause}); try again"),
+                    message: format!(
+                        "{BUSY_PREFIX}broker is out of file descriptors ({cause}); try again"
+                    ),
                 }
                 .encode(&mut frame);
                 let _ = stream.write(&frame);
@@ -409,27 +478,133 @@ impl Broker {
                 client: None,
                 pid,
                 watching_writes: false,
+                queued: false,
+                paused: false,
+                status_owed: 0,
             },
         );
+        let now = self.now();
+        self.handshakes
+            .start(token, now, self.config.handshake_deadline);
         // The client may have written its hello already; with
         // edge-triggered readiness the registration reports it, but reading
         // now saves a trip through the loop.
         self.conn_event(token, true, false);
+        if self.handshakes.live() > MAX_HANDSHAKING {
+            self.evict_oldest_handshake();
+        }
+    }
+
+    /// Closes the oldest connection still in its handshake, to make room.
+    fn evict_oldest_handshake(&mut self) {
+        let conns = &self.conns;
+        if let Some(token) = self
+            .handshakes
+            .pop_oldest(None, |t| conns.get(&t).is_some_and(|c| c.client.is_none()))
+        {
+            self.close(
+                token,
+                Some(format!(
+                    "{BUSY_PREFIX}more than {MAX_HANDSHAKING} connections have not sent their hello"
+                )),
+            );
+        }
+    }
+
+    /// Closes the connections whose handshake deadline has passed.
+    fn expire_handshakes(&mut self) {
+        let now = self.now();
+        loop {
+            let conns = &self.conns;
+            let Some(token) = self
+                .handshakes
+                .pop_oldest(Some(now), |t| conns.get(&t).is_some_and(|c| c.client.is_none()))
+            else {
+                return;
+            };
+            self.close(
+                token,
+                Some(format!(
+                    "no hello within {} ms of connecting",
+                    self.config.handshake_deadline.as_millis()
+                )),
+            );
+        }
     }
 
     fn conn_event(&mut self, token: Token, readable: bool, writable: bool) {
         if writable {
             self.dirty.push(token);
         }
-        if !readable {
-            return;
+        if readable {
+            self.turn(token);
         }
-        let mut buf = [0u8; 4096];
+    }
+
+    /// Gives every connection queued for a turn one more.
+    fn take_turns(&mut self) {
+        for token in self.turns.round() {
+            if let Some(conn) = self.conns.get_mut(&token) {
+                conn.queued = false;
+                self.turn(token);
+            }
+        }
+    }
+
+    /// Whether the broker should read no more from `conn` for now: its
+    /// replies wait unsent past the bounds, or a status document of its own
+    /// does.
+    fn reading_paused(conn: &Conn, output_total: usize) -> bool {
+        conn.status_owed > 0
+            || conn.tx.len() > OUTPUT_PAUSE
+            || (!conn.tx.is_empty() && output_total > TOTAL_OUTPUT_PAUSE)
+    }
+
+    /// One turn of a connection: handles up to [`READ_BUDGET`] requests,
+    /// reading at most [`READ_CHUNK`] bytes, then queues the connection for
+    /// another turn if it may have more.
+    fn turn(&mut self, token: Token) {
+        let mut budget = READ_BUDGET;
+        let mut read = 0;
+        let mut buf = [0u8; READ_CHUNK];
         loop {
+            let total = self.output_total;
             let Some(conn) = self.conns.get_mut(&token) else {
                 return;
             };
-            match conn.stream.read(&mut buf) {
+            if Self::reading_paused(conn, total) {
+                // Resumed by `flush_dirty` once its replies drain.
+                conn.paused = true;
+                return;
+            }
+            if budget == 0 {
+                self.queue_turn(token);
+                return;
+            }
+            match conn.rx.next_request() {
+                Ok(Some(req)) => {
+                    budget -= 1;
+                    if matches!(req, Request::Status) {
+                        // A status document is the whole turn.
+                        budget = 0;
+                    }
+                    if let Err(reason) = self.handle_request(token, req) {
+                        self.close(token, Some(reason));
+                        return;
+                    }
+                    continue;
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    self.close(token, Some(protocol_reason(&e)));
+                    return;
+                }
+            }
+            if read >= READ_CHUNK {
+                self.queue_turn(token);
+                return;
+            }
+            match conn.stream.read(&mut buf[..READ_CHUNK - read]) {
                 Ok(0) => {
                     let reason = (!conn.rx.is_empty()).then(|| {
                         format!(
@@ -441,12 +616,13 @@ impl Broker {
                     return;
                 }
                 Ok(n) => {
+                    read += n;
                     conn.rx.extend(&buf[..n]);
-                    if !self.handle_frames(token) {
-                        return;
-                    }
                 }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    conn.rx.shrink_if_empty();
+                    return;
+                }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => {
                     // ECONNRESET and friends: the peer is gone.
@@ -458,25 +634,11 @@ impl Broker {
         }
     }
 
-    /// Decodes and handles every complete frame; false when the connection
-    /// was closed.
-    fn handle_frames(&mut self, token: Token) -> bool {
-        loop {
-            let Some(conn) = self.conns.get_mut(&token) else {
-                return false;
-            };
-            match conn.rx.next_request() {
-                Ok(None) => return true,
-                Ok(Some(req)) => {
-                    if let Err(reason) = self.handle_request(token, req) {
-                        self.close(token, Some(reason));
-                        return false;
-                    }
-                }
-                Err(e) => {
-                    self.close(token, Some(protocol_reason(&e)));
-                    return false;
-                }
+    fn queue_turn(&mut self, token: Token) {
+        if let Some(conn) = self.conns.get_mut(&token) {
+            if !conn.queued {
+                conn.queued = true;
+                self.turns.push(token);
             }
         }
     }
@@ -514,6 +676,7 @@ impl Broker {
             };
             let id = self.pool.connect(info);
             conn.client = Some(id);
+            self.handshakes.end();
             self.by_client.insert(id, token);
             self.send(
                 token,
@@ -535,6 +698,11 @@ impl Broker {
             Request::Acquire if self.pool.pending(id) >= MAX_PENDING_ACQUIRES => {
                 return Err(format!(
                     "more than {MAX_PENDING_ACQUIRES} acquires waiting on one connection"
+                ));
+            }
+            Request::Acquire if self.pool.waiting() >= MAX_QUEUED_ACQUIRES => {
+                return Err(format!(
+                    "the broker already has {MAX_QUEUED_ACQUIRES} acquires waiting"
                 ));
             }
             Request::Acquire => self.pool.acquire(id, now),
@@ -563,6 +731,9 @@ impl Broker {
                 let status = self.status();
                 let json = status.to_json();
                 self.send(token, &Reply::Status { json });
+                if let Some(conn) = self.conns.get_mut(&token) {
+                    conn.status_owed = conn.tx.len();
+                }
                 Ok(())
             }
         };
@@ -636,7 +807,9 @@ impl Broker {
 
     fn send(&mut self, token: Token, reply: &Reply) {
         if let Some(conn) = self.conns.get_mut(&token) {
+            let before = conn.tx.len();
             reply.encode(&mut conn.tx);
+            self.output_total += conn.tx.len() - before;
             self.dirty.push(token);
         }
     }
@@ -646,11 +819,21 @@ impl Broker {
             let Some(conn) = self.conns.get_mut(&token) else {
                 continue;
             };
-            match flush(conn) {
+            let before = conn.tx.len();
+            let flushed = flush(conn);
+            self.output_total -= before - conn.tx.len();
+            match flushed {
                 Ok(()) if conn.tx.len() > MAX_PENDING_OUTPUT => {
                     self.close(token, Some("client does not read its replies".into()));
                 }
                 Ok(()) => {
+                    if conn.paused && !Self::reading_paused(conn, self.output_total) {
+                        conn.paused = false;
+                        if !conn.queued {
+                            conn.queued = true;
+                            self.turns.push(token);
+                        }
+                    }
                     // Watch for writability only while output is pending.
                     let want = !conn.tx.is_empty();
                     if want != conn.watching_writes {
@@ -686,6 +869,11 @@ impl Broker {
         let Some(mut conn) = self.conns.remove(&token) else {
             return;
         };
+        self.fd_freed = true;
+        self.output_total -= conn.tx.len();
+        if conn.client.is_none() {
+            self.handshakes.end();
+        }
         let who = match (conn.client, conn.pid) {
             (Some(id), Some(pid)) => format!("client {id} (pid {pid})"),
             (None, Some(pid)) => format!("connection from pid {pid}"),
@@ -716,6 +904,19 @@ impl Broker {
     }
 
     fn status(&self) -> Status {
+        let (clients, clients_total) = Status::list_clients(
+            self.pool
+                .holdings()
+                .into_iter()
+                .map(|h| ClientStatus {
+                    id: h.client.0,
+                    pid: h.pid,
+                    kind: h.label.to_string(),
+                    held: h.held,
+                    waiting: h.waiting,
+                })
+                .collect(),
+        );
         let stats = self.pool.stats();
         let free = self.pool.free();
         Status {
@@ -740,18 +941,9 @@ impl Broker {
             wait_max_us: ns_to_us(stats.wait_ns.max()),
             lost: self.pool.unaccounted(),
             classic: self.bridge.as_ref().map(|b| b.status(&self.pool)),
-            clients: self
-                .pool
-                .holdings()
-                .into_iter()
-                .map(|h| ClientStatus {
-                    id: h.client.0,
-                    pid: h.pid,
-                    kind: h.label.to_string(),
-                    held: h.held,
-                    waiting: h.waiting,
-                })
-                .collect(),
+            clients,
+            clients_total,
+            handshaking: self.handshakes.live() as u32,
         }
     }
 
@@ -796,6 +988,11 @@ fn flush(conn: &mut Conn) -> io::Result<()> {
         }
     }
     conn.tx.drain(..written);
+    conn.status_owed = conn.status_owed.saturating_sub(written);
+    if conn.tx.is_empty() && conn.tx.capacity() > READ_CHUNK {
+        // An idle connection keeps no large buffer.
+        conn.tx = Vec::new();
+    }
     Ok(())
 }
 

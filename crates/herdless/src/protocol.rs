@@ -38,6 +38,12 @@ pub const MAX_REPLY_PAYLOAD: usize = 1 << 20;
 /// The largest payload of [`Reply::Error`]: its message in bytes.
 pub const MAX_ERROR_MESSAGE: usize = 1024;
 
+/// How an `Error` frame sent before the `Welcome` begins when the broker
+/// cannot take the connection now (out of file descriptors, too many
+/// connections in their handshake) but may later: the client should close,
+/// wait a little and connect again.
+pub const BUSY_PREFIX: &str = "busy: ";
+
 /// The `kind` byte of each frame.
 ///
 /// Requests use `0x01..=0x07`, replies `0x81..=0x87`; each decoder knows
@@ -707,6 +713,15 @@ impl FrameBuffer {
         self.pos += consumed;
         self.compact();
         Ok(Some(message))
+    }
+
+    /// Gives back the buffer's memory when nothing is buffered, so an idle
+    /// connection holds none.
+    pub fn shrink_if_empty(&mut self) {
+        if self.is_empty() && self.buf.capacity() > 0 {
+            self.buf = Vec::new();
+            self.pos = 0;
+        }
     }
 
     /// Drops consumed bytes once they are at least as many as the bytes kept,

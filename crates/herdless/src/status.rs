@@ -9,6 +9,13 @@
 
 use std::fmt::Write;
 
+/// The most client lines a status document lists. With more clients
+/// connected, it lists those holding the most tokens, then those with the
+/// most acquires waiting, and counts all of them in
+/// [`Status::clients_total`], so the document stays a few tens of kilobytes
+/// (far below a reply frame's limit) however many clients there are.
+pub const MAX_STATUS_CLIENTS: usize = 256;
+
 /// One client's line in a status report.
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
@@ -96,8 +103,15 @@ pub struct Status {
     /// Tokens the broker cannot account for, classic ones included. Must
     /// be 0.
     pub lost: i64,
-    /// One line per connected client.
+    /// One line per connected client, at most [`MAX_STATUS_CLIENTS`] of
+    /// them (see [`Status::list_clients`]), in connection order.
     pub clients: Vec<ClientStatus>,
+    /// Connected clients (observers excepted), listed or not.
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub clients_total: u64,
+    /// Connections accepted that have not yet sent their `Hello`.
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub handshaking: u32,
     /// The classic bridge, when there is one.
     #[cfg_attr(feature = "serde", serde(default))]
     pub classic: Option<ClassicStatus>,
@@ -132,11 +146,31 @@ impl Status {
         o.num("lost", self.lost);
         let clients: Vec<String> = self.clients.iter().map(ClientStatus::to_json).collect();
         o.raw("clients", &format!("[{}]", clients.join(",")));
+        o.num("clients_total", self.clients_total);
+        o.num("handshaking", self.handshaking);
         match &self.classic {
             Some(c) => o.raw("classic", &c.to_json()),
             None => o.raw("classic", "null"),
         }
         o.finish()
+    }
+}
+
+impl Status {
+    /// Chooses the client lines to list out of `all`: every one when they
+    /// are at most [`MAX_STATUS_CLIENTS`], else those holding the most
+    /// tokens, then those waiting for the most, then the oldest. Returns
+    /// them in connection order with the count of all.
+    pub fn list_clients(mut all: Vec<ClientStatus>) -> (Vec<ClientStatus>, u64) {
+        let total = all.len() as u64;
+        if all.len() > MAX_STATUS_CLIENTS {
+            all.select_nth_unstable_by_key(MAX_STATUS_CLIENTS - 1, |c| {
+                (std::cmp::Reverse(c.held), std::cmp::Reverse(c.waiting), c.id)
+            });
+            all.truncate(MAX_STATUS_CLIENTS);
+        }
+        all.sort_unstable_by_key(|c| c.id);
+        (all, total)
     }
 }
 
@@ -272,6 +306,8 @@ mod tests {
                 held: 1,
                 waiting: 2,
             }],
+            clients_total: 1,
+            handshaking: 3,
             classic: classic.then(|| ClassicStatus {
                 style: "fifo".into(),
                 flavor: "gnu".into(),
@@ -311,6 +347,33 @@ mod tests {
             let back: Status = serde_json::from_str(&s.to_json()).expect("deserializes");
             assert_eq!(back, s);
         }
+    }
+
+    #[test]
+    fn a_status_of_any_number_of_clients_fits_a_reply() {
+        let all: Vec<ClientStatus> = (0..20_000u64)
+            .map(|i| ClientStatus {
+                id: u64::MAX - i,
+                pid: u32::MAX,
+                kind: "observer".into(),
+                held: if i % 1000 == 7 { u32::MAX } else { 0 },
+                waiting: if i % 500 == 3 { u32::MAX } else { 0 },
+            })
+            .collect();
+        let (listed, total) = Status::list_clients(all);
+        assert_eq!(total, 20_000);
+        assert_eq!(listed.len(), MAX_STATUS_CLIENTS);
+        // The holders and the waiters are all listed.
+        assert_eq!(listed.iter().filter(|c| c.held > 0).count(), 20);
+        assert_eq!(listed.iter().filter(|c| c.waiting > 0).count(), 40);
+        assert!(listed.windows(2).all(|w| w[0].id < w[1].id));
+        let mut s = sample(true);
+        s.clients = listed;
+        s.clients_total = total;
+        let json = s.to_json();
+        assert!(json.len() < crate::protocol::MAX_REPLY_PAYLOAD / 16, "{}", json.len());
+        let v: serde_json::Value = serde_json::from_str(&json).expect("valid JSON");
+        assert_eq!(v["clients_total"], 20_000);
     }
 
     #[test]

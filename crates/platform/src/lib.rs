@@ -5,7 +5,8 @@
 //! shared memory ([`SharedWord`]), peer credentials of a Unix socket
 //! ([`peer_cred`]), wake-up counting ([`process_ctx_switches`],
 //! [`self_rusage`]), a clock shared by all processes ([`monotonic`]) and
-//! kernel capability detection ([`capabilities`]).
+//! kernel capability detection ([`capabilities`]) and the descriptor limit
+//! of a process serving many clients ([`raise_nofile_limit`]).
 //!
 //! # Backends
 //!
@@ -64,6 +65,7 @@ mod caps;
 mod clock;
 mod cred;
 mod kernel;
+mod nofile;
 mod pipe;
 mod shared_word;
 mod signal;
@@ -74,6 +76,7 @@ pub use caps::{capabilities, Capabilities};
 pub use clock::monotonic;
 pub use cred::{peer_cred, PeerCred};
 pub use kernel::{kernel, parse_release, Kernel};
+pub use nofile::{child_nofile_limit, raise_nofile_limit, NofileLimit};
 pub use pipe::{bytes_readable, pipe_cloexec};
 pub use shared_word::SharedWord;
 pub use signal::{sent_by_kernel, signal_ignored};

@@ -24,6 +24,15 @@ use crate::protocol::{AbortReason, FrameBuffer, HelloFlags, Reply, Request, PROT
 /// accepted the connection but never answers.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// How long a client keeps connecting again to a broker that is busy: out
+/// of file descriptors, or with too many connections in their handshake.
+/// A build that starts more jobs at once than the broker has descriptors
+/// waits for running jobs to end instead of failing.
+const BUSY_RETRY_FOR: Duration = Duration::from_secs(120);
+
+/// The longest pause between two attempts.
+const BUSY_BACKOFF_MAX: Duration = Duration::from_millis(200);
+
 #[derive(Default)]
 struct State {
     rx: FrameBuffer,
@@ -104,9 +113,55 @@ fn take_spare(st: &mut State) -> bool {
     }
 }
 
+/// Whether a failed connection is worth trying again: the broker said it is
+/// busy, closed the connection before its welcome (what a broker out of
+/// descriptors may do), or its listen queue is full. A broker that is gone
+/// fails the next attempt's `connect` for good.
+fn is_busy(e: &Error) -> bool {
+    match e.kind() {
+        ErrorKind::Refused => e.to_string().contains(crate::protocol::BUSY_PREFIX),
+        ErrorKind::BrokerGone => true,
+        ErrorKind::Connect => std::error::Error::source(e)
+            .and_then(|s| s.downcast_ref::<io::Error>())
+            .and_then(io::Error::raw_os_error)
+            .is_some_and(|n| n == libc::EAGAIN || n == libc::EWOULDBLOCK),
+        _ => false,
+    }
+}
+
 impl Native {
-    /// Connects, checks the broker is this user's, and shakes hands.
+    /// Connects, checks the broker is this user's, and shakes hands. A
+    /// broker that is busy (see [`is_busy`]) is tried again with growing
+    /// pauses for up to [`BUSY_RETRY_FOR`].
     pub(crate) fn connect(path: &Path, flags: HelloFlags) -> Result<Native> {
+        let start = Instant::now();
+        let mut pause = Duration::from_millis(1);
+        let mut attempt: u32 = 0;
+        loop {
+            let err = match Native::connect_once(path, flags) {
+                Ok(native) => return Ok(native),
+                Err(e) if is_busy(&e) => e,
+                Err(e) => return Err(e),
+            };
+            if start.elapsed() >= BUSY_RETRY_FOR {
+                return Err(Error::new(
+                    err.kind(),
+                    format!(
+                        "the broker at {} stayed busy for {} s; last answer: {err}",
+                        path.display(),
+                        BUSY_RETRY_FOR.as_secs()
+                    ),
+                ));
+            }
+            attempt += 1;
+            // Spread the clients that were turned away together.
+            let spread = (std::process::id().wrapping_mul(2_654_435_761) ^ attempt) % 1000;
+            std::thread::sleep(pause + pause * spread / 1000);
+            pause = (pause * 2).min(BUSY_BACKOFF_MAX);
+        }
+    }
+
+    fn connect_once(path: &Path, flags: HelloFlags) -> Result<Native> {
         if let Err(e) = std::os::unix::net::SocketAddr::from_pathname(path) {
             return Err(Error::io(
                 ErrorKind::Connect,
