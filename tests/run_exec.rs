@@ -214,3 +214,38 @@ fn exec_dies_of_the_signal_that_killed_its_command() {
     let s = serve.wait_for("the token back", |s| s.in_use == 0);
     assert_eq!(s.lost, 0);
 }
+
+/// More jobs started at once than the broker has descriptors: the soft
+/// limit is 512 and the hard one too (so `run` cannot raise it), and 1200
+/// execs connect at once. Those the broker cannot take yet are told it is
+/// busy and connect again once running jobs have ended: every job runs,
+/// none fails, and the limit holds.
+#[cfg(target_os = "linux")]
+#[test]
+fn more_jobs_at_once_than_descriptors_all_run() {
+    const JOBS: usize = 1200;
+    let tree = JobTree::new("fd-limit");
+    let script = format!(
+        r#"for i in $(seq {JOBS}); do herdless exec sh {0}/job.sh {0} & done; wait"#,
+        tree.dir.display()
+    );
+    let mut cmd = Command::new("prlimit");
+    cmd.args(["--nofile=512:512", "--", BIN, "run", "-j", "8", "--stats"])
+        .args(["--no-classic", "--", "sh", "-c", &script])
+        .env("PATH", path_with_bin())
+        .env("JOB_SLEEP", "0.02")
+        .env_remove("HERDLESS_SOCKET");
+    let out = common::output_within(&mut cmd, PATIENCE * 4);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    // A job that fails to get its token says so on stderr.
+    let failed = stderr
+        .lines()
+        .filter(|l| l.contains("needs a jobserver") || l.contains("cannot take a job token"))
+        .count();
+    assert_eq!(failed, 0, "{stderr}");
+    let (done, max) = tree.counts();
+    assert_eq!(done, JOBS, "every job ran: {stderr}");
+    assert!(max <= 8, "{max} jobs at once under -j 8");
+    assert_eq!(stat(&stderr, "tokens lost"), "0");
+}

@@ -12,6 +12,7 @@ mod probe;
 mod run;
 mod serve;
 mod status;
+mod stress;
 
 use std::ffi::OsString;
 use std::path::PathBuf;
@@ -67,6 +68,10 @@ enum Command {
     Bench(bench::BenchArgs),
     /// Show what this kernel does when many processes wait on one pipe.
     Probe(probe::ProbeArgs),
+    /// Misbehave against a running broker and measure a well-behaved
+    /// client beside it (the figures of docs/RELIABILITY.md).
+    #[command(hide = true)]
+    Stress(stress::StressArgs),
 }
 
 #[derive(clap::Args, Debug)]
@@ -137,6 +142,7 @@ pub fn main() -> ExitCode {
         Command::Status(args) => status::status(args),
         Command::Bench(args) => bench::bench(args),
         Command::Probe(args) => probe::probe(args),
+        Command::Stress(args) => stress::stress(args),
     };
     match result {
         Ok(code) => ExitCode::from(code),

@@ -61,7 +61,7 @@ use crate::status::{ClientStatus, Status};
 pub mod limits;
 
 use limits::{
-    Handshakes, Turns, HANDSHAKE_DEADLINE, MAX_HANDSHAKING, MAX_PENDING_OUTPUT,
+    Handshakes, Turns, ACCEPT_BUDGET, HANDSHAKE_DEADLINE, MAX_HANDSHAKING, MAX_PENDING_OUTPUT,
     MAX_QUEUED_ACQUIRES, OUTPUT_PAUSE, READ_BUDGET, READ_CHUNK, TOTAL_OUTPUT_PAUSE,
 };
 pub use limits::MAX_PENDING_ACQUIRES;
@@ -165,6 +165,8 @@ pub struct Broker {
     accept_starved: bool,
     /// A connection closed since the last look.
     fd_freed: bool,
+    /// The last turn of the listener left connections pending.
+    accept_more: bool,
 }
 
 fn ns_to_us(ns: u64) -> f64 {
@@ -249,6 +251,7 @@ impl Broker {
             output_total: 0,
             accept_starved: false,
             fd_freed: false,
+            accept_more: false,
         })
     }
 
@@ -333,7 +336,7 @@ impl Broker {
             }
             self.take_turns();
             self.expire_handshakes();
-            if self.accept_starved && self.fd_freed {
+            if self.accept_more || (self.accept_starved && self.fd_freed) {
                 self.accept_all();
             }
             self.fd_freed = false;
@@ -346,7 +349,8 @@ impl Broker {
     /// No sleep while a connection waits for a turn; otherwise until the
     /// next handshake deadline, or for I/O only.
     fn poll_timeout(&mut self) -> Option<Duration> {
-        if !self.turns.is_empty() || (self.accept_starved && self.fd_freed) {
+        if !self.turns.is_empty() || self.accept_more || (self.accept_starved && self.fd_freed)
+        {
             return Some(Duration::ZERO);
         }
         let conns = &self.conns;
@@ -379,9 +383,12 @@ impl Broker {
         }
     }
 
+    /// Accepts up to [`ACCEPT_BUDGET`] pending connections; with more
+    /// pending, the listener gets another turn after the connections'.
     fn accept_all(&mut self) {
         self.accept_starved = false;
-        loop {
+        self.accept_more = false;
+        for _ in 0..ACCEPT_BUDGET {
             match self.listener.accept() {
                 Ok((stream, _)) => self.admit(stream),
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
@@ -402,6 +409,7 @@ impl Broker {
                 }
             }
         }
+        self.accept_more = true;
     }
 
     /// Spends the reserve descriptor to accept one pending connection and

@@ -4,22 +4,88 @@
 //! a mode-0700 directory keeps other users out before any credential check;
 //! the broker also refuses peers of another uid (see `broker`).
 
-use std::fs;
+use std::ffi::OsString;
+use std::fs::{self, File};
 use std::io;
-use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
+use nix::fcntl::AtFlags;
+use nix::sys::stat::{fstatat, SFlag};
+use nix::unistd::UnlinkatFlags;
+
 /// The socket's directory; removed on drop when this process made it.
+///
+/// The directory is checked through a descriptor opened without following
+/// a symbolic link (`O_NOFOLLOW`), and the socket is removed through that
+/// same descriptor (`unlinkat`), only if the entry is still the socket this
+/// process bound: a link swapped in later cannot make it check or delete
+/// anything else.
 #[derive(Debug)]
 pub struct RunDir {
     dir: PathBuf,
     socket: PathBuf,
+    /// The directory itself, as checked.
+    handle: File,
+    /// The socket's name inside `handle`.
+    name: OsString,
     owned: bool,
-    bound: bool,
+    /// Device and inode of the socket this process bound.
+    bound: Option<(u64, u64)>,
 }
 
 /// The file name of the socket inside a directory made by [`RunDir::create`].
 pub const SOCKET_NAME: &str = "broker.sock";
+
+/// Opens `dir` itself, refusing a symbolic link.
+fn open_dir(dir: &Path) -> io::Result<File> {
+    fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(dir)
+        .map_err(|e| {
+            let is_link = fs::symlink_metadata(dir).is_ok_and(|m| m.file_type().is_symlink());
+            if is_link {
+                io::Error::new(
+                    io::ErrorKind::PermissionDenied,
+                    format!(
+                        "socket directory {} is a symbolic link; name the directory itself",
+                        dir.display()
+                    ),
+                )
+            } else {
+                io::Error::new(e.kind(), format!("cannot open {}: {e}", dir.display()))
+            }
+        })
+}
+
+/// Checks that the directory open as `handle` belongs to this user and
+/// lets no one else in.
+fn check_private(dir: &Path, handle: &File) -> io::Result<()> {
+    let meta = handle.metadata()?;
+    let uid = nix::unistd::geteuid().as_raw();
+    if meta.uid() != uid {
+        return Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            format!(
+                "socket directory {} belongs to uid {}, not to this user ({uid})",
+                dir.display(),
+                meta.uid()
+            ),
+        ));
+    }
+    if meta.mode() & 0o077 != 0 {
+        return Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            format!(
+                "socket directory {} has mode {:04o}; it must be 0700 so only its user can enter",
+                dir.display(),
+                meta.mode() & 0o7777
+            ),
+        ));
+    }
+    Ok(())
+}
 
 impl RunDir {
     /// Makes a fresh private directory under `$XDG_RUNTIME_DIR`, `$TMPDIR`
@@ -43,49 +109,46 @@ impl RunDir {
                 ),
             )
         })?;
+        let handle = match open_dir(&dir) {
+            Ok(h) => h,
+            Err(e) => {
+                let _ = fs::remove_dir(&dir);
+                return Err(e);
+            }
+        };
         let socket = dir.join(SOCKET_NAME);
         Ok(RunDir {
             dir,
             socket,
+            handle,
+            name: SOCKET_NAME.into(),
             owned: true,
-            bound: false,
+            bound: None,
         })
     }
 
     /// Uses `socket` as the socket path. Its directory is created with mode
-    /// 0700 when missing; an existing one must belong to this user and let
-    /// no one else in (no group or other permission bits), otherwise this
-    /// fails with `PermissionDenied` and says why.
+    /// 0700 when missing; an existing one must be a directory, not a
+    /// symbolic link to one, belong to this user and let no one else in (no
+    /// group or other permission bits), otherwise this fails with
+    /// `PermissionDenied` and says why.
     pub fn at(socket: &Path) -> io::Result<RunDir> {
         let dir = match socket.parent() {
             Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
             _ => PathBuf::from("."),
         };
-        let owned = match fs::metadata(&dir) {
-            Ok(meta) => {
-                let uid = nix::unistd::geteuid().as_raw();
-                if meta.uid() != uid {
-                    return Err(io::Error::new(
-                        io::ErrorKind::PermissionDenied,
-                        format!(
-                            "socket directory {} belongs to uid {}, not to this user ({uid})",
-                            dir.display(),
-                            meta.uid()
-                        ),
-                    ));
-                }
-                if meta.permissions().mode() & 0o077 != 0 {
-                    return Err(io::Error::new(
-                        io::ErrorKind::PermissionDenied,
-                        format!(
-                            "socket directory {} has mode {:04o}; it must be 0700 so only its user can enter",
-                            dir.display(),
-                            meta.permissions().mode() & 0o7777
-                        ),
-                    ));
-                }
-                false
-            }
+        let name = socket
+            .file_name()
+            .ok_or_else(|| {
+                io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    format!("{} names no socket file", socket.display()),
+                )
+            })?
+            .to_owned();
+        let mut owned = false;
+        let handle = match open_dir(&dir) {
+            Ok(h) => h,
             Err(e) if e.kind() == io::ErrorKind::NotFound => {
                 fs::DirBuilder::new()
                     .mode(0o700)
@@ -93,28 +156,40 @@ impl RunDir {
                     .map_err(|e| {
                         io::Error::new(e.kind(), format!("cannot create {}: {e}", dir.display()))
                     })?;
-                true
+                owned = true;
+                open_dir(&dir)?
             }
-            Err(e) => {
-                return Err(io::Error::new(
-                    e.kind(),
-                    format!("cannot inspect {}: {e}", dir.display()),
-                ))
-            }
+            Err(e) => return Err(e),
         };
+        if let Err(e) = check_private(&dir, &handle) {
+            if owned {
+                let _ = fs::remove_dir(&dir);
+            }
+            return Err(e);
+        }
         Ok(RunDir {
             dir,
             socket: socket.to_path_buf(),
+            handle,
+            name,
             owned,
-            bound: false,
+            bound: None,
         })
+    }
+
+    /// The socket entry in the checked directory, if it is a socket.
+    fn socket_id(&self) -> Option<(u64, u64)> {
+        let st = fstatat(&self.handle, self.name.as_os_str(), AtFlags::AT_SYMLINK_NOFOLLOW).ok()?;
+        let is_socket = SFlag::from_bits_truncate(st.st_mode) & SFlag::S_IFMT == SFlag::S_IFSOCK;
+        #[allow(clippy::unnecessary_cast)] // dev_t and ino_t vary by OS
+        is_socket.then_some((st.st_dev as u64, st.st_ino as u64))
     }
 
     /// Records that this process bound the socket, so that dropping the
     /// directory removes it. A socket some other broker listens on is never
-    /// removed.
+    /// removed, nor anything that is not the socket bound now.
     pub fn set_bound(&mut self) {
-        self.bound = true;
+        self.bound = self.socket_id();
     }
 
     /// The socket's path.
@@ -130,10 +205,16 @@ impl RunDir {
 
 impl Drop for RunDir {
     fn drop(&mut self) {
-        if self.bound {
-            let _ = fs::remove_file(&self.socket);
+        if self.bound.is_some() && self.socket_id() == self.bound {
+            let _ = nix::unistd::unlinkat(
+                &self.handle,
+                self.name.as_os_str(),
+                UnlinkatFlags::NoRemoveDir,
+            );
         }
         if self.owned {
+            // rmdir never follows a final symbolic link and removes only an
+            // empty directory.
             let _ = fs::remove_dir(&self.dir);
         }
     }
@@ -142,6 +223,7 @@ impl Drop for RunDir {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::fs::PermissionsExt;
 
     #[test]
     fn created_dir_is_private_and_removed() {
@@ -167,5 +249,86 @@ mod tests {
         let made = RunDir::at(&d.dir().join("new").join("s.sock")).unwrap();
         let mode = fs::metadata(made.dir()).unwrap().permissions().mode() & 0o777;
         assert_eq!(mode, 0o700);
+    }
+
+    /// Makes `path` (a symbolic link) belong to uid 65534 where this
+    /// process may (as root); otherwise leaves it as it is.
+    fn give_away(path: &Path) {
+        let _ = std::os::unix::fs::lchown(path, Some(65534), Some(65534));
+    }
+
+    #[test]
+    fn a_symlinked_directory_is_refused() {
+        let d = RunDir::create().unwrap();
+        // A link (of another uid where possible) to a private directory of
+        // this user: the owner check must not follow it.
+        let mine = d.dir().join("mine");
+        fs::DirBuilder::new().mode(0o700).create(&mine).unwrap();
+        let link = d.dir().join("link");
+        std::os::unix::fs::symlink(&mine, &link).unwrap();
+        give_away(&link);
+        let err = RunDir::at(&link.join("s.sock")).unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::PermissionDenied);
+        assert!(err.to_string().contains("symbolic link"), "{err}");
+        // A link to a directory of another uid.
+        let theirs = d.dir().join("theirs");
+        fs::DirBuilder::new().mode(0o700).create(&theirs).unwrap();
+        let _ = std::os::unix::fs::chown(&theirs, Some(65534), Some(65534));
+        let link2 = d.dir().join("link2");
+        std::os::unix::fs::symlink(&theirs, &link2).unwrap();
+        give_away(&link2);
+        let err = RunDir::at(&link2.join("s.sock")).unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::PermissionDenied);
+        assert!(err.to_string().contains("symbolic link"), "{err}");
+        if fs::metadata(&theirs).unwrap().uid() == 65534 {
+            // Named directly, it is refused for its owner.
+            let err = RunDir::at(&theirs.join("s.sock")).unwrap_err();
+            assert!(err.to_string().contains("uid 65534"), "{err}");
+        }
+        for p in [&link, &link2] {
+            fs::remove_file(p).unwrap();
+        }
+        for p in [&mine, &theirs] {
+            fs::remove_dir(p).unwrap();
+        }
+    }
+
+    #[test]
+    fn cleanup_removes_only_the_socket_it_bound() {
+        let d = RunDir::create().unwrap();
+        let a = d.dir().join("a");
+        fs::DirBuilder::new().mode(0o700).create(&a).unwrap();
+        let mut run = RunDir::at(&a.join("s.sock")).unwrap();
+        let _listener = std::os::unix::net::UnixListener::bind(run.socket()).unwrap();
+        run.set_bound();
+        // While it serves, its directory is moved away and a link to
+        // another directory holding a socket of the same name takes its
+        // place.
+        let moved = d.dir().join("moved");
+        fs::rename(&a, &moved).unwrap();
+        let other = d.dir().join("other");
+        fs::DirBuilder::new().mode(0o700).create(&other).unwrap();
+        let _victim = std::os::unix::net::UnixListener::bind(other.join("s.sock")).unwrap();
+        std::os::unix::fs::symlink(&other, &a).unwrap();
+        drop(run);
+        assert!(other.join("s.sock").exists(), "removed a socket it did not bind");
+        // Its own socket went, through the directory it checked.
+        assert!(!moved.join("s.sock").exists());
+
+        // A socket replaced by another file under the same name stays.
+        fs::remove_file(&a).unwrap();
+        fs::remove_file(other.join("s.sock")).unwrap();
+        let mut run = RunDir::at(&other.join("s.sock")).unwrap();
+        let listener = std::os::unix::net::UnixListener::bind(run.socket()).unwrap();
+        run.set_bound();
+        drop(listener);
+        fs::remove_file(other.join("s.sock")).unwrap();
+        fs::write(other.join("s.sock"), b"keep").unwrap();
+        drop(run);
+        assert_eq!(fs::read(other.join("s.sock")).unwrap(), b"keep");
+        fs::remove_file(other.join("s.sock")).unwrap();
+        for p in [&moved, &other] {
+            fs::remove_dir(p).unwrap();
+        }
     }
 }

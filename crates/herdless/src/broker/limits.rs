@@ -5,6 +5,7 @@
 //! |---|---|---|
 //! | [`READ_BUDGET`] requests per connection per turn | 64 | nothing: its next requests wait for its next turn, after every other ready connection's |
 //! | [`READ_CHUNK`] bytes read per connection per turn | 4 KiB | the same |
+//! | [`ACCEPT_BUDGET`] connections accepted per turn | 64 | nothing: the next ones wait in the listen queue for the listener's next turn |
 //! | [`OUTPUT_PAUSE`] unread reply bytes per connection | 64 KiB | the broker stops reading it until it reads its replies; its writes block once the socket buffer is full |
 //! | one `Status` reply in the broker per connection | 1 | the same, until that reply has gone to the socket |
 //! | [`TOTAL_OUTPUT_PAUSE`] unread reply bytes, all connections | 8 MiB | connections with replies unsent are not read until theirs drain |
@@ -25,6 +26,9 @@ use crate::protocol::MAX_REPLY_PAYLOAD;
 /// Requests handled from one connection before the loop moves on to the
 /// others; the rest wait in the connection's buffer for its next turn.
 pub const READ_BUDGET: usize = 64;
+
+/// Connections accepted per turn of the listener.
+pub const ACCEPT_BUDGET: usize = 64;
 
 /// Bytes read from one connection's socket per turn.
 pub const READ_CHUNK: usize = 4096;
