@@ -747,7 +747,12 @@ impl Broker {
         };
         result.map_err(|e| e.to_string())?;
         self.apply_effects();
-        debug_assert_eq!(self.pool.check_invariants(), Ok(()));
+        // The check is linear in the queue: in debug builds it runs on
+        // every request while the queue is short, so that a test filling
+        // the queue to its bound does not take quadratic time.
+        if cfg!(debug_assertions) && self.pool.waiting() < 1024 {
+            assert_eq!(self.pool.check_invariants(), Ok(()));
+        }
         Ok(())
     }
 

@@ -1,0 +1,275 @@
+//! One misbehaving client of the broker's own user: it floods requests
+//! without reading, queues acquires without end, opens connections that
+//! never say hello, or idles by the thousand. The other clients are still
+//! served, the broker's memory stays bounded, and no token is lost.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{Serve, BIN, PATIENCE};
+use herdless::client::{Client, Options};
+use herdless::protocol::{FrameBuffer, HelloFlags, Reply, Request, BUSY_PREFIX};
+
+fn hello() -> Vec<u8> {
+    let mut out = Vec::new();
+    Request::Hello {
+        version: 1,
+        flags: HelloFlags::empty(),
+        pid: std::process::id(),
+        ppid: 1,
+    }
+    .encode(&mut out);
+    out
+}
+
+/// The peak resident memory of `pid`, in KiB.
+#[cfg(target_os = "linux")]
+fn peak_rss_kib(pid: i32) -> u64 {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    text.lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap()
+}
+
+/// Reads what the broker sent until it closes (or `PATIENCE` passes):
+/// the error message it closed with, if any.
+fn closing_error(s: &mut UnixStream) -> Option<String> {
+    s.set_read_timeout(Some(PATIENCE)).unwrap();
+    let mut rx = FrameBuffer::new();
+    let mut buf = [0u8; 4096];
+    let mut error = None;
+    loop {
+        while let Ok(Some(reply)) = rx.next_reply() {
+            if let Reply::Error { message } = reply {
+                error = Some(message);
+            }
+        }
+        match s.read(&mut buf) {
+            Ok(0) | Err(_) => return error,
+            Ok(n) => rx.extend(&buf[..n]),
+        }
+    }
+}
+
+/// A well-behaved client's rounds: connect, take and give back a token
+/// (only try, when `try_only`: a flooder's tries may hold them all), read
+/// the status. Each must succeed.
+fn well_behaved_rounds(socket: &std::path::Path, rounds: usize, try_only: bool) {
+    for i in 0..rounds {
+        let c = Client::connect_with(socket, Options::default().implicit_token(false))
+            .unwrap_or_else(|e| panic!("round {i}: {e}"));
+        let t = if try_only {
+            c.try_acquire()
+        } else {
+            c.acquire().map(Some)
+        };
+        if let Some(t) = t.unwrap_or_else(|e| panic!("round {i}: {e}")) {
+            t.release().unwrap();
+        }
+        let json = Client::observe(socket).unwrap().json().unwrap();
+        let _: herdless::status::Status = serde_json::from_str(&json).unwrap();
+    }
+}
+
+#[cfg(target_os = "linux")]
+#[test]
+fn a_client_flooding_requests_without_reading_starves_no_one() {
+    for unit in [Request::Status, Request::TryAcquire, Request::Cancel] {
+        let try_only = matches!(unit, Request::TryAcquire);
+        let serve = Serve::start(3);
+        let stop = Arc::new(AtomicBool::new(false));
+        let name = unit.to_string();
+        let flooder = {
+            let (socket, stop) = (serve.socket.clone(), stop.clone());
+            std::thread::spawn(move || {
+                let mut s = UnixStream::connect(&socket).unwrap();
+                s.set_write_timeout(Some(Duration::from_millis(20)))
+                    .unwrap();
+                s.write_all(&hello()).unwrap();
+                let mut one = Vec::new();
+                unit.encode(&mut one);
+                let burst = one.repeat(4096);
+                let mut sent = 0usize;
+                while !stop.load(Ordering::Relaxed) {
+                    if let Ok(n) = s.write(&burst) {
+                        sent += n;
+                    }
+                }
+                (s, sent)
+            })
+        };
+        // Served while the flood goes on.
+        well_behaved_rounds(&serve.socket, 200, try_only);
+        stop.store(true, Ordering::Relaxed);
+        let (s, sent) = flooder.join().unwrap();
+        assert!(sent > 0, "{name}: the flood never started");
+        let peak = peak_rss_kib(serve.pid());
+        assert!(
+            peak < 64 * 1024,
+            "{name} flood: broker peak RSS {peak} KiB"
+        );
+        drop(s);
+        let status = serve.wait_for("tokens back", |s| s.free == s.capacity);
+        assert_eq!(status.lost, 0);
+        let (exit, log) = serve.stop();
+        assert!(exit.success(), "{log}");
+        assert!(log.contains("tokens lost   0"), "{log}");
+    }
+}
+
+#[test]
+fn connections_that_never_say_hello_cannot_lock_anyone_out() {
+    let serve = Serve::start(2);
+    // More silent connections than the broker keeps in their handshake.
+    let mut silent: Vec<UnixStream> = (0..300)
+        .map(|_| UnixStream::connect(&serve.socket).unwrap())
+        .collect();
+    // New clients still get in and are served.
+    well_behaved_rounds(&serve.socket, 20, false);
+    let s = serve.status();
+    assert!(s.handshaking <= 256, "{} in their handshake", s.handshaking);
+    // The oldest were turned away as busy; the rest time out.
+    let messages: Vec<Option<String>> = silent.iter_mut().map(closing_error).collect();
+    let busy = messages
+        .iter()
+        .filter(|m| m.as_deref().is_some_and(|m| m.starts_with(BUSY_PREFIX)))
+        .count();
+    let timed_out = messages
+        .iter()
+        .filter(|m| m.as_deref().is_some_and(|m| m.starts_with("no hello within")))
+        .count();
+    assert!(busy >= 300 - 256, "{busy} turned away: {messages:?}");
+    assert_eq!(busy + timed_out, 300, "{messages:?}");
+    serve.wait_for("no handshakes left", |s| s.handshaking == 0);
+    let (exit, log) = serve.stop();
+    assert!(exit.success(), "{log}");
+}
+
+#[test]
+fn the_broker_queues_a_bounded_number_of_acquires() {
+    use herdless::broker::limits::{MAX_PENDING_ACQUIRES, MAX_QUEUED_ACQUIRES};
+    // One token: the first acquire is granted, every other one waits.
+    let serve = Serve::start(2);
+    let per = MAX_PENDING_ACQUIRES as usize;
+    let conns = MAX_QUEUED_ACQUIRES / per + 1;
+    let mut queued = hello();
+    for _ in 0..per {
+        Request::Acquire.encode(&mut queued);
+    }
+    let mut socks: Vec<UnixStream> = (0..conns)
+        .map(|_| {
+            let mut s = UnixStream::connect(&serve.socket).unwrap();
+            s.write_all(&queued).unwrap();
+            s
+        })
+        .collect();
+    // Connections whose acquire would pass the cap are closed; the others
+    // have all theirs queued.
+    let s = serve.wait_for("the queue settled", |s| {
+        s.clients_total < conns as u64
+            && s.clients
+                .iter()
+                .all(|c| (c.waiting + c.held) as usize == per)
+    });
+    assert!(s.waiting as usize <= MAX_QUEUED_ACQUIRES, "{}", s.waiting);
+    assert_eq!(
+        s.waiting as usize + s.in_use as usize,
+        s.clients_total as usize * per
+    );
+    // Each closed connection was told why.
+    let mut told = 0;
+    for sock in &mut socks {
+        sock.set_nonblocking(true).unwrap();
+        let mut got = Vec::new();
+        let mut buf = [0u8; 4096];
+        let closed = loop {
+            match sock.read(&mut buf) {
+                Ok(0) => break true,
+                Ok(n) => got.extend_from_slice(&buf[..n]),
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break false,
+                Err(_) => break true,
+            }
+        };
+        if closed {
+            let mut rx = FrameBuffer::new();
+            rx.extend(&got);
+            let mut said = None;
+            while let Ok(Some(reply)) = rx.next_reply() {
+                if let Reply::Error { message } = reply {
+                    said = Some(message);
+                }
+            }
+            let said = said.expect("an error frame before the close");
+            assert!(said.contains("acquires waiting"), "{said}");
+            told += 1;
+        }
+    }
+    assert_eq!(told as u64, conns as u64 - s.clients_total);
+    // Everyone else is still served when the queue drains.
+    drop(socks);
+    well_behaved_rounds(&serve.socket, 5, false);
+    let s = serve.wait_for("queue empty", |s| s.waiting == 0);
+    assert_eq!(s.lost, 0);
+}
+
+#[cfg(target_os = "linux")]
+#[test]
+fn status_stays_valid_with_thousands_of_clients() {
+    herdless_platform::raise_nofile_limit().unwrap();
+    let serve = Serve::start(2);
+    let idle: Vec<UnixStream> = (0..2000)
+        .map(|_| {
+            let mut s = UnixStream::connect(&serve.socket).unwrap();
+            s.write_all(&hello()).unwrap();
+            s
+        })
+        .collect();
+    let s = serve.wait_for("2000 clients", |s| s.clients_total >= 2000);
+    assert_eq!(s.clients.len(), herdless::status::MAX_STATUS_CLIENTS);
+    let out = std::process::Command::new(BIN)
+        .args(["status", "--json", "--socket"])
+        .arg(&serve.socket)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("valid JSON");
+    assert_eq!(v["clients_total"], 2000);
+    let out = std::process::Command::new(BIN)
+        .args(["status", "--socket"])
+        .arg(&serve.socket)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("clients   2000 (256 listed"), "{text}");
+    drop(idle);
+}
+
+#[test]
+fn serve_refuses_a_symlinked_socket_directory() {
+    let dir = std::env::temp_dir().join(format!("herdless-symlink-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir(&dir).unwrap();
+    let real = dir.join("real");
+    std::fs::create_dir(&real).unwrap();
+    std::fs::set_permissions(&real, std::os::unix::fs::PermissionsExt::from_mode(0o700)).unwrap();
+    let link = dir.join("link");
+    std::os::unix::fs::symlink(&real, &link).unwrap();
+    // Where the test may (as root), the link belongs to another user.
+    let _ = std::os::unix::fs::lchown(&link, Some(65534), Some(65534));
+    let out = std::process::Command::new(BIN)
+        .args(["serve", "-j", "2", "--socket"])
+        .arg(link.join("s.sock"))
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(125));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("symbolic link"), "{stderr}");
+    assert!(!real.join("s.sock").exists());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
