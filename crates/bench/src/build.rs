@@ -44,8 +44,11 @@ pub enum Variant {
     /// a token; `sleep`: R, a failed read is followed by one second of
     /// sleep.
     Pipe {
+        /// P: poll the pipe while a token is wanted.
         poll: bool,
+        /// C: the implicit-token check.
         check: bool,
+        /// R: sleep a second after a failed read.
         sleep: bool,
     },
     /// Native clients of a broker.
@@ -135,7 +138,9 @@ pub struct BuildConfig {
 /// What one variant measured.
 #[derive(Debug, Clone)]
 pub struct BuildResult {
+    /// What ran.
     pub variant: Variant,
+    /// With which tree.
     pub config: BuildConfig,
     /// Start of the top make to its end, or to the cut-off.
     pub wall: Duration,
@@ -143,13 +148,18 @@ pub struct BuildResult {
     /// broker's thread); unknown for a stalled run, whose processes were
     /// killed before they could be counted.
     pub user: Option<Duration>,
+    /// System CPU, counted like `user`.
     pub system: Option<Duration>,
+    /// Voluntary context switches, counted like `user`.
     pub voluntary_ctx: Option<u64>,
+    /// Involuntary context switches, counted like `user`.
     pub involuntary_ctx: Option<u64>,
+    /// The run passed the cut-off and was stopped.
     pub stalled: bool,
     /// Tokens in the pool once the run ended (N − 1 when none was lost;
     /// a stalled classic run loses those its killed makes held).
     pub tokens_back: u32,
+    /// The kernel measured (`uname -sr`).
     pub kernel: String,
 }
 
@@ -178,18 +188,31 @@ impl BuildResult {
 /// One line of `herdless bench build --json`.
 #[derive(Debug, Clone, PartialEq, Serialize, serde::Deserialize)]
 pub struct BuildRow {
+    /// `P1C1R0`-style name of the pipe variant, or `herdless`.
     pub variant: String,
+    /// Makes in the tree.
     pub makes: u32,
+    /// Jobs each make runs.
     pub jobs_per_make: u32,
+    /// CPU each job burns, in microseconds.
     pub job_us: u64,
+    /// The `-j` of the tree.
     pub jobs: u32,
+    /// Wall time, in seconds.
     pub wall_s: f64,
+    /// User CPU of the whole tree, in seconds (none for a stalled run).
     pub user_s: Option<f64>,
+    /// System CPU of the whole tree, in seconds (none for a stalled run).
     pub system_s: Option<f64>,
+    /// Voluntary context switches of the whole tree.
     pub voluntary_ctx_switches: Option<u64>,
+    /// Involuntary context switches of the whole tree.
     pub involuntary_ctx_switches: Option<u64>,
+    /// The run passed the cut-off.
     pub stalled: bool,
+    /// Tokens in the pool at the end (N − 1 when none was lost).
     pub tokens_back: u32,
+    /// The kernel measured.
     pub kernel: String,
 }
 

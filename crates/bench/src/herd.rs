@@ -60,6 +60,7 @@ const LIVENESS_CHECK: Duration = Duration::from_secs(1);
 pub struct CellConfig {
     /// The `herdless` binary, run as each waiter.
     pub exe: PathBuf,
+    /// How the waiters wait.
     pub mode: BenchMode,
     /// W: waiter processes.
     pub waiters: u32,
@@ -77,8 +78,11 @@ pub struct CellConfig {
 /// What one cell measured.
 #[derive(Debug, Clone)]
 pub struct CellResult {
+    /// How the waiters waited.
     pub mode: BenchMode,
+    /// W: waiter processes.
     pub waiters: u32,
+    /// T: tokens in circulation at once.
     pub tokens: u32,
     /// Tokens claimed by waiters.
     pub grants: u64,
@@ -111,10 +115,13 @@ pub struct CellResult {
 }
 
 impl CellResult {
+    /// Sleeps ended per token claimed: 1.00 when exactly one process
+    /// wakes per grant.
     pub fn wakeups_per_grant(&self) -> f64 {
         ratio(self.wakeups as f64, self.grants as f64)
     }
 
+    /// CPU of the waiters and the releaser per grant, in microseconds.
     pub fn cpu_us_per_grant(&self) -> f64 {
         ratio(
             (self.waiter_cpu + self.releaser_cpu).as_secs_f64() * 1e6,
@@ -122,14 +129,17 @@ impl CellResult {
         )
     }
 
+    /// Median time from a release to the waiter's return, in microseconds.
     pub fn handoff_p50_us(&self) -> f64 {
         quantile(&self.handoffs_ns, 0.5) as f64 / 1000.0
     }
 
+    /// 99th percentile of the hand-off time, in microseconds.
     pub fn handoff_p99_us(&self) -> f64 {
         quantile(&self.handoffs_ns, 0.99) as f64 / 1000.0
     }
 
+    /// Tokens claimed per second of the grant phase.
     pub fn grants_per_s(&self) -> f64 {
         ratio(self.grants as f64, self.elapsed.as_secs_f64())
     }
@@ -159,16 +169,25 @@ impl CellResult {
 /// One line of `herdless bench herd --json`: exactly these keys.
 #[derive(Debug, Clone, PartialEq, Serialize, serde::Deserialize)]
 pub struct HerdRow {
+    /// The wait mode's name.
     pub mode: String,
+    /// W: waiter processes.
     pub waiters: u32,
+    /// Tokens claimed.
     pub grants: u64,
+    /// See [`CellResult::wakeups_per_grant`].
     pub wakeups_per_grant: f64,
+    /// See [`CellResult::cpu_us_per_grant`].
     pub cpu_us_per_grant: f64,
+    /// See [`CellResult::handoff_p50_us`].
     pub handoff_p50_us: f64,
+    /// See [`CellResult::handoff_p99_us`].
     pub handoff_p99_us: f64,
+    /// See [`CellResult::grants_per_s`].
     pub grants_per_s: f64,
     /// Total over the run, in µs.
     pub idle_while_free_us: f64,
+    /// The kernel measured.
     pub kernel: String,
 }
 

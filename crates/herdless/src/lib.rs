@@ -4,6 +4,7 @@
 //! waiting client, so exactly one process wakes per token. See
 //! `docs/ARCHITECTURE.md` for how the parts fit, `docs/PROTOCOL.md` for the
 //! wire format and the README for the command line.
+#![warn(missing_docs)]
 #![deny(unsafe_code)]
 
 pub mod bridge;

@@ -69,17 +69,31 @@ pub enum Effect {
     /// Send one grant to `client`. `waited` is true when the client had been
     /// queued (it is woken by this grant), false for an immediate answer.
     Grant {
+        /// Who gets the token.
         client: ClientId,
+        /// Where the token comes from.
         source: Source,
+        /// Whether the client had been queued.
         waited: bool,
     },
     /// Answer a try-acquire: no token is free.
-    Denied { client: ClientId },
+    Denied {
+        /// Who asked.
+        client: ClientId,
+    },
     /// Answer a cancel: whether a pending acquire was withdrawn.
-    Cancelled { client: ClientId, cancelled: bool },
+    Cancelled {
+        /// Who asked.
+        client: ClientId,
+        /// True when an acquire was waiting and is withdrawn; false when
+        /// none was (its grant, if any, is already on its way).
+        cancelled: bool,
+    },
     /// Tell `client` that the tree is aborting.
     Aborted {
+        /// Who is told.
         client: ClientId,
+        /// Why the tree stops: an error or an interrupt.
         reason: AbortReason,
     },
 }
@@ -88,10 +102,13 @@ pub enum Effect {
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum PoolError {
+    /// The client is not (or no longer) connected.
     #[error("client {0} is not connected")]
     UnknownClient(ClientId),
+    /// A release without a token held.
     #[error("client {0} released a token it does not hold")]
     NotHolding(ClientId),
+    /// An acquire, try-acquire or release from a status-only client.
     #[error("client {0} is an observer and cannot take tokens")]
     Observer(ClientId),
 }
@@ -140,10 +157,15 @@ pub struct Stats {
 /// One client's holdings, for status output.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Holding {
+    /// The client.
     pub client: ClientId,
+    /// Its process id.
     pub pid: u32,
+    /// Its kind, as `status` shows it.
     pub label: &'static str,
+    /// Tokens it holds, a borrowed parent slot included.
     pub held: u32,
+    /// Acquires it has waiting.
     pub waiting: u32,
 }
 

@@ -33,6 +33,7 @@
 //!
 //! Everything that is the same on every Unix (poll, select, getrusage,
 //! uname, the shared mapping) lives in the shared files.
+#![warn(missing_docs)]
 
 #[cfg(target_os = "linux")]
 #[path = "linux.rs"]
