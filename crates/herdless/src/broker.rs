@@ -590,8 +590,7 @@ impl Broker {
     /// not in use).
     fn in_use(&self) -> u32 {
         let in_pipe = self.bridge.as_ref().map_or(0, Bridge::in_pipe_estimate);
-        (self.pool.capacity() - self.pool.free() + self.pool.slots_in_use() as u32)
-            .saturating_sub(in_pipe)
+        (self.pool.shared_in_use() + self.pool.slots_in_use() as u32).saturating_sub(in_pipe)
     }
 
     fn note_in_use(&mut self) {
