@@ -388,6 +388,9 @@ impl Pool {
             let ppid = client.info.ppid;
             self.slots.remove(&ppid);
             self.dispatch_slot(ppid, now);
+            // A cap counts parent slots: one given back may let a capped
+            // waiter take a free shared token.
+            self.dispatch_pool(now);
         } else {
             return Err(PoolError::NotHolding(id));
         }

@@ -68,6 +68,7 @@ mod kernel;
 mod pipe;
 mod shared_word;
 mod signal;
+mod system;
 mod usage;
 pub mod wait;
 
@@ -78,6 +79,9 @@ pub use kernel::{kernel, parse_release, Kernel};
 pub use pipe::{bytes_readable, pipe_cloexec};
 pub use shared_word::SharedWord;
 pub use signal::{sent_by_kernel, signal_ignored};
+pub use system::{
+    available_memory, listen_fds, load_average, parent_of, parse_meminfo, parse_stat_ppid,
+};
 pub use usage::{
     children_rusage, process_ctx_switches, process_ctx_switches_all_threads, self_rusage,
     CtxSwitches, Usage,

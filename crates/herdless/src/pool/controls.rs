@@ -9,11 +9,13 @@
 //!   a released token that is owed to a shrink leaves the pool instead of
 //!   going to a waiter. Shared tokens in use never exceed the new capacity
 //!   once the retired ones are back.
-//! - **Caps.** A cap on a process id limits the shared tokens held by every
+//! - **Caps.** A cap on a process id limits the tokens held by every
 //!   client whose pid is that one or has it among its ancestors (the broker
-//!   tells the pool each client's ancestry). A waiter at its subtree's cap
-//!   is passed over, not dropped: the next waiter that may take the token
-//!   gets it, and the capped one keeps its place for later.
+//!   tells the pool each client's ancestry), parent slots included. A
+//!   waiter at its subtree's cap is passed over, not dropped: the next
+//!   waiter that may take the token gets it, and the capped one keeps its
+//!   place for later. A parent slot is still never withheld, so a subtree
+//!   capped at 0 still runs one job on it.
 //! - **Admission.** While admission is held (the broker's load or memory
 //!   limit is crossed), no shared token is granted unless fewer than the
 //!   floor (`min_jobs`) are in use, so a build always progresses.
@@ -64,7 +66,7 @@ pub struct Cap {
     pub pid: u32,
     /// The most shared tokens the subtree may hold.
     pub max: u32,
-    /// Shared tokens the subtree's clients hold now.
+    /// Tokens the subtree's clients hold now, parent slots included.
     pub held: u32,
 }
 
@@ -124,7 +126,8 @@ impl Pool {
         self.controls.ancestry.remove(&id);
     }
 
-    /// Limits the subtree of process `pid` to `max` shared tokens at once
+    /// Limits the subtree of process `pid` to `max` tokens at once (parent
+    /// slots count, but are never withheld)
     /// (`None` lifts the cap). Lowering a cap takes nothing back; raising
     /// or lifting one grants to the waiters it held back.
     pub fn set_cap(&mut self, pid: u32, max: Option<u32>, now: Duration) {
@@ -185,11 +188,12 @@ impl Pool {
                 .is_some_and(|a| a.contains(&pid))
     }
 
+    /// Tokens the subtree of `pid` holds: shared ones and parent slots.
     fn subtree_held(&self, pid: u32) -> u32 {
         self.clients
             .iter()
             .filter(|(&id, _)| self.in_subtree(id, pid))
-            .map(|(_, c)| c.pool_held)
+            .map(|(_, c)| c.pool_held + u32::from(c.slot_held))
             .sum()
     }
 

@@ -197,6 +197,8 @@ struct Model {
     ancestors: HashMap<ClientId, Vec<u32>>,
     /// Shared tokens held by each client (parent slots apart).
     held: HashMap<ClientId, u32>,
+    /// Whether each client holds a parent slot.
+    slot: HashMap<ClientId, bool>,
     queue: Vec<ClientId>,
     capacity: u32,
     retiring: u32,
@@ -216,7 +218,7 @@ impl Model {
         self.live
             .iter()
             .filter(|&&c| self.in_subtree(c, pid))
-            .map(|c| self.held[c])
+            .map(|c| self.held[c] + u32::from(self.slot[c]))
             .sum()
     }
     fn in_use(&self) -> u32 {
@@ -260,6 +262,9 @@ impl Model {
                 }
                 self.queue.remove(pos);
             }
+            if source == Source::ParentSlot {
+                self.slot.insert(client, true);
+            }
             if source == Source::Pool {
                 prop_assert!(
                     self.eligible(client),
@@ -267,6 +272,13 @@ impl Model {
                     client
                 );
                 *self.held.get_mut(&client).unwrap() += 1;
+                prop_assert!(
+                    self.caps
+                        .iter()
+                        .all(|(&pid, &max)| !self.in_subtree(client, pid)
+                            || self.subtree_held(pid) <= max),
+                    "a grant took a subtree past its cap"
+                );
                 prop_assert!(
                     self.in_use() <= self.capacity,
                     "more shared tokens out than the capacity"
@@ -313,6 +325,7 @@ proptest! {
                     m.pid.insert(id, pid);
                     m.ancestors.insert(id, ancestors);
                     m.held.insert(id, 0);
+                    m.slot.insert(id, false);
                     pool.take_effects();
                 }
                 Op::Acquire(i) | Op::TryAcquire(i) => {
@@ -341,12 +354,15 @@ proptest! {
                     if shared > 0 {
                         *m.held.get_mut(&id).unwrap() -= 1;
                         m.returned(1);
+                    } else {
+                        m.slot.insert(id, false);
                     }
                     m.apply(pool.take_effects())?;
                 }
                 Op::Disconnect(i) => {
                     let Some(id) = m.pick(i) else { continue };
                     let shared = m.held.remove(&id).unwrap();
+                    m.slot.remove(&id);
                     m.queue.retain(|&c| c != id);
                     m.live.retain(|&c| c != id);
                     pool.disconnect(id, now);
