@@ -21,7 +21,7 @@ use std::os::fd::RawFd;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 
-use crate::client::{Error, ErrorKind, Result};
+use crate::error::{Error, ErrorKind, Result};
 
 /// The variables that may name a jobserver, in order of preference: the
 /// first one that names one wins, as in the `jobserver` crate (cargo sets
