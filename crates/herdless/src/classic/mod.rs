@@ -116,4 +116,4 @@ mod auth;
 pub(crate) mod pipe;
 pub(crate) mod slot;
 
-pub use auth::{Auth, Flavor, Jobserver, VARS};
+pub use auth::{without_jobserver, Auth, Flavor, Jobserver, Program, Style, VARS};

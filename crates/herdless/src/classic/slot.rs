@@ -31,19 +31,16 @@ use nix::fcntl::{Flock, FlockArg, OFlag};
 
 use herdless_platform::ProcessTable;
 
+use super::Program;
 use crate::sync::lock;
 
 /// Whether `name` (a process's command name) is a program that starts each
-/// job it runs in a job slot of its own: make in its variants, ninja,
-/// samurai, cargo, and `herdless exec` itself (its command is the job it
-/// holds a slot for, and that command's own jobs run below it). Their
-/// direct children own their slot outright.
+/// job it runs in a job slot of its own ([`Program::runs_each_job_in_a_slot`]:
+/// make in its variants, ninja, samurai, cargo, and `herdless exec` itself,
+/// whose command is the job it holds a slot for). Their direct children own
+/// their slot outright.
 pub(crate) fn runs_each_job_in_a_slot(name: &str) -> bool {
-    let name = name.trim();
-    let name = name.rsplit('/').next().unwrap_or(name).to_ascii_lowercase();
-    name.ends_with("make")
-        || name.starts_with("make-")
-        || matches!(name.as_str(), "ninja" | "samu" | "cargo" | "herdless")
+    Program::of(std::ffi::OsStr::new(name)).is_some_and(Program::runs_each_job_in_a_slot)
 }
 
 /// Whose slot a job of its parent runs in.
