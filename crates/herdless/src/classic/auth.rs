@@ -259,114 +259,33 @@ impl Jobserver {
     ///
     /// `BadJobserver` when the winning option cannot be read.
     pub fn parse(var: &'static str, value: &OsStr) -> Result<Option<Jobserver>> {
-        let words = split_words(value.as_bytes());
-        let mut found: Option<(Vec<u8>, Flavor, Vec<u8>)> = None;
-        let mut jobs = None;
-        let mut i = 0;
-        while i < words.len() {
-            let w = &words[i];
-            i += 1;
-            if w.as_slice() == b"--" {
-                break;
-            }
-            if let Some(rest) = w.strip_prefix(b"--") {
-                for name in [&b"jobserver-auth="[..], b"jobserver-fds="] {
-                    if let Some(arg) = rest.strip_prefix(name) {
-                        found = Some((w.clone(), Flavor::Gnu, arg.to_vec()));
-                    }
-                }
-                if let Some(n) = rest.strip_prefix(b"jobs=") {
-                    jobs = parse_u32(n).or(jobs);
-                } else if rest == b"jobs" {
-                    if let Some(n) = words.get(i).and_then(|n| parse_u32(n)) {
-                        jobs = Some(n);
-                        i += 1;
-                    }
-                }
-                continue;
-            }
-            // A cluster of short options: "-j4", "-kJ 3,4", and GNU make's
-            // first word, which has no dash ("k", "ks").
-            let cluster = match w.strip_prefix(b"-") {
-                Some(c) => c,
-                None if i == 1 && !w.is_empty() && w.iter().all(u8::is_ascii_alphanumeric) => w,
-                None => continue,
-            };
-            let mut k = 0;
-            while k < cluster.len() {
-                let letter = cluster[k];
-                let rest = &cluster[k + 1..];
-                k += 1;
-                match letter {
-                    b'J' => {
-                        let arg = if rest.is_empty() {
-                            let next = words.get(i).cloned().unwrap_or_default();
-                            i += 1;
-                            next
-                        } else {
-                            rest.to_vec()
-                        };
-                        let mut option = b"-J ".to_vec();
-                        option.extend_from_slice(&arg);
-                        found = Some((option, Flavor::Bmake, arg));
-                        break;
-                    }
-                    b'j' => {
-                        if rest.is_empty() {
-                            if let Some(n) = words.get(i).and_then(|n| parse_u32(n)) {
-                                jobs = Some(n);
-                                i += 1;
-                            }
-                        } else {
-                            jobs = parse_u32(rest).or(jobs);
-                        }
-                        break;
-                    }
-                    // Letters that take an argument in GNU make or bmake: the
-                    // rest of the word, or the next word when it does not
-                    // look like an option, is that argument.
-                    b'C' | b'D' | b'I' | b'T' | b'V' | b'd' | b'f' | b'm' | b'v' | b'o' | b'O'
-                    | b'l' | b'L' | b'W' => {
-                        if rest.is_empty()
-                            && letter != b'O'
-                            && words.get(i).is_some_and(|n| !n.starts_with(b"-"))
-                        {
-                            i += 1;
-                        }
-                        break;
-                    }
-                    _ => {}
-                }
-            }
-        }
-        let Some((option, flavor, arg)) = found else {
+        let mut scan = Scan::default();
+        scan.words(&split_words(value.as_bytes()));
+        let Some((option, flavor, arg)) = scan.found else {
             return Ok(None);
         };
         let option = String::from_utf8_lossy(&option).into_owned();
-        let auth = parse_auth(&arg).ok_or_else(|| {
+        let malformed = |expected: &str| {
             Error::new(
                 ErrorKind::BadJobserver,
-                format!(
-                    "{var} has a malformed jobserver option {option:?}: expected {}",
-                    match flavor {
-                        Flavor::Gnu => "R,W (two descriptor numbers) or fifo:PATH",
-                        Flavor::Bmake => "R,W (two descriptor numbers)",
-                    }
-                ),
+                format!("{var} has a malformed jobserver option {option:?}: {expected}"),
             )
+        };
+        let auth = parse_auth(&arg).ok_or_else(|| {
+            malformed(match flavor {
+                Flavor::Gnu => "expected R,W (two descriptor numbers) or fifo:PATH",
+                Flavor::Bmake => "expected R,W (two descriptor numbers)",
+            })
         })?;
         if flavor == Flavor::Bmake && matches!(auth, Auth::Fifo(_)) {
-            return Err(Error::new(
-                ErrorKind::BadJobserver,
-                format!("{var} has a malformed jobserver option {option:?}: bmake's -J takes R,W, not a fifo"),
-            ));
+            return Err(malformed("bmake's -J takes R,W, not a fifo"));
         }
         Ok(Some(Jobserver {
             var,
             option,
             auth,
             flavor,
-            jobs,
+            jobs: scan.jobs,
         }))
     }
 
@@ -516,6 +435,105 @@ fn parse_u32(s: &[u8]) -> Option<u32> {
         return None;
     }
     std::str::from_utf8(s).ok()?.parse().ok()
+}
+
+/// What the words of one variable say: the last jobserver option (as
+/// written, its flavour, its argument) and the last `-j` count.
+#[derive(Default)]
+struct Scan {
+    found: Option<(Vec<u8>, Flavor, Vec<u8>)>,
+    jobs: Option<u32>,
+}
+
+impl Scan {
+    /// Reads the words up to a `--` (after which come variable
+    /// definitions).
+    fn words(&mut self, words: &[Vec<u8>]) {
+        let mut i = 0;
+        while i < words.len() {
+            let w = &words[i];
+            i += 1;
+            if w.as_slice() == b"--" {
+                break;
+            }
+            if let Some(rest) = w.strip_prefix(b"--") {
+                i += self.long_option(w, rest, words.get(i));
+                continue;
+            }
+            // A cluster of short options: "-j4", "-kJ 3,4", and GNU make's
+            // first word, which has no dash ("k", "ks").
+            let cluster = match w.strip_prefix(b"-") {
+                Some(c) => c,
+                None if i == 1 && !w.is_empty() && w.iter().all(u8::is_ascii_alphanumeric) => w,
+                None => continue,
+            };
+            i += self.short_options(cluster, words.get(i));
+        }
+    }
+
+    /// `--jobserver-auth=`, `--jobserver-fds=`, `--jobs=N` or `--jobs N`;
+    /// returns how many following words it took (0 or 1).
+    fn long_option(&mut self, word: &[u8], rest: &[u8], next: Option<&Vec<u8>>) -> usize {
+        for name in [&b"jobserver-auth="[..], b"jobserver-fds="] {
+            if let Some(arg) = rest.strip_prefix(name) {
+                self.found = Some((word.to_vec(), Flavor::Gnu, arg.to_vec()));
+            }
+        }
+        if let Some(n) = rest.strip_prefix(b"jobs=") {
+            self.jobs = parse_u32(n).or(self.jobs);
+        } else if rest == b"jobs" {
+            if let Some(n) = next.and_then(|n| parse_u32(n)) {
+                self.jobs = Some(n);
+                return 1;
+            }
+        }
+        0
+    }
+
+    /// A cluster of one-letter options; returns how many following words
+    /// it took as an argument (0 or 1).
+    fn short_options(&mut self, cluster: &[u8], next: Option<&Vec<u8>>) -> usize {
+        for (k, &letter) in cluster.iter().enumerate() {
+            let rest = &cluster[k + 1..];
+            match letter {
+                b'J' => {
+                    let (arg, took) = match rest.is_empty() {
+                        true => (next.cloned().unwrap_or_default(), 1),
+                        false => (rest.to_vec(), 0),
+                    };
+                    let mut option = b"-J ".to_vec();
+                    option.extend_from_slice(&arg);
+                    self.found = Some((option, Flavor::Bmake, arg));
+                    return took;
+                }
+                b'j' => {
+                    if !rest.is_empty() {
+                        self.jobs = parse_u32(rest).or(self.jobs);
+                        return 0;
+                    }
+                    return match next.and_then(|n| parse_u32(n)) {
+                        Some(n) => {
+                            self.jobs = Some(n);
+                            1
+                        }
+                        None => 0,
+                    };
+                }
+                // Letters that take an argument in GNU make or bmake: the
+                // rest of the word, or the next word when it does not look
+                // like an option, is that argument.
+                b'C' | b'D' | b'I' | b'T' | b'V' | b'd' | b'f' | b'm' | b'v' | b'o' | b'O'
+                | b'l' | b'L' | b'W' => {
+                    let takes_next = rest.is_empty()
+                        && letter != b'O'
+                        && next.is_some_and(|n| !n.starts_with(b"-"));
+                    return usize::from(takes_next);
+                }
+                _ => {}
+            }
+        }
+        0
+    }
 }
 
 /// Splits at unescaped blanks; a backslash keeps the next byte as it is.
