@@ -306,7 +306,9 @@ impl Broker {
                 }
                 return Err(e);
             }
+            // A timeout (no events) is the slow re-check: sample now.
             self.check_admission(events.is_empty());
+            self.flush_dirty();
             for event in events.iter() {
                 match event.token() {
                     LISTENER => self.accept_all(),
