@@ -52,20 +52,19 @@ pub fn status(args: StatusArgs) -> Result<u8> {
     if let Some(c) = &s.controls {
         let mut limits = Vec::new();
         if let Some(l) = c.max_load {
-            let now = c.load.map(|v| format!(" (now {v:.2})")).unwrap_or_default();
-            limits.push(format!("load ≤ {l}{now}"));
+            limits.push(format!("load ≤ {l}"));
         }
         if let Some(m) = c.min_free_memory {
-            let now = c
-                .free_memory
-                .map(|v| format!(" (now {v})"))
-                .unwrap_or_default();
-            limits.push(format!("free memory ≥ {m} bytes{now}"));
+            limits.push(format!("free memory ≥ {m} bytes"));
         }
         if !limits.is_empty() {
+            let state = if c.admission == "open" {
+                "open".to_string()
+            } else {
+                format!("held ({})", c.admission)
+            };
             println!(
-                "admission {}: {}; at least {} jobs; held back {} times",
-                c.admission,
+                "admission {state}; limits {}, at least {} job(s) whatever they say; held {} time(s)",
                 limits.join(", "),
                 c.min_jobs,
                 c.held_back
