@@ -2,7 +2,8 @@
 # Installs the system packages the test suite and ci/build-gnu-make-4.4.1.sh
 # need: GNU make (Debian's 4.3, also used to build 4.4.1), bmake, dpkg-dev
 # (dpkg-source), patch and xz-utils (to unpack the source package), and a C
-# toolchain. apt is skipped entirely when everything is already present.
+# toolchain with binutils (tests/ffi.rs measures a linked program with nm
+# and strip). apt is skipped entirely when everything is already present.
 set -euo pipefail
 
 log() { printf '[install-tools] %s\n' "$*"; }
@@ -15,6 +16,7 @@ wanted=(
   patch:patch
   xz-utils:xz
   gcc:gcc
+  binutils:nm
   libc6-dev:
 )
 
