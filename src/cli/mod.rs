@@ -19,7 +19,7 @@ use std::process::ExitCode;
 
 use clap::builder::{PossibleValuesParser, TypedValueParser};
 use clap::{Parser, Subcommand};
-use herdless::bridge::{Flavor, Style};
+use herdless::classic::{Flavor, Style};
 
 /// Exit code when herdless itself fails.
 pub const EXIT_FAILURE: u8 = 125;

@@ -4,8 +4,9 @@ use anyhow::{Context, Result};
 
 use std::os::fd::AsRawFd;
 
-use herdless::bridge::{is_classic_client, Bridge, Flavor};
+use herdless::bridge::Bridge;
 use herdless::broker::{Broker, Config};
+use herdless::classic::{Flavor, Program};
 use herdless::client::SOCKET_ENV;
 use herdless::rundir::RunDir;
 use herdless::status::Status;
@@ -39,7 +40,7 @@ pub fn run(args: RunArgs) -> Result<u8> {
             args.style,
             flavor,
             args.jobs,
-            is_classic_client(program),
+            Program::of(program).is_some_and(Program::reads_jobserver),
         )
         .context("cannot set up the classic jobserver")?;
         let fds = bridge.inheritable_fds()?;

@@ -229,11 +229,6 @@ impl Pool {
         &self.stats
     }
 
-    /// Connected clients, observers included.
-    pub fn client_count(&self) -> usize {
-        self.clients.len()
-    }
-
     /// Shared tokens held by `client`, plus one if it holds a parent slot.
     pub fn held_by(&self, client: ClientId) -> Option<u32> {
         self.clients

@@ -113,9 +113,7 @@
 //! still wake all together.
 
 mod auth;
-pub(crate) mod client;
-mod pipe;
-mod slot;
-mod wait;
+pub(crate) mod pipe;
+pub(crate) mod slot;
 
-pub use auth::{Auth, Flavor, Jobserver, VARS};
+pub use auth::{without_jobserver, Auth, Flavor, Jobserver, Program, Style, VARS};

@@ -48,10 +48,11 @@
 //! the caller sees at once: blocking calls never hang on a broker that is
 //! gone, because its socket reads end-of-file the moment it dies.
 
-mod error;
+mod classic;
 mod native;
 
-use crate::classic::client::{Classic, Got};
+use classic::{Classic, Got};
+
 use crate::classic::Jobserver;
 
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
@@ -60,9 +61,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-pub use error::{Error, ErrorKind, Result};
+pub use crate::error::{Error, ErrorKind, Result};
 use native::Native;
-pub(crate) use native::Wait;
 
 use crate::protocol::{AbortReason, HelloFlags};
 
@@ -104,6 +104,15 @@ impl Options {
         }
         self
     }
+}
+
+/// How a blocking wait may end early.
+#[derive(Clone, Copy)]
+pub(crate) struct Wait {
+    /// Give up then (`Ok(None)`).
+    pub deadline: Option<Instant>,
+    /// Return `Interrupted` when a signal arrives.
+    pub interruptible: bool,
 }
 
 enum Backend {
@@ -223,9 +232,9 @@ impl Client {
     }
 
     /// Connects as an observer, which may only ask for status.
-    pub fn observe(path: impl AsRef<Path>) -> Result<Status> {
+    pub fn observe(path: impl AsRef<Path>) -> Result<Observer> {
         let native = Native::connect(path.as_ref(), HelloFlags::OBSERVER)?;
-        Ok(Status { native })
+        Ok(Observer { native })
     }
 
     /// The number of shared tokens (`-j` minus one): the broker's, or for a
@@ -370,7 +379,7 @@ impl Client {
     pub fn take_grant(&self) -> Result<Option<Token>> {
         match &self.inner.backend {
             Backend::Native(n) => Ok(self.shared(n.take_grant()?)),
-            Backend::Classic(c) => Ok(self.got(c.take_grant()?)),
+            Backend::Classic(c) => Ok(self.got(c.try_acquire()?)),
         }
     }
 
@@ -451,11 +460,11 @@ impl AsRawFd for Client {
 }
 
 /// A status-only connection (see [`Client::observe`]).
-pub struct Status {
+pub struct Observer {
     native: Native,
 }
 
-impl Status {
+impl Observer {
     /// The broker's status report as JSON.
     pub fn json(&self) -> Result<String> {
         self.native.status()

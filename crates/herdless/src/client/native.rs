@@ -16,8 +16,10 @@ use std::time::{Duration, Instant};
 
 use nix::poll::{PollFd, PollFlags, PollTimeout};
 
-use super::error::{Error, ErrorKind, Result};
+use super::Wait;
+use crate::error::{Error, ErrorKind, Result};
 use crate::protocol::{AbortReason, FrameBuffer, HelloFlags, Reply, Request, PROTOCOL_VERSION};
+use crate::sync::lock;
 
 /// How long a broker may take to answer the handshake. This is not in the
 /// hand-off path: it only bounds how long a client waits on a broker that
@@ -46,13 +48,6 @@ struct State {
     statuses: std::collections::VecDeque<String>,
 }
 
-/// How a blocking wait may end early.
-#[derive(Clone, Copy)]
-pub(crate) struct Wait {
-    pub deadline: Option<Instant>,
-    pub interruptible: bool,
-}
-
 pub(crate) struct Native {
     stream: UnixStream,
     path: PathBuf,
@@ -61,12 +56,6 @@ pub(crate) struct Native {
     write_lock: Mutex<()>,
     capacity: u32,
     client_id: u64,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // A panic in another thread while holding the lock leaves counters that
-    // are still consistent (each update is a single statement).
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// Waits until `fd` is readable or writable. `Ok(false)` on timeout.
