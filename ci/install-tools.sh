@@ -2,7 +2,8 @@
 # Installs the system packages the test suite and ci/build-gnu-make-4.4.1.sh
 # need: GNU make (Debian's 4.3, also used to build 4.4.1), bmake, dpkg-dev
 # (dpkg-source), patch and xz-utils (to unpack the source package), a C
-# toolchain (gcc, whose -flto=jobserver link the tests drive), and python3
+# toolchain with binutils (gcc, whose -flto=jobserver link the tests drive;
+# tests/ffi.rs measures a linked program with nm and strip), and python3
 # able to make a venv with pip (ci/install-python-tools.sh). apt is skipped
 # entirely when everything is already present.
 set -euo pipefail
@@ -17,6 +18,7 @@ wanted=(
   patch:patch
   xz-utils:xz
   gcc:gcc
+  binutils:nm
   libc6-dev:
 )
 

@@ -1,4 +1,4 @@
-//! Bad input (DESIGN §4.7): a raw socket sends garbage, a wrong version, a
+//! Bad input (ARCHITECTURE §4.7): a raw socket sends garbage, a wrong version, a
 //! 1 MiB frame, or hangs up mid-frame. That one connection is closed with a
 //! logged reason; the other clients keep being served; nothing is lost.
 

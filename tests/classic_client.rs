@@ -591,7 +591,7 @@ fn epoll_waiting(pid: u32) -> Option<bool> {
 }
 
 /// Linux: the waiters sleep in `epoll_wait()` with `EPOLLEXCLUSIVE`, so
-/// one byte written to the pipe wakes exactly one of them (DESIGN §2: one
+/// one byte written to the pipe wakes exactly one of them (ARCHITECTURE §2: one
 /// idle waiter), where `poll()` would wake all 16.
 #[cfg(target_os = "linux")]
 #[test]

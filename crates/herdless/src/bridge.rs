@@ -21,7 +21,7 @@
 //!
 //! The classic side is one client of the [`Pool`], labelled `classic`; the
 //! tokens it holds are those in the pipe plus those held by classic
-//! clients, so conservation (DESIGN §4.1) holds across both worlds. The
+//! clients, so conservation (ARCHITECTURE §4.1) holds across both worlds. The
 //! classic protocol cannot tell the broker when a client *takes* a token
 //! from the pipe, so the bridge works from what it can see: how many bytes
 //! are in the pipe (`FIONREAD`), what comes back, and the native queue.

@@ -5,7 +5,7 @@
 //! release, disconnect, abort) together with the current time, and carries
 //! out the [`Effect`]s it returns: a grant becomes one write to one client.
 //! Nothing here reads a clock or touches a file descriptor, so every
-//! invariant of DESIGN §4 is checked by property tests (see the tests at the
+//! invariant of ARCHITECTURE §4 is checked by property tests (see the tests at the
 //! bottom of this file).
 //!
 //! # Tokens

@@ -6,7 +6,7 @@
 //! client and the command line all use these.
 //!
 //! Pure parsing and writing: nothing here opens or checks a descriptor
-//! (that is [`super::pipe`]). The forms understood, as the programs write
+//! (that is the `pipe` module). The forms understood, as the programs write
 //! them:
 //!
 //! | writer                       | example                                          |

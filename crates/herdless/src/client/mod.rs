@@ -12,7 +12,7 @@
 //! # The implicit token
 //!
 //! Every process that takes part in a jobserver owns one implicit token: it
-//! may always run one job without asking (DESIGN §4.5). A client made with
+//! may always run one job without asking (ARCHITECTURE §4.5). A client made with
 //! [`Options::implicit_token`] (the default of [`Client::from_env`]) hands
 //! that token out first, without a round trip to the broker; only while it
 //! is in use do further acquires go to the broker. That is what keeps nested
