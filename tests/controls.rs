@@ -422,6 +422,44 @@ fn memory_admission_holds_grants_down_to_the_floor_and_reopens_on_its_own() {
     );
 }
 
+/// `herdless run` with a load limit that holds all along: make, through
+/// the classic pipe, runs at the floor (`--min-jobs 2`: its own job and
+/// one token) and finishes.
+#[test]
+fn a_make_build_under_a_held_load_limit_runs_at_the_floor() {
+    common::require("make");
+    let tree = Tree::new("floor-make");
+    let hook = tree.path("system");
+    fs::write(&hook, "load 50\n").unwrap();
+    let d = tree.dir.display();
+    let jobs: Vec<String> = (1..=12).map(|i| format!("j{i}")).collect();
+    let mut mk = format!("all: {}\n", jobs.join(" "));
+    for j in &jobs {
+        mk += &format!("{j}:\n\t@sh {d}/job.sh {d}\n");
+    }
+    fs::write(tree.path("Makefile"), mk).unwrap();
+    let out = common::output_within(
+        Command::new(BIN)
+            .args(["run", "-j", "5", "--max-load", "2", "--min-jobs", "2"])
+            .args(["--stats", "--", "make", "-s"])
+            .current_dir(&tree.dir)
+            .env("PATH", path_with_bin())
+            .env("HERDLESS_TEST_SYSTEM", &hook)
+            .env_remove("MAKEFLAGS")
+            .env_remove("MFLAGS")
+            .env_remove("CARGO_MAKEFLAGS")
+            .env_remove("MAKELEVEL")
+            .env_remove("HERDLESS_SOCKET"),
+        PATIENCE * 2,
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert_eq!(tree.done(), 12, "every job ran\n{stderr}");
+    let max = tree.numbers("peaks").into_iter().max().unwrap_or(0);
+    assert_eq!(max, 2, "the floor: 2 at once, and 2 reached\n{stderr}");
+    assert_eq!(stat(&stderr, "tokens lost"), "0", "{stderr}");
+}
+
 #[test]
 fn openmetrics_status_parses_with_prometheus_client() {
     let python = venv_bin("python");
