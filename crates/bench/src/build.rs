@@ -15,12 +15,10 @@
 //! finish". A run that passes the cut-off is stopped (its process group
 //! killed) and reported as stalled.
 
-use std::fmt;
 use std::io::{self, Read, Write};
 use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
-use std::str::FromStr;
 use std::sync::mpsc;
 use std::thread;
 use std::time::{Duration, Instant};
@@ -30,90 +28,12 @@ use serde::Serialize;
 
 use super::channel::{make_fifo, open_fifo_read, open_fifo_write};
 use super::kernel_label;
+pub use super::make::Variant;
 use super::make::{make_args, spin};
 use super::procs::ensure_limits;
 use super::shared::TOKENS;
 use herdless::broker::{Broker, Config};
 use herdless::rundir::RunDir;
-
-/// How the makes of one run take tokens.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Variant {
-    /// A classic pipe. `poll`: P, the pipe is polled while a token is
-    /// wanted; `check`: C, a make with nothing running runs one job without
-    /// a token; `sleep`: R, a failed read is followed by one second of
-    /// sleep.
-    Pipe {
-        poll: bool,
-        check: bool,
-        sleep: bool,
-    },
-    /// Native clients of a broker.
-    Herdless,
-}
-
-impl Variant {
-    /// The seed's eight P C R rows, in its order (000 … 111), then herdless.
-    pub fn all() -> Vec<Variant> {
-        let mut v: Vec<Variant> = (0..8u8)
-            .map(|bits| Variant::Pipe {
-                poll: bits & 4 != 0,
-                check: bits & 2 != 0,
-                sleep: bits & 1 != 0,
-            })
-            .collect();
-        v.push(Variant::Herdless);
-        v
-    }
-
-    /// "P1C1R0" or "herdless".
-    pub fn name(self) -> String {
-        match self {
-            Variant::Pipe { poll, check, sleep } => format!(
-                "P{}C{}R{}",
-                u8::from(poll),
-                u8::from(check),
-                u8::from(sleep)
-            ),
-            Variant::Herdless => "herdless".to_owned(),
-        }
-    }
-}
-
-impl fmt::Display for Variant {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.name())
-    }
-}
-
-impl FromStr for Variant {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Variant, String> {
-        if s.eq_ignore_ascii_case("herdless") {
-            return Ok(Variant::Herdless);
-        }
-        let b = s.as_bytes();
-        let bit = |c: u8| match c {
-            b'0' => Some(false),
-            b'1' => Some(true),
-            _ => None,
-        };
-        if b.len() == 6
-            && b[0].eq_ignore_ascii_case(&b'P')
-            && b[2].eq_ignore_ascii_case(&b'C')
-            && b[4].eq_ignore_ascii_case(&b'R')
-        {
-            if let (Some(poll), Some(check), Some(sleep)) = (bit(b[1]), bit(b[3]), bit(b[5])) {
-                return Ok(Variant::Pipe { poll, check, sleep });
-            }
-        }
-        Err(format!(
-            "unknown variant {s:?}; expected P0C0R0 … P1C1R1 (P: poll the pipe, C: \
-             implicit-token check, R: sleep after a failed read) or herdless"
-        ))
-    }
-}
 
 /// One build-model run's parameters.
 #[derive(Debug, Clone)]
@@ -135,7 +55,9 @@ pub struct BuildConfig {
 /// What one variant measured.
 #[derive(Debug, Clone)]
 pub struct BuildResult {
+    /// What ran.
     pub variant: Variant,
+    /// With which tree.
     pub config: BuildConfig,
     /// Start of the top make to its end, or to the cut-off.
     pub wall: Duration,
@@ -143,13 +65,18 @@ pub struct BuildResult {
     /// broker's thread); unknown for a stalled run, whose processes were
     /// killed before they could be counted.
     pub user: Option<Duration>,
+    /// System CPU, counted like `user`.
     pub system: Option<Duration>,
+    /// Voluntary context switches, counted like `user`.
     pub voluntary_ctx: Option<u64>,
+    /// Involuntary context switches, counted like `user`.
     pub involuntary_ctx: Option<u64>,
+    /// The run passed the cut-off and was stopped.
     pub stalled: bool,
     /// Tokens in the pool once the run ended (N − 1 when none was lost;
     /// a stalled classic run loses those its killed makes held).
     pub tokens_back: u32,
+    /// The kernel measured (`uname -sr`).
     pub kernel: String,
 }
 
@@ -178,18 +105,31 @@ impl BuildResult {
 /// One line of `herdless bench build --json`.
 #[derive(Debug, Clone, PartialEq, Serialize, serde::Deserialize)]
 pub struct BuildRow {
+    /// `P1C1R0`-style name of the pipe variant, or `herdless`.
     pub variant: String,
+    /// Makes in the tree.
     pub makes: u32,
+    /// Jobs each make runs.
     pub jobs_per_make: u32,
+    /// CPU each job burns, in microseconds.
     pub job_us: u64,
+    /// The `-j` of the tree.
     pub jobs: u32,
+    /// Wall time, in seconds.
     pub wall_s: f64,
+    /// User CPU of the whole tree, in seconds (none for a stalled run).
     pub user_s: Option<f64>,
+    /// System CPU of the whole tree, in seconds (none for a stalled run).
     pub system_s: Option<f64>,
+    /// Voluntary context switches of the whole tree.
     pub voluntary_ctx_switches: Option<u64>,
+    /// Involuntary context switches of the whole tree.
     pub involuntary_ctx_switches: Option<u64>,
+    /// The run passed the cut-off.
     pub stalled: bool,
+    /// Tokens in the pool at the end (N − 1 when none was lost).
     pub tokens_back: u32,
+    /// The kernel measured.
     pub kernel: String,
 }
 

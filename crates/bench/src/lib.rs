@@ -17,6 +17,7 @@
 //! so the kernel sees what it would see in a build. Wake-ups are counted as
 //! context switches, never as returns from a wait call (which hide the
 //! herd). Nothing here asserts a timing; the figures are reports.
+#![warn(missing_docs)]
 
 pub mod build;
 mod channel;

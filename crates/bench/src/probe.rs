@@ -1,5 +1,5 @@
 //! What this kernel does when processes wait on one thing: the measurements
-//! behind DESIGN §2, repeated on the machine at hand.
+//! behind ARCHITECTURE §2, repeated on the machine at hand.
 //!
 //! For each mode the OS offers:
 //! - how many of 32 waiting processes one token wakes (processes whose
@@ -38,7 +38,9 @@ pub struct ProbeReport {
     pub os: String,
     /// `uname` release.
     pub release: String,
+    /// The primitives found.
     pub capabilities: Capabilities,
+    /// Each wait mode's behaviour.
     pub modes: Vec<ProbeMode>,
 }
 
@@ -46,16 +48,22 @@ pub struct ProbeReport {
 /// [`herdless_platform::Capabilities`]).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Capabilities {
+    /// `EPOLLEXCLUSIVE` (Linux 4.5 and later).
     pub epoll_exclusive: bool,
+    /// A blocking pipe read wakes one sleeper (Linux 5.6 and later).
     pub exclusive_pipe_read: bool,
+    /// A wake-one futex (or `_umtx_op`, NetBSD's futex).
     pub futex: bool,
+    /// kqueue.
     pub kqueue: bool,
 }
 
 /// One mode's line.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ProbeMode {
+    /// The mode's name.
     pub mode: String,
+    /// Whether this kernel has it.
     pub available: bool,
     /// Why not, when not available.
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -25,6 +25,7 @@
 //! Only `Client`'s public API is used, so the C ABI works with whichever
 //! backend `Client::from_env` picks (a herdless broker, or a classic
 //! jobserver named in `MAKEFLAGS`).
+#![warn(missing_docs)]
 
 use std::ffi::{c_char, c_int, CStr, OsStr};
 use std::os::fd::AsRawFd;

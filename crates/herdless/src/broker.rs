@@ -54,9 +54,13 @@ use crate::log;
 use crate::log::Level;
 use crate::pool::{ClientId, ClientInfo, Effect, Pool};
 use crate::protocol::{
-    FrameBuffer, HelloFlags, ProtocolError, Reply, Request, BUSY_PREFIX, PROTOCOL_VERSION,
+    FrameBuffer, HelloFlags, ProtocolError, Reply, Request, BUSY_PREFIX, CONTROL_VERSION,
+    PROTOCOL_VERSION,
 };
 use crate::status::{ClientStatus, Status};
+
+mod control;
+pub use control::{Admission, SYSTEM_HOOK_ENV};
 
 pub mod limits;
 
@@ -83,6 +87,8 @@ pub struct Config {
     /// Stop cleanly on SIGINT and SIGTERM (for `herdless serve`). A broker
     /// embedded in `herdless run` leaves signals to its host.
     pub handle_signals: bool,
+    /// Load and memory limits on granting shared tokens.
+    pub admission: Admission,
     /// How long a new connection may take to send its `Hello` before it
     /// is closed ([`limits::HANDSHAKE_DEADLINE`] unless changed).
     pub handshake_deadline: Duration,
@@ -94,6 +100,7 @@ impl Config {
         Config {
             jobs,
             handle_signals: false,
+            admission: Admission::default(),
             handshake_deadline: HANDSHAKE_DEADLINE,
         }
     }
@@ -126,6 +133,10 @@ struct Conn {
     /// Watched for writability: only while replies wait in `tx`, so a
     /// client reading its grant does not wake the broker again.
     watching_writes: bool,
+    /// The protocol version agreed in the handshake.
+    version: u16,
+    /// The parent pid the client gave in its hello.
+    ppid: u32,
     /// In `Broker::turns`, waiting for a turn.
     queued: bool,
     /// Not read until its replies drain (see [`Broker::reading_paused`]).
@@ -157,6 +168,8 @@ pub struct Broker {
     /// Grants that woke a waiting native client: one process each.
     native_wakeups: u64,
     max_in_use: u32,
+    /// Admission by load and memory, caps: see `broker/control.rs`.
+    controls: control::State,
     turns: Turns,
     handshakes: Handshakes,
     /// Unsent reply bytes over all connections.
@@ -201,12 +214,32 @@ impl Broker {
             // A socket nobody listens on: left by a broker that died.
             std::fs::remove_file(socket)?;
         }
-        let mut listener = UnixListener::bind(socket).map_err(|e| {
+        let listener = UnixListener::bind(socket).map_err(|e| {
             io::Error::new(
                 e.kind(),
                 format!("cannot listen on {}: {e}", socket.display()),
             )
         })?;
+        Broker::on_listener(listener, config)
+    }
+
+    /// Serves on a socket already listening, such as one a service manager
+    /// passed (socket activation, [`herdless_platform::listen_fds`]).
+    pub fn from_listener(
+        listener: std::os::unix::net::UnixListener,
+        config: Config,
+    ) -> io::Result<Broker> {
+        if config.jobs == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "-j must be at least 1",
+            ));
+        }
+        listener.set_nonblocking(true)?;
+        Broker::on_listener(UnixListener::from_std(listener), config)
+    }
+
+    fn on_listener(mut listener: UnixListener, config: Config) -> io::Result<Broker> {
         let poll = Poll::new()?;
         poll.registry()
             .register(&mut listener, LISTENER, Interest::READABLE)?;
@@ -227,7 +260,8 @@ impl Broker {
         } else {
             None
         };
-        Ok(Broker {
+        let controls = control::State::new(&config.admission);
+        let mut broker = Broker {
             poll,
             listener,
             conns: HashMap::new(),
@@ -252,7 +286,10 @@ impl Broker {
             accept_starved: false,
             fd_freed: false,
             accept_more: false,
-        })
+            controls,
+        };
+        broker.check_admission(true);
+        Ok(broker)
     }
 
     /// Serves classic jobserver clients from the same pool through
@@ -286,6 +323,7 @@ impl Broker {
             bridge.balance(&mut self.pool, self.native_grants, now);
             self.apply_effects();
         }
+        self.retire_from_pipe();
         self.note_in_use();
     }
 
@@ -303,13 +341,22 @@ impl Broker {
     pub fn run(mut self) -> io::Result<Status> {
         let mut events = Events::with_capacity(256);
         while !self.stop.load(Ordering::SeqCst) {
-            let timeout = self.poll_timeout();
+            // No timeout, except while a connection waits for a turn or
+            // its hello, or while waiters are held back only by a load or
+            // memory limit (see control.rs).
+            let timeout = match (self.poll_timeout(), self.admission_timeout()) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            };
             if let Err(e) = self.poll.poll(&mut events, timeout) {
                 if e.kind() == io::ErrorKind::Interrupted {
                     continue;
                 }
                 return Err(e);
             }
+            // A timeout (no events) is the slow re-check: sample now.
+            self.check_admission(events.is_empty());
+            self.flush_dirty();
             for event in events.iter() {
                 match event.token() {
                     LISTENER => self.accept_all(),
@@ -486,6 +533,8 @@ impl Broker {
                 client: None,
                 pid,
                 watching_writes: false,
+                version: PROTOCOL_VERSION,
+                ppid: 0,
                 queued: false,
                 paused: false,
                 status_owed: 0,
@@ -664,11 +713,14 @@ impl Broker {
             else {
                 return Err(format!("expected a hello frame first, got {req}"));
             };
-            if version != PROTOCOL_VERSION {
+            if !(PROTOCOL_VERSION..=CONTROL_VERSION).contains(&version) {
                 return Err(format!(
-                    "unsupported protocol version {version} (broker speaks {PROTOCOL_VERSION})"
+                    "unsupported protocol version {version} (broker speaks \
+                     {PROTOCOL_VERSION} to {CONTROL_VERSION})"
                 ));
             }
+            conn.version = version;
+            conn.ppid = ppid;
             let pid = *conn.pid.get_or_insert(pid);
             let info = ClientInfo {
                 pid,
@@ -686,10 +738,11 @@ impl Broker {
             conn.client = Some(id);
             self.handshakes.end();
             self.by_client.insert(id, token);
+            self.note_ancestry(id, pid, ppid);
             self.send(
                 token,
                 &Reply::Welcome {
-                    version: PROTOCOL_VERSION,
+                    version,
                     capacity: self.pool.capacity(),
                     client_id: id.0,
                 },
@@ -701,6 +754,7 @@ impl Broker {
             self.apply_effects();
             return Ok(());
         };
+        let conn_version = conn.version;
         let result = match req {
             Request::Hello { .. } => return Err("second hello on one connection".into()),
             Request::Acquire if self.pool.pending(id) >= MAX_PENDING_ACQUIRES => {
@@ -744,6 +798,17 @@ impl Broker {
                 }
                 Ok(())
             }
+            Request::Control(op) => {
+                if conn_version < CONTROL_VERSION {
+                    return Err(format!(
+                        "control requests need protocol version {CONTROL_VERSION}; \
+                         this connection speaks {conn_version}"
+                    ));
+                }
+                self.control(id, op)?;
+                self.send(token, &Reply::Controlled);
+                Ok(())
+            }
         };
         result.map_err(|e| e.to_string())?;
         self.apply_effects();
@@ -774,8 +839,7 @@ impl Broker {
     /// not in use).
     fn in_use(&self) -> u32 {
         let in_pipe = self.bridge.as_ref().map_or(0, Bridge::in_pipe_estimate);
-        (self.pool.capacity() - self.pool.free() + self.pool.slots_in_use() as u32)
-            .saturating_sub(in_pipe)
+        (self.pool.shared_in_use() + self.pool.slots_in_use() as u32).saturating_sub(in_pipe)
     }
 
     fn note_in_use(&mut self) {
@@ -954,6 +1018,8 @@ impl Broker {
             wait_max_us: ns_to_us(stats.wait_ns.max()),
             lost: self.pool.unaccounted(),
             classic: self.bridge.as_ref().map(|b| b.status(&self.pool)),
+            controls: Some(self.controls_status()),
+            wait_histogram: Some(crate::status::WaitHistogram::of(&stats.wait_ns)),
             clients,
             clients_total,
             handshaking: self.handshakes.live() as u32,
@@ -978,7 +1044,7 @@ impl Broker {
         report.classic = classic;
         // Every connection is closed and the pipe drained: whatever is not
         // free now is lost (classic tokens that never came back).
-        report.lost = i64::from(self.pool.capacity()) - i64::from(self.pool.free())
+        report.lost = i64::from(self.pool.shared_in_use())
             + report.classic.as_ref().map_or(0, |c| i64::from(c.lost));
         if let Some((_, ids)) = self.signals.take() {
             for id in ids {

@@ -4,17 +4,20 @@
 //! waiting client, so exactly one process wakes per token. See
 //! `docs/ARCHITECTURE.md` for how the parts fit, `docs/PROTOCOL.md` for the
 //! wire format and the README for the command line.
+#![warn(missing_docs)]
 #![deny(unsafe_code)]
 
 pub mod bridge;
 pub mod broker;
 pub mod classic;
 pub mod client;
+pub mod error;
 pub mod log;
 pub mod pool;
 pub mod protocol;
 pub mod rundir;
 pub mod stats;
 pub mod status;
+mod sync;
 
 pub use client::{Client, Token};

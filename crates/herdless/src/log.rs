@@ -10,9 +10,13 @@ use std::sync::OnceLock;
 /// How loud a message is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Level {
+    /// Something failed: a connection refused, a client cut off.
     Error = 1,
+    /// Something is wrong but herdless goes on (the default level).
     Warn = 2,
+    /// What the broker does: connections, aborts, reclaimed tokens.
     Info = 3,
+    /// Every request and grant.
     Debug = 4,
 }
 

@@ -4,9 +4,12 @@
 //! process can wait for a byte on a shared pipe ([`wait`]), a wake-one word in
 //! shared memory ([`SharedWord`]), peer credentials of a Unix socket
 //! ([`peer_cred`]), wake-up counting ([`process_ctx_switches`],
-//! [`self_rusage`]), a clock shared by all processes ([`monotonic`]) and
-//! kernel capability detection ([`capabilities`]) and the descriptor limit
-//! of a process serving many clients ([`raise_nofile_limit`]).
+//! [`self_rusage`]), a clock shared by all processes ([`monotonic`]),
+//! kernel capability detection ([`capabilities`]), the process table
+//! ([`ProcessTable`], [`process_state`], [`sched_count`]), questions about
+//! a descriptor ([`fd_path`], [`access_mode`], [`is_nonblocking`]) and the
+//! descriptor limit of a process serving many clients
+//! ([`raise_nofile_limit`]).
 //!
 //! # Backends
 //!
@@ -34,6 +37,7 @@
 //!
 //! Everything that is the same on every Unix (poll, select, getrusage,
 //! uname, the shared mapping) lives in the shared files.
+#![warn(missing_docs)]
 
 #[cfg(target_os = "linux")]
 #[path = "linux.rs"]
@@ -64,11 +68,14 @@ compile_error!("herdless-platform does not support this OS");
 mod caps;
 mod clock;
 mod cred;
+mod fair_wait;
 mod kernel;
 mod nofile;
 mod pipe;
+mod process;
 mod shared_word;
 mod signal;
+mod system;
 mod usage;
 pub mod wait;
 
@@ -77,9 +84,16 @@ pub use clock::monotonic;
 pub use cred::{peer_cred, PeerCred};
 pub use kernel::{kernel, parse_release, Kernel};
 pub use nofile::{child_nofile_limit, raise_nofile_limit, NofileLimit};
-pub use pipe::{bytes_readable, pipe_cloexec};
+pub use pipe::{access_mode, bytes_readable, fd_path, is_nonblocking, pipe_cloexec};
+pub use process::{
+    current_tid, die_with_parent, parse_stat, process_state, sched_count, thread_cpu_ns,
+    ProcessTable, SchedCount,
+};
 pub use shared_word::SharedWord;
 pub use signal::{sent_by_kernel, signal_ignored};
+pub use system::{
+    available_memory, listen_fds, load_average, parent_of, parse_meminfo, parse_stat_ppid,
+};
 pub use usage::{
     children_rusage, process_ctx_switches, process_ctx_switches_all_threads, self_rusage,
     CtxSwitches, Usage,

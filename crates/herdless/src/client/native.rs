@@ -16,8 +16,12 @@ use std::time::{Duration, Instant};
 
 use nix::poll::{PollFd, PollFlags, PollTimeout};
 
-use super::error::{Error, ErrorKind, Result};
-use crate::protocol::{AbortReason, FrameBuffer, HelloFlags, Reply, Request, PROTOCOL_VERSION};
+use super::Wait;
+use crate::error::{Error, ErrorKind, Result};
+use crate::protocol::{
+    AbortReason, ControlOp, FrameBuffer, HelloFlags, Reply, Request, PROTOCOL_VERSION,
+};
+use crate::sync::lock;
 
 /// How long a broker may take to answer the handshake. This is not in the
 /// hand-off path: it only bounds how long a client waits on a broker that
@@ -53,13 +57,8 @@ struct State {
     dead: Option<(ErrorKind, String)>,
     /// Status replies not yet taken, in arrival order.
     statuses: std::collections::VecDeque<String>,
-}
-
-/// How a blocking wait may end early.
-#[derive(Clone, Copy)]
-pub(crate) struct Wait {
-    pub deadline: Option<Instant>,
-    pub interruptible: bool,
+    /// `Controlled` replies not yet taken.
+    controlled: u32,
 }
 
 pub(crate) struct Native {
@@ -70,12 +69,7 @@ pub(crate) struct Native {
     write_lock: Mutex<()>,
     capacity: u32,
     client_id: u64,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // A panic in another thread while holding the lock leaves counters that
-    // are still consistent (each update is a single statement).
-    m.lock().unwrap_or_else(|e| e.into_inner())
+    version: u16,
 }
 
 /// Waits until `fd` is readable or writable. `Ok(false)` on timeout.
@@ -134,11 +128,17 @@ impl Native {
     /// broker that is busy (see [`is_busy`]) is tried again with growing
     /// pauses for up to [`BUSY_RETRY_FOR`].
     pub(crate) fn connect(path: &Path, flags: HelloFlags) -> Result<Native> {
+        Native::connect_version(path, flags, PROTOCOL_VERSION)
+    }
+
+    /// Connects speaking protocol `version` (the broker must speak it),
+    /// trying again while the broker is busy.
+    pub(crate) fn connect_version(path: &Path, flags: HelloFlags, version: u16) -> Result<Native> {
         let start = Instant::now();
         let mut pause = Duration::from_millis(1);
         let mut attempt: u32 = 0;
         loop {
-            let err = match Native::connect_once(path, flags) {
+            let err = match Native::connect_once(path, flags, version) {
                 Ok(native) => return Ok(native),
                 Err(e) if is_busy(&e) => e,
                 Err(e) => return Err(e),
@@ -161,7 +161,7 @@ impl Native {
         }
     }
 
-    fn connect_once(path: &Path, flags: HelloFlags) -> Result<Native> {
+    fn connect_once(path: &Path, flags: HelloFlags, version: u16) -> Result<Native> {
         if let Err(e) = std::os::unix::net::SocketAddr::from_pathname(path) {
             return Err(Error::io(
                 ErrorKind::Connect,
@@ -221,9 +221,10 @@ impl Native {
             write_lock: Mutex::new(()),
             capacity: 0,
             client_id: 0,
+            version,
         };
         native.send(&Request::Hello {
-            version: PROTOCOL_VERSION,
+            version,
             flags,
             pid: std::process::id(),
             ppid: std::os::unix::process::parent_id(),
@@ -242,11 +243,12 @@ impl Native {
                     capacity,
                     client_id,
                 })) => {
-                    if version != PROTOCOL_VERSION {
+                    if version != self.version {
                         return Err(Error::new(
                             ErrorKind::Protocol,
                             format!(
-                                "broker speaks protocol {version}, this client {PROTOCOL_VERSION}"
+                                "broker speaks protocol {version}, this client {}",
+                                self.version
                             ),
                         ));
                     }
@@ -454,6 +456,7 @@ impl Native {
                 st.tries = 0;
             }
             Reply::Status { json } => st.statuses.push_back(json),
+            Reply::Controlled => st.controlled += 1,
             Reply::Error { message } => {
                 st.dead = Some((
                     ErrorKind::Refused,
@@ -682,6 +685,22 @@ impl Native {
             self.drain(&mut st);
         }
         st.aborted
+    }
+
+    /// Sends a control request and waits for the broker's `Controlled`.
+    pub(crate) fn control(&self, op: ControlOp) -> Result<()> {
+        let st = lock(&self.state);
+        self.send(&Request::Control(op))?;
+        let (mut st, r) = self.wait_until(st, NO_DEADLINE, |s| s.controlled > 0);
+        r?;
+        if st.controlled > 0 {
+            st.controlled -= 1;
+            return Ok(());
+        }
+        if let Some((kind, msg)) = &st.dead {
+            return Err(Error::new(*kind, msg.clone()));
+        }
+        Err(Error::new(ErrorKind::Protocol, "no answer from the broker"))
     }
 
     /// The broker's status report, as JSON.
