@@ -225,6 +225,11 @@ pub fn stress(args: StressArgs) -> Result<u8> {
             extra.insert("status_error".into(), format!("{e:#}").into());
         }
     }
+    stop.store(true, Ordering::Relaxed);
+    for f in flooders {
+        let _ = f.join();
+    }
+    let (longest, setup, rounds, failures) = probe_thread.join().expect("probe thread");
     // Connections the broker closed on its own.
     let mut closed_by_broker = 0;
     for s in &mut held {
@@ -247,11 +252,6 @@ pub fn stress(args: StressArgs) -> Result<u8> {
         }
     }
     extra.insert("closed_by_broker".into(), closed_by_broker.into());
-    stop.store(true, Ordering::Relaxed);
-    for f in flooders {
-        let _ = f.join();
-    }
-    let (longest, setup, rounds, failures) = probe_thread.join().expect("probe thread");
     let (peak, _) = rss_kib(pid);
     drop(held);
     // Let the broker see every close, then count its tokens.

@@ -1,0 +1,47 @@
+//! Replays the committed seeds of the fuzz targets (`fuzz/corpus/TARGET/*`,
+//! minimised corpora of cargo-fuzz runs) through the same checks, on the
+//! stable toolchain, so every property the fuzzers check is checked here
+//! too on each test run.
+
+#[path = "../fuzz/checks.rs"]
+mod checks;
+
+fn replay(target: &str, check: fn(&[u8])) {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("fuzz/corpus")
+        .join(target);
+    let mut seeds = 0;
+    for entry in std::fs::read_dir(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display())) {
+        let path = entry.unwrap().path();
+        let data = std::fs::read(&path).unwrap();
+        let outcome = std::panic::catch_unwind(|| check(&data));
+        assert!(outcome.is_ok(), "{target}: seed {} fails", path.display());
+        seeds += 1;
+    }
+    assert!(seeds > 0, "no seeds for {target} in {}", dir.display());
+}
+
+#[test]
+fn decode_request_seeds() {
+    replay("decode_request", checks::decode_request);
+}
+
+#[test]
+fn decode_reply_seeds() {
+    replay("decode_reply", checks::decode_reply);
+}
+
+#[test]
+fn frame_buffer_seeds() {
+    replay("frame_buffer", checks::frame_buffer);
+}
+
+#[test]
+fn makeflags_seeds() {
+    replay("makeflags", checks::makeflags);
+}
+
+#[test]
+fn pool_seeds() {
+    replay("pool", checks::pool);
+}
