@@ -97,7 +97,10 @@ pub fn makeflags(data: &[u8]) {
     };
     let stripped = without_jobserver(text);
     assert!(
-        matches!(Jobserver::parse("MAKEFLAGS", OsStr::new(&stripped)), Ok(None)),
+        matches!(
+            Jobserver::parse("MAKEFLAGS", OsStr::new(&stripped)),
+            Ok(None)
+        ),
         "{text:?} still names a jobserver once stripped: {stripped:?}"
     );
     if let Ok(Some(js)) = parsed {
@@ -182,7 +185,10 @@ pub fn pool(data: &[u8]) {
                 | Effect::Cancelled { client, .. }
                 | Effect::Aborted { client, .. } => client,
             };
-            assert!(connected.contains(&client), "step {step}: {effect:?} to a gone client");
+            assert!(
+                connected.contains(&client),
+                "step {step}: {effect:?} to a gone client"
+            );
         }
         if let Err(e) = pool.check_invariants() {
             panic!("step {step} (op {op}, arg {arg}): {e}");
@@ -194,5 +200,9 @@ pub fn pool(data: &[u8]) {
         pool.disconnect(id, Duration::from_secs(1));
     }
     let _ = pool.take_effects();
-    assert_eq!(pool.free(), pool.capacity(), "tokens left out once every client is gone");
+    assert_eq!(
+        pool.free(),
+        pool.capacity(),
+        "tokens left out once every client is gone"
+    );
 }

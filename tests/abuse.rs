@@ -110,10 +110,7 @@ fn a_client_flooding_requests_without_reading_starves_no_one() {
         let (s, sent) = flooder.join().unwrap();
         assert!(sent > 0, "{name}: the flood never started");
         let peak = peak_rss_kib(serve.pid());
-        assert!(
-            peak < 64 * 1024,
-            "{name} flood: broker peak RSS {peak} KiB"
-        );
+        assert!(peak < 64 * 1024, "{name} flood: broker peak RSS {peak} KiB");
         drop(s);
         let status = serve.wait_for("tokens back", |s| s.free == s.capacity);
         assert_eq!(status.lost, 0);
@@ -142,7 +139,10 @@ fn connections_that_never_say_hello_cannot_lock_anyone_out() {
         .count();
     let timed_out = messages
         .iter()
-        .filter(|m| m.as_deref().is_some_and(|m| m.starts_with("no hello within")))
+        .filter(|m| {
+            m.as_deref()
+                .is_some_and(|m| m.starts_with("no hello within"))
+        })
         .count();
     assert!(busy >= 300 - 256, "{busy} turned away: {messages:?}");
     assert_eq!(busy + timed_out, 300, "{messages:?}");

@@ -114,8 +114,7 @@ fn probe(
     set_up: Arc<AtomicBool>,
     stop: Arc<AtomicBool>,
 ) -> (Duration, Duration, u64, u64) {
-    let (mut longest, mut setup, mut rounds, mut failures) =
-        (Duration::ZERO, Duration::ZERO, 0, 0);
+    let (mut longest, mut setup, mut rounds, mut failures) = (Duration::ZERO, Duration::ZERO, 0, 0);
     while !stop.load(Ordering::Relaxed) {
         let t = Instant::now();
         let ok = (|| -> herdless::client::Result<()> {
@@ -265,7 +264,10 @@ pub fn stress(args: StressArgs) -> Result<u8> {
     };
     let (_, rss_now) = rss_kib(pid);
     if after.free != after.capacity {
-        bail!("{} token(s) not back after the flood", after.capacity - after.free);
+        bail!(
+            "{} token(s) not back after the flood",
+            after.capacity - after.free
+        );
     }
     let mut out = serde_json::Map::new();
     out.insert("case".into(), format!("{:?}", args.case).into());

@@ -64,11 +64,11 @@ pub use control::{Admission, SYSTEM_HOOK_ENV};
 
 pub mod limits;
 
+pub use limits::MAX_PENDING_ACQUIRES;
 use limits::{
     Handshakes, Turns, ACCEPT_BUDGET, HANDSHAKE_DEADLINE, MAX_HANDSHAKING, MAX_PENDING_OUTPUT,
     MAX_QUEUED_ACQUIRES, OUTPUT_PAUSE, READ_BUDGET, READ_CHUNK, TOTAL_OUTPUT_PAUSE,
 };
-pub use limits::MAX_PENDING_ACQUIRES;
 
 const LISTENER: Token = Token(0);
 const WAKER: Token = Token(1);
@@ -396,8 +396,7 @@ impl Broker {
     /// No sleep while a connection waits for a turn; otherwise until the
     /// next handshake deadline, or for I/O only.
     fn poll_timeout(&mut self) -> Option<Duration> {
-        if !self.turns.is_empty() || self.accept_more || (self.accept_starved && self.fd_freed)
-        {
+        if !self.turns.is_empty() || self.accept_more || (self.accept_starved && self.fd_freed) {
             return Some(Duration::ZERO);
         }
         let conns = &self.conns;
@@ -573,10 +572,9 @@ impl Broker {
         let now = self.now();
         loop {
             let conns = &self.conns;
-            let Some(token) = self
-                .handshakes
-                .pop_oldest(Some(now), |t| conns.get(&t).is_some_and(|c| c.client.is_none()))
-            else {
+            let Some(token) = self.handshakes.pop_oldest(Some(now), |t| {
+                conns.get(&t).is_some_and(|c| c.client.is_none())
+            }) else {
                 return;
             };
             self.close(

@@ -179,7 +179,12 @@ impl RunDir {
 
     /// The socket entry in the checked directory, if it is a socket.
     fn socket_id(&self) -> Option<(u64, u64)> {
-        let st = fstatat(&self.handle, self.name.as_os_str(), AtFlags::AT_SYMLINK_NOFOLLOW).ok()?;
+        let st = fstatat(
+            &self.handle,
+            self.name.as_os_str(),
+            AtFlags::AT_SYMLINK_NOFOLLOW,
+        )
+        .ok()?;
         let is_socket = SFlag::from_bits_truncate(st.st_mode) & SFlag::S_IFMT == SFlag::S_IFSOCK;
         #[allow(clippy::unnecessary_cast)] // dev_t and ino_t vary by OS
         is_socket.then_some((st.st_dev as u64, st.st_ino as u64))
@@ -311,7 +316,10 @@ mod tests {
         let _victim = std::os::unix::net::UnixListener::bind(other.join("s.sock")).unwrap();
         std::os::unix::fs::symlink(&other, &a).unwrap();
         drop(run);
-        assert!(other.join("s.sock").exists(), "removed a socket it did not bind");
+        assert!(
+            other.join("s.sock").exists(),
+            "removed a socket it did not bind"
+        );
         // Its own socket went, through the directory it checked.
         assert!(!moved.join("s.sock").exists());
 

@@ -302,7 +302,11 @@ impl Status {
         let total = all.len() as u64;
         if all.len() > MAX_STATUS_CLIENTS {
             all.select_nth_unstable_by_key(MAX_STATUS_CLIENTS - 1, |c| {
-                (std::cmp::Reverse(c.held), std::cmp::Reverse(c.waiting), c.id)
+                (
+                    std::cmp::Reverse(c.held),
+                    std::cmp::Reverse(c.waiting),
+                    c.id,
+                )
             });
             all.truncate(MAX_STATUS_CLIENTS);
         }
@@ -543,7 +547,11 @@ mod tests {
         s.clients = listed;
         s.clients_total = total;
         let json = s.to_json();
-        assert!(json.len() < crate::protocol::MAX_REPLY_PAYLOAD / 16, "{}", json.len());
+        assert!(
+            json.len() < crate::protocol::MAX_REPLY_PAYLOAD / 16,
+            "{}",
+            json.len()
+        );
         let v: serde_json::Value = serde_json::from_str(&json).expect("valid JSON");
         assert_eq!(v["clients_total"], 20_000);
     }
