@@ -588,7 +588,11 @@ impl Broker {
     }
 
     fn conn_event(&mut self, token: Token, readable: bool, writable: bool) {
-        if writable {
+        let paused = self.conns.get(&token).is_some_and(|c| c.paused);
+        if writable || paused {
+            // A paused connection is not read, so a peer that went away
+            // shows up when its replies are flushed: that fails, and the
+            // connection closes and gives its tokens back.
             self.dirty.push(token);
         }
         if readable {
