@@ -273,3 +273,37 @@ fn serve_refuses_a_symlinked_socket_directory() {
     assert!(!real.join("s.sock").exists());
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn a_client_that_dies_while_the_broker_ignores_it_gives_its_tokens_back() {
+    let serve = Serve::start(3);
+    for _ in 0..3 {
+        let mut s = UnixStream::connect(&serve.socket).unwrap();
+        let mut out = hello();
+        Request::Acquire.encode(&mut out);
+        s.write_all(&out).unwrap();
+        serve.wait_for("a token held", |st| st.in_use >= 1);
+        // Status requests without reading, until the broker stops reading
+        // them and the socket fills: the connection is paused.
+        s.set_nonblocking(true).unwrap();
+        let mut one = Vec::new();
+        Request::Status.encode(&mut one);
+        let burst = one.repeat(1024);
+        let mut blocked = 0;
+        while blocked < 50 {
+            match s.write(&burst) {
+                Ok(_) => blocked = 0,
+                Err(_) => {
+                    blocked += 1;
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+            }
+        }
+        drop(s);
+        let st = serve.wait_for("the token back", |st| st.free == st.capacity);
+        assert_eq!(st.lost, 0);
+    }
+    let (exit, log) = serve.stop();
+    assert!(exit.success(), "{log}");
+    assert!(log.contains("tokens lost   0"), "{log}");
+}
