@@ -6,7 +6,7 @@ use std::os::fd::AsRawFd;
 
 use herdless::bridge::{is_classic_client, Bridge, Flavor};
 use herdless::broker::{Broker, Config};
-use herdless::client::SOCKET_ENV;
+use herdless::client::{slot_env_value, SLOT_ENV, SOCKET_ENV};
 use herdless::rundir::RunDir;
 use herdless::status::Status;
 
@@ -16,16 +16,24 @@ use super::RunArgs;
 /// Starts a broker in this process for `-j N`, runs the command with
 /// `HERDLESS_SOCKET` exported, and exits with the command's status.
 ///
-/// The pool holds N − 1 tokens; the N-th is the command's implicit token.
-/// A command that is a make uses it for its first job; a command that
-/// runs its jobs through `herdless exec` lends it to one of them (the
-/// broker gives each exec the implicit slot of its parent process when no
-/// sibling holds it). Either way, at most N jobs run at once.
+/// The pool holds N − 1 tokens; the N-th is the command's implicit token,
+/// the broker's top slot, named to the command in `HERDLESS_SLOT`. A
+/// command that is a make uses it for its first job; a command that runs
+/// its jobs through `herdless exec` lends it to one of them at a time,
+/// however many processes lie between. Either way, at most N jobs run at
+/// once.
+///
+/// A stop signal (SIGINT, SIGTERM, SIGHUP) stops the granting at once,
+/// before it is passed on: waiting jobs are refused (`exec` exits 125), so
+/// none starts after it. When the command ends, the broker stops for good.
 pub fn run(args: RunArgs) -> Result<u8> {
     let mut dir = RunDir::create().context("cannot prepare the socket directory")?;
     let mut broker = Broker::bind(dir.socket(), Config::new(args.jobs))?;
     dir.set_bound();
-    let mut env = vec![(SOCKET_ENV, dir.socket().as_os_str().to_owned())];
+    let mut env = vec![
+        (SOCKET_ENV, dir.socket().as_os_str().to_owned()),
+        (SLOT_ENV, slot_env_value(broker.top_slot()).into()),
+    ];
     // Scripts can call `"$HERDLESS" exec …` without herdless on PATH.
     if let Ok(me) = std::env::current_exe() {
         env.push(("HERDLESS", me.into_os_string()));
@@ -53,7 +61,8 @@ pub fn run(args: RunArgs) -> Result<u8> {
         .name("herdless-broker".into())
         .spawn(move || broker.run())
         .context("cannot start the broker thread")?;
-    let outcome = child::run_inheriting(&args.command, &env, inherit);
+    let halter = stopper.clone();
+    let outcome = child::run_inheriting(&args.command, &env, inherit, move || halter.halt());
     stopper.stop();
     let report = thread
         .join()
@@ -112,6 +121,10 @@ pub fn print_report(r: &Status) {
             r.reclaimed
         ),
         format!("tokens lost   {}", r.lost),
+        format!(
+            "stop          {} acquire(s) refused after it, {} token(s) held at shutdown",
+            r.refused_after_stop, r.held_at_shutdown
+        ),
     ];
     let classic = r.classic.as_ref().map(|c| {
         format!(

@@ -5,6 +5,7 @@ use std::io::Write;
 use anyhow::{Context, Result};
 
 use herdless::broker::{Broker, Config};
+use herdless::client::{slot_env_value, SLOT_ENV};
 use herdless::rundir::RunDir;
 
 use super::ServeArgs;
@@ -26,8 +27,9 @@ pub fn serve(args: ServeArgs) -> Result<u8> {
     let mut out = std::io::stdout().lock();
     writeln!(
         out,
-        "export HERDLESS_SOCKET={}",
-        shell_quote(&dir.socket().to_string_lossy())
+        "export HERDLESS_SOCKET={} {SLOT_ENV}={}",
+        shell_quote(&dir.socket().to_string_lossy()),
+        shell_quote(&slot_env_value(broker.top_slot()))
     )?;
     out.flush()?;
     drop(out);

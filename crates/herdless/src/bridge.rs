@@ -385,8 +385,7 @@ impl Bridge {
     pub fn attach(&mut self, pool: &mut Pool) {
         let id = pool.connect(ClientInfo {
             pid: std::process::id(),
-            ppid: 0,
-            job_of_parent: false,
+            borrows: None,
             observer: false,
             label: "classic",
             internal: true,
@@ -595,7 +594,7 @@ impl Bridge {
         let Some(id) = self.client else {
             return;
         };
-        if self.aborted.is_some() || pool.aborted().is_some() {
+        if self.aborted.is_some() || pool.aborted().is_some() || pool.stopped() {
             return;
         }
         // Fewer tokens in the pipe than put there: classic clients took some.
@@ -671,6 +670,16 @@ impl Bridge {
                 "abort ({reason}): GNU make has no abort token; classic clients are not told"
             );
         }
+    }
+
+    /// The broker stopped granting: the tokens unread in the pipe come
+    /// back, so no classic client starts a job after the stop.
+    pub fn on_stop(&mut self, pool: &mut Pool, now: std::time::Duration) {
+        self.queued = false;
+        self.offer = None;
+        self.refresh();
+        let n = self.in_pipe();
+        self.take_back(pool, n, now);
     }
 
     fn write_stopper(&self, reason: AbortReason) {

@@ -36,7 +36,7 @@ use mio::{Events, Interest, Poll, Token, Waker};
 use crate::bridge::Bridge;
 use crate::log;
 use crate::log::Level;
-use crate::pool::{ClientId, ClientInfo, Effect, Pool};
+use crate::pool::{ClientId, ClientInfo, Effect, Pool, SlotKey};
 use crate::protocol::{
     FrameBuffer, HelloFlags, ProtocolError, Reply, Request, MAX_REPLY_PAYLOAD, PROTOCOL_VERSION,
 };
@@ -85,16 +85,43 @@ impl Config {
 pub struct Stopper {
     waker: Arc<Waker>,
     flag: Arc<AtomicBool>,
+    halt: Arc<AtomicBool>,
 }
 
 impl Stopper {
     /// Asks the broker to shut down; `Broker::run` then returns its report.
+    /// No token is granted from the moment the broker sees the request.
     pub fn stop(&self) {
         self.flag.store(true, Ordering::SeqCst);
+        self.wake();
+    }
+
+    /// Asks the broker to stop granting but keep serving: every waiting
+    /// client is told at once that no token will come (`herdless exec`
+    /// exits 125), later acquires are refused, tokens coming back are
+    /// counted. `herdless run` calls this when a stop signal arrives, while
+    /// its command may still be winding down.
+    pub fn halt(&self) {
+        self.halt.store(true, Ordering::SeqCst);
+        self.wake();
+    }
+
+    fn wake(&self) {
         if let Err(e) = self.waker.wake() {
             log!(Level::Error, "cannot wake the broker to stop it: {e}");
         }
     }
+}
+
+/// Why a connection is told that no token will come.
+const STOPPED_REASON: &str = "the broker is shutting down: no more job tokens are granted";
+
+/// A fresh, unguessable slot id: 64 bits from the standard library's
+/// randomly keyed hasher (seeded by the OS), never 0.
+fn random_slot_id(counter: u64) -> u64 {
+    use std::hash::BuildHasher;
+    let id = std::collections::hash_map::RandomState::new().hash_one(counter);
+    id.max(1)
 }
 
 struct Conn {
@@ -121,6 +148,12 @@ pub struct Broker {
     epoch: Instant,
     waker: Arc<Waker>,
     stop: Arc<AtomicBool>,
+    halt: Arc<AtomicBool>,
+    /// The slot of the command at the top: the N-th token of `-jN`.
+    top_slot: u64,
+    minted: u64,
+    /// Connections told of the stop, closed once the effects are applied.
+    closing: Vec<Token>,
     signals: Option<(UnixStream, Vec<signal_hook::SigId>)>,
     reserve: Option<File>,
     uid: u32,
@@ -190,17 +223,24 @@ impl Broker {
         } else {
             None
         };
+        let mut pool = Pool::new(config.jobs - 1);
+        let top_slot = random_slot_id(0);
+        pool.add_slot(SlotKey::Minted(top_slot), None, true);
         Ok(Broker {
             poll,
             listener,
             conns: HashMap::new(),
             by_client: HashMap::new(),
             next_token: FIRST_CONN,
-            pool: Pool::new(config.jobs - 1),
+            pool,
             config,
             epoch: Instant::now(),
             waker,
             stop: Arc::new(AtomicBool::new(false)),
+            halt: Arc::new(AtomicBool::new(false)),
+            top_slot,
+            minted: 1,
+            closing: Vec::new(),
             signals,
             reserve: File::open("/dev/null").ok(),
             uid: nix::unistd::geteuid().as_raw(),
@@ -251,7 +291,44 @@ impl Broker {
         Stopper {
             waker: self.waker.clone(),
             flag: self.stop.clone(),
+            halt: self.halt.clone(),
         }
+    }
+
+    /// The id of the top command's slot: the N-th token of `-jN`. Whoever
+    /// starts the command at the top exports it as `HERDLESS_SLOT` (see
+    /// [`crate::client::slot_env_value`]); every job below that names it
+    /// may run in it, one at a time.
+    pub fn top_slot(&self) -> u64 {
+        self.top_slot
+    }
+
+    /// Mints a slot for `owner`'s own job, under a fresh unguessable id.
+    fn mint_slot(&mut self, owner: ClientId) -> u64 {
+        loop {
+            self.minted += 1;
+            let id = random_slot_id(self.minted);
+            if self.pool.add_slot(SlotKey::Minted(id), Some(owner), false) {
+                return id;
+            }
+            if !self.by_client.contains_key(&owner) && self.pool.held_by(owner).is_none() {
+                return 0;
+            }
+        }
+    }
+
+    /// Stops granting: waiters are told and closed, the classic pipe is
+    /// emptied of unread tokens, later acquires are refused.
+    fn stop_granting(&mut self) {
+        if !self.pool.stop() {
+            return;
+        }
+        log!(Level::Info, "stopping: no more tokens are granted");
+        let now = self.now();
+        if let Some(bridge) = self.bridge.as_mut() {
+            bridge.on_stop(&mut self.pool, now);
+        }
+        self.apply_effects();
     }
 
     /// Serves until stopped (by a [`Stopper`], or by SIGINT/SIGTERM when
@@ -260,6 +337,10 @@ impl Broker {
     pub fn run(mut self) -> io::Result<Status> {
         let mut events = Events::with_capacity(256);
         while !self.stop.load(Ordering::SeqCst) {
+            if self.halt.load(Ordering::SeqCst) {
+                self.stop_granting();
+                self.flush_dirty();
+            }
             if let Err(e) = self.poll.poll(&mut events, None) {
                 if e.kind() == io::ErrorKind::Interrupted {
                     continue;
@@ -309,6 +390,7 @@ impl Broker {
                 Ok(_) => {
                     log!(Level::Info, "signal received; shutting down");
                     self.stop.store(true, Ordering::SeqCst);
+                    self.halt.store(true, Ordering::SeqCst);
                 }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(_) => break,
@@ -489,43 +571,66 @@ impl Broker {
                 version,
                 flags,
                 pid,
-                ppid,
+                slot,
             } = req
             else {
                 return Err(format!("expected a hello frame first, got {req}"));
             };
             if version != PROTOCOL_VERSION {
                 return Err(format!(
-                    "unsupported protocol version {version} (broker speaks {PROTOCOL_VERSION})"
+                    "unsupported protocol version {version} (broker speaks {PROTOCOL_VERSION}); \
+                     this client is older than the broker: use a herdless of the same version"
                 ));
             }
+            let observer = flags.contains(HelloFlags::OBSERVER);
+            let borrows = match (
+                flags.contains(HelloFlags::JOB),
+                flags.contains(HelloFlags::RECIPE_JOB),
+            ) {
+                (true, true) => {
+                    return Err("hello flags JOB and RECIPE_JOB exclude each other".into())
+                }
+                (true, false) => Some(SlotKey::Minted(slot)),
+                (false, true) => match u32::try_from(slot) {
+                    Ok(root) if root > 1 => Some(SlotKey::Recipe(root)),
+                    _ => return Err(format!("hello names recipe root {slot}, not a process id")),
+                },
+                (false, false) => None,
+            };
             let pid = *conn.pid.get_or_insert(pid);
             let info = ClientInfo {
                 pid,
-                ppid,
-                job_of_parent: flags.contains(HelloFlags::JOB_OF_PARENT),
-                observer: flags.contains(HelloFlags::OBSERVER),
-                label: if flags.contains(HelloFlags::OBSERVER) {
-                    "observer"
-                } else {
-                    "native"
-                },
+                borrows,
+                observer,
+                label: if observer { "observer" } else { "native" },
                 internal: false,
             };
             let id = self.pool.connect(info);
             conn.client = Some(id);
             self.by_client.insert(id, token);
+            if borrows.is_some() && self.pool.borrows(id).is_none() {
+                log!(
+                    Level::Debug,
+                    "client {id} (pid {pid}) names a slot that is gone; it waits for shared tokens"
+                );
+            }
+            let own = if observer { 0 } else { self.mint_slot(id) };
             self.send(
                 token,
                 &Reply::Welcome {
                     version: PROTOCOL_VERSION,
                     capacity: self.pool.capacity(),
                     client_id: id.0,
+                    slot: own,
                 },
             );
             log!(
                 Level::Debug,
-                "client {id} (pid {pid}, parent {ppid}) connected"
+                "client {id} (pid {pid}) connected{}",
+                match self.pool.borrows(id) {
+                    Some(key) => format!(", may borrow {key}"),
+                    None => String::new(),
+                }
             );
             self.apply_effects();
             return Ok(());
@@ -576,12 +681,17 @@ impl Broker {
         loop {
             let effects = self.pool.take_effects();
             if effects.is_empty() {
-                return;
+                break;
             }
             for effect in effects {
                 self.apply(effect);
             }
             self.note_in_use();
+        }
+        // Clients told of the stop: their connections close now, after
+        // the loop above, so no token freed by one reaches another.
+        while let Some(token) = self.closing.pop() {
+            self.close_at_stop(token);
         }
     }
 
@@ -610,9 +720,24 @@ impl Broker {
                 bridge.on_abort(&mut self.pool, *reason, now);
                 return;
             }
-            (Effect::Denied { client } | Effect::Cancelled { client, .. }, _)
-                if Some(*client) == bridge_id =>
-            {
+            (
+                Effect::Denied { client }
+                | Effect::Cancelled { client, .. }
+                | Effect::Stopped { client },
+                _,
+            ) if Some(*client) == bridge_id => {
+                return;
+            }
+            (Effect::Stopped { client }, _) => {
+                if let Some(&token) = self.by_client.get(client) {
+                    self.send(
+                        token,
+                        &Reply::Error {
+                            message: STOPPED_REASON.into(),
+                        },
+                    );
+                    self.closing.push(token);
+                }
                 return;
             }
             (Effect::Grant { waited, .. }, _) => {
@@ -627,6 +752,7 @@ impl Broker {
                 Effect::Denied { client } => (client, Reply::Denied),
                 Effect::Cancelled { client, cancelled } => (client, Reply::Cancelled { cancelled }),
                 Effect::Aborted { client, reason } => (client, Reply::Aborted { reason }),
+                Effect::Stopped { .. } => unreachable!("handled above"),
             };
             if let Some(&token) = self.by_client.get(&client) {
                 self.send(token, &reply);
@@ -683,6 +809,17 @@ impl Broker {
     /// Closes a connection and returns its tokens to the pool. With a
     /// reason, the client is told why and the reason is logged.
     fn close(&mut self, token: Token, reason: Option<String>) {
+        self.close_as(token, reason, false);
+    }
+
+    /// Closes a connection the broker ends itself because it stops: the
+    /// tokens it held count as held at shutdown, not as taken back from a
+    /// client that died.
+    fn close_at_stop(&mut self, token: Token) {
+        self.close_as(token, None, true);
+    }
+
+    fn close_as(&mut self, token: Token, reason: Option<String>, at_stop: bool) {
         let Some(mut conn) = self.conns.remove(&token) else {
             return;
         };
@@ -704,8 +841,13 @@ impl Broker {
         let _ = self.poll.registry().deregister(&mut conn.stream);
         if let Some(id) = conn.client {
             self.by_client.remove(&id);
-            let reclaimed = self.pool.disconnect(id, self.now());
-            if reclaimed > 0 {
+            let now = self.now();
+            let reclaimed = if at_stop {
+                self.pool.close_at_shutdown(id, now)
+            } else {
+                self.pool.disconnect(id, now)
+            };
+            if reclaimed > 0 && !at_stop {
                 log!(
                     Level::Info,
                     "{who} closed holding {reclaimed} token(s); taken back"
@@ -734,6 +876,10 @@ impl Broker {
             cancelled: stats.cancelled,
             reclaimed: stats.reclaimed,
             connections: stats.connections,
+            stopped: self.pool.stopped(),
+            refused_after_stop: stats.refused_after_stop,
+            held_at_shutdown: stats.held_at_shutdown,
+            slots: self.pool.slot_count() as u32,
             max_in_use: self.max_in_use,
             wait_p50_us: ns_to_us(stats.wait_ns.quantile(0.5)),
             wait_p99_us: ns_to_us(stats.wait_ns.quantile(0.99)),
@@ -758,9 +904,12 @@ impl Broker {
     /// Closes every connection, takes every token back and reports. `lost`
     /// counts shared tokens that are not free once nobody holds any.
     fn shut_down(mut self) -> Status {
+        // Stop first: no token freed by a closing connection may reach a
+        // waiter that is about to be closed too.
+        self.stop_granting();
         let tokens: Vec<Token> = self.conns.keys().copied().collect();
         for token in tokens {
-            self.close(token, None);
+            self.close_at_stop(token);
         }
         let now = self.now();
         let mut classic = None;

@@ -115,7 +115,7 @@
 mod auth;
 pub(crate) mod client;
 mod pipe;
-mod slot;
+pub(crate) mod slot;
 mod wait;
 
 pub use auth::{Auth, Flavor, Jobserver, VARS};

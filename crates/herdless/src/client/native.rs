@@ -61,6 +61,8 @@ pub(crate) struct Native {
     write_lock: Mutex<()>,
     capacity: u32,
     client_id: u64,
+    /// The slot the broker minted for this client's own job.
+    slot: u64,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -106,7 +108,7 @@ fn take_spare(st: &mut State) -> bool {
 
 impl Native {
     /// Connects, checks the broker is this user's, and shakes hands.
-    pub(crate) fn connect(path: &Path, flags: HelloFlags) -> Result<Native> {
+    pub(crate) fn connect(path: &Path, flags: HelloFlags, slot: u64) -> Result<Native> {
         if let Err(e) = std::os::unix::net::SocketAddr::from_pathname(path) {
             return Err(Error::io(
                 ErrorKind::Connect,
@@ -166,12 +168,13 @@ impl Native {
             write_lock: Mutex::new(()),
             capacity: 0,
             client_id: 0,
+            slot: 0,
         };
         native.send(&Request::Hello {
             version: PROTOCOL_VERSION,
             flags,
             pid: std::process::id(),
-            ppid: std::os::unix::process::parent_id(),
+            slot,
         })?;
         native.handshake()
     }
@@ -186,6 +189,7 @@ impl Native {
                     version,
                     capacity,
                     client_id,
+                    slot,
                 })) => {
                     if version != PROTOCOL_VERSION {
                         return Err(Error::new(
@@ -197,6 +201,7 @@ impl Native {
                     }
                     self.capacity = capacity;
                     self.client_id = client_id;
+                    self.slot = slot;
                     return Ok(self);
                 }
                 Ok(Some(Reply::Error { message })) => {
@@ -264,6 +269,10 @@ impl Native {
                 }
             }
         }
+    }
+
+    pub(crate) fn slot(&self) -> u64 {
+        self.slot
     }
 
     pub(crate) fn capacity(&self) -> u32 {
