@@ -495,6 +495,9 @@ impl Serve {
             .trim()
             .strip_prefix("export HERDLESS_SOCKET=")
             .unwrap_or_else(|| panic!("herdless serve said {line:?}"))
+            .split(' ')
+            .next()
+            .unwrap()
             .trim_matches('\'')
             .to_string();
         Serve { child, socket }

@@ -826,12 +826,18 @@ impl Pool {
                 .filter(|c| c.info.borrows == Some(*key))
                 .count();
             if users != slot.users as usize {
-                return Err(format!("{key} counts {} users, {users} name it", slot.users));
+                return Err(format!(
+                    "{key} counts {} users, {users} name it",
+                    slot.users
+                ));
             }
         }
         for (id, c) in &self.clients {
             if c.slot_held {
-                let key = c.info.borrows.ok_or(format!("{id} holds a slot it never named"))?;
+                let key = c
+                    .info
+                    .borrows
+                    .ok_or(format!("{id} holds a slot it never named"))?;
                 if self.slots.get(&key).and_then(|s| s.borrower) != Some(*id) {
                     return Err(format!("{id} holds {key}, which is not lent to it"));
                 }

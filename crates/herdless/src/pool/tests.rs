@@ -95,7 +95,10 @@ fn jobs_progress_with_zero_spare_tokens() {
     p.acquire(sibling, t(0)).unwrap();
     assert_eq!(
         p.take_effects(),
-        vec![grant(a, Source::Slot, false), grant(nested, Source::Slot, false)]
+        vec![
+            grant(a, Source::Slot, false),
+            grant(nested, Source::Slot, false)
+        ]
     );
     // The nested job runs on its runner's token: one token in use.
     assert_eq!(p.stats().max_in_use, 1);
@@ -179,7 +182,11 @@ fn a_stop_is_a_stop() {
     );
     assert_eq!(p.stats().refused_after_stop, 5);
     assert_eq!(p.stats().grants, 2);
-    assert_eq!(p.stats().wait_ns.count(), 0, "nobody was granted after waiting");
+    assert_eq!(
+        p.stats().wait_ns.count(),
+        0,
+        "nobody was granted after waiting"
+    );
     // Closing at shutdown is not a crash.
     p.acquire(a, t(3)).unwrap();
     assert_eq!(p.close_at_shutdown(a, t(3)), 0);
@@ -256,7 +263,9 @@ fn observers_cannot_take_tokens() {
 #[derive(Clone, Debug)]
 enum Op {
     /// A client naming slot choice `slot` (see `Model::slot_choice`).
-    Connect { slot: u8 },
+    Connect {
+        slot: u8,
+    },
     /// A slot minted for a client's job.
     MintFor(usize),
     Acquire(usize),
@@ -331,9 +340,9 @@ impl Model {
                             }
                             Source::Slot => {
                                 let key = self.info(client).borrows;
-                                let earlier = self.queue[..pos].iter().any(|&c| {
-                                    self.info(c).borrows == key && !self.held[&c].1
-                                });
+                                let earlier = self.queue[..pos]
+                                    .iter()
+                                    .any(|&c| self.info(c).borrows == key && !self.held[&c].1);
                                 prop_assert!(!earlier, "slot grant skipped an earlier sibling");
                             }
                         }
