@@ -302,3 +302,82 @@ fn serve_refuses_its_waiters_when_it_stops() {
     );
     assert_eq!(stat(&log, "wait"), "p50 0 µs, p99 0 µs, max 0 µs", "{log}");
 }
+
+fn require(tool: &str) {
+    let ok = Command::new("sh")
+        .args(["-c", &format!("command -v {tool}")])
+        .stdout(Stdio::null())
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false);
+    assert!(
+        ok,
+        "{tool} is not installed: `bash ci/install-tools.sh` installs it (CI does)"
+    );
+}
+
+/// A Makefile (GNU make and bmake alike) of six targets whose recipes run
+/// their jobs through `herdless exec` behind `timeout`, subshells, and two
+/// jobs at once in one recipe.
+fn exec_makefile(tree: &JobTree) {
+    let job = format!("herdless exec sh {0}/job.sh {0}", tree.dir.display());
+    let recipes = [
+        format!("timeout 60 {job}"),
+        format!("( {job}; true )"),
+        format!("{job} & {job}; wait"),
+        format!("( timeout 60 {job} ) & ( {job} ); wait"),
+        format!("sh -c '{job}; true'"),
+        job.to_string(),
+    ];
+    let mut mk = String::from("all: t1 t2 t3 t4 t5 t6\n");
+    for (i, r) in recipes.iter().enumerate() {
+        // `+`: GNU make passes its jobserver to marked recipes only.
+        mk += &format!("t{}:\n\t@+{r}\n", i + 1);
+    }
+    std::fs::write(tree.path("Makefile"), mk).unwrap();
+}
+
+/// GNU make 4.3 and bmake, alone (classic jobserver) and under `herdless
+/// run` (native): at most N jobs at once, all eight done, at -j 1 too
+/// (under `run`: a make alone at -j 1 has no jobserver to lend).
+#[test]
+fn make_recipes_that_exec_through_timeout_and_subshells() {
+    for make in ["make", "bmake"] {
+        require(make);
+        for jobs in [1u32, 2, 4] {
+            for under_run in [false, true] {
+                if jobs == 1 && !under_run {
+                    continue;
+                }
+                let what = format!("{make} -j {jobs} (under run: {under_run})");
+                let tree = JobTree::new(&format!("make-exec-{make}-{jobs}-{under_run}"));
+                exec_makefile(&tree);
+                let j = jobs.to_string();
+                let mut cmd = if under_run {
+                    // The make takes -j and the jobserver from MAKEFLAGS;
+                    // a -j of its own would make it start a pool of its own.
+                    herdless(&["run", "-j", &j, "--", make])
+                } else {
+                    let mut c = Command::new(make);
+                    c.args(["-j", &j])
+                        .env("PATH", path_with_bin())
+                        .env_remove("HERDLESS_SOCKET")
+                        .env_remove("HERDLESS_SLOT")
+                        .env_remove("MAKEFLAGS")
+                        .env_remove("MAKELEVEL");
+                    c
+                };
+                cmd.current_dir(&tree.dir);
+                let out = common::output_within(&mut cmd, PATIENCE * 2);
+                assert!(
+                    out.status.success(),
+                    "{what}: {}",
+                    String::from_utf8_lossy(&out.stderr)
+                );
+                let (done, max) = tree.counts();
+                assert_eq!(done, 8, "{what}");
+                assert!(max <= jobs, "{what}: {max} at once");
+            }
+        }
+    }
+}
