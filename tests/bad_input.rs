@@ -1,4 +1,4 @@
-//! Bad input (DESIGN §4.7): a raw socket sends garbage, a wrong version, a
+//! Bad input (ARCHITECTURE §4.7): a raw socket sends garbage, a wrong version, a
 //! 1 MiB frame, or hangs up mid-frame. That one connection is closed with a
 //! logged reason; the other clients keep being served; nothing is lost.
 
@@ -71,7 +71,7 @@ fn bad_peers_are_cut_off_and_the_rest_go_on() {
     // A wrong protocol version.
     let r = send_raw(&serve, &hello(9), false);
     assert!(
-        error_of(&r).contains("unsupported protocol version 9 (broker speaks 2)"),
+        error_of(&r).contains("unsupported protocol version 9 (broker speaks 3)"),
         "{r:?}"
     );
 
@@ -82,7 +82,7 @@ fn bad_peers_are_cut_off_and_the_rest_go_on() {
     ];
     let r = send_raw(&serve, &v1, false);
     assert!(
-        error_of(&r).contains("unsupported protocol version 1 (broker speaks 2)"),
+        error_of(&r).contains("unsupported protocol version 1 (broker speaks 3)"),
         "{r:?}"
     );
 

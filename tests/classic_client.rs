@@ -140,6 +140,59 @@ fn a_waiter_is_woken_by_a_released_token() {
     assert_eq!(sorted(pipe.drain()), b"123");
 }
 
+/// One write of several tokens wakes one exclusive waiter (Linux's
+/// `EPOLLEXCLUSIVE`); that waiter must pass the wake-up on, or the others
+/// sleep on while tokens sit unread. Here every waiter is asleep in its
+/// wait before the single three-byte write, so each must be woken through
+/// the one before it.
+#[cfg(target_os = "linux")]
+#[test]
+fn one_write_of_several_tokens_wakes_every_waiter() {
+    for round in 0..20 {
+        let pipe = Arc::new(TokenPipe::private(b""));
+        let client = Client::from_jobserver(gnu(&pipe), no_implicit()).unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let waiters: Vec<_> = (0..3)
+            .map(|_| {
+                let c = client.clone();
+                let tx = tx.clone();
+                std::thread::spawn(move || {
+                    tx.send(herdless_platform::current_tid().unwrap()).unwrap();
+                    c.acquire().unwrap().forget();
+                    tx.send(0).unwrap();
+                })
+            })
+            .collect();
+        let tids: Vec<i32> = (0..3).map(|_| rx.recv().unwrap()).collect();
+        // Asleep means in the wait: nothing else in acquire sleeps while
+        // nobody holds a token.
+        while !tids
+            .iter()
+            .all(|&t| herdless_platform::process_state(t as u32) == Some('S'))
+        {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        pipe.put(b"123");
+        for _ in 0..3 {
+            // A safety net against a hang, not a timing assertion.
+            let got = rx.recv_timeout(Duration::from_secs(60));
+            assert_eq!(
+                got,
+                Ok(0),
+                "round {round}: a waiter slept on with tokens in the pipe"
+            );
+        }
+        for w in waiters {
+            w.join().unwrap();
+        }
+        assert!(pipe.drain().is_empty());
+        for _ in 0..3 {
+            client.release_raw().unwrap();
+        }
+        assert_eq!(sorted(pipe.drain()), b"123");
+    }
+}
+
 #[test]
 fn take_grant_and_the_fd_to_watch() {
     let pipe = TokenPipe::private(b"");
@@ -538,7 +591,7 @@ fn epoll_waiting(pid: u32) -> Option<bool> {
 }
 
 /// Linux: the waiters sleep in `epoll_wait()` with `EPOLLEXCLUSIVE`, so
-/// one byte written to the pipe wakes exactly one of them (DESIGN §2: one
+/// one byte written to the pipe wakes exactly one of them (ARCHITECTURE §2: one
 /// idle waiter), where `poll()` would wake all 16.
 #[cfg(target_os = "linux")]
 #[test]

@@ -126,11 +126,25 @@ fn pc_field(key: &str) -> String {
         .to_string()
 }
 
-/// What a C program linked against `libherdless.a` needs besides it.
-fn native_static_libs() -> Vec<String> {
+/// What a C program linked against `libherdless.a` needs besides it:
+/// `herdless.pc`'s `Libs.private`, the link flags that keep the program
+/// small and the system libraries. Every C test links with them.
+fn libs_private() -> Vec<String> {
     pc_field("Libs.private")
         .split_whitespace()
         .map(String::from)
+        .collect()
+}
+
+/// The link flags of `Libs.private` that keep an embedder small (see
+/// [`an_embedder_stays_small`]).
+const SMALL_LINK: [&str; 2] = ["-Wl,--gc-sections", "-Wl,--exclude-libs,libherdless.a"];
+
+/// The system libraries of `Libs.private`, without the flags.
+fn native_static_libs() -> Vec<String> {
+    libs_private()
+        .into_iter()
+        .filter(|w| w.starts_with("-l"))
         .collect()
 }
 
@@ -140,6 +154,15 @@ fn pkg_config_file_describes_the_library() {
     assert_eq!(pc_field("Version"), env!("CARGO_PKG_VERSION"));
     assert_eq!(pc_field("Cflags"), "-I${includedir}");
     assert_eq!(pc_field("Libs"), "-L${libdir} -lherdless");
+    // `pkg-config --static --libs` adds Libs.private: the flags first, then
+    // the system libraries (nothing else).
+    let private = libs_private();
+    assert_eq!(private[..2], SMALL_LINK, "Libs.private: {private:?}");
+    assert_eq!(
+        private.len(),
+        SMALL_LINK.len() + native_static_libs().len(),
+        "Libs.private: {private:?}"
+    );
     // The libraries the Rust standard library needs in a static library,
     // as this toolchain's rustc says (every C test links with the list).
     let rustc = Path::new(env!("CARGO")).with_file_name("rustc");
@@ -221,26 +244,41 @@ fn static_lib() -> PathBuf {
 }
 
 /// Compiles `tests/c/NAME.c` against the header and the static library,
-/// once per run of this test binary (tests that share a program must not
-/// rewrite it while another runs it).
+/// linked as `herdless.pc` says, once per run of this test binary (tests
+/// that share a program must not rewrite it while another runs it).
 fn build_c(name: &str) -> PathBuf {
     static BUILT: Mutex<BTreeMap<String, PathBuf>> = Mutex::new(BTreeMap::new());
     let mut built = BUILT.lock().unwrap_or_else(|e| e.into_inner());
     if let Some(exe) = built.get(name) {
         return exe.clone();
     }
-    let dir = tmp_dir(name);
-    let exe = dir.join(name);
+    let exe = tmp_dir(name).join(name);
+    // Apple's linker takes neither `--gc-sections` nor `--exclude-libs`
+    // (docs/EMBEDDING.md); the BSDs' ld.lld and GNU ld take both.
+    let libs = if cfg!(target_vendor = "apple") {
+        native_static_libs()
+    } else {
+        libs_private()
+    };
+    compile_c(name, &exe, &[], &libs);
+    built.insert(name.to_string(), exe.clone());
+    exe
+}
+
+/// Compiles `tests/c/NAME.c` into `exe`, with `flags` before the sources
+/// and `libs` after `libherdless.a`.
+fn compile_c(name: &str, exe: &Path, flags: &[&str], libs: &[String]) {
     let cc = env::var_os("CC").unwrap_or_else(|| "cc".into());
     let out = Command::new(&cc)
         .args(["-std=c11", "-g", "-Wall", "-Wextra", "-Werror"])
+        .args(flags)
         .arg("-I")
         .arg(ffi_crate().join("include"))
         .arg(root().join("tests").join("c").join(format!("{name}.c")))
         .arg("-o")
-        .arg(&exe)
+        .arg(exe)
         .arg(static_lib())
-        .args(native_static_libs())
+        .args(libs)
         .output()
         .unwrap_or_else(|e| panic!("{}: {e}", cc.to_string_lossy()));
     assert!(
@@ -248,8 +286,6 @@ fn build_c(name: &str) -> PathBuf {
         "cc {name}.c failed:\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    built.insert(name.to_string(), exe.clone());
-    exe
 }
 
 /// A command whose environment names no jobserver.
@@ -609,4 +645,157 @@ fn calls_report_a_broker_that_is_gone() {
         status.success() && rest.contains("broker_gone: ok"),
         "{status}\n{rest}\n{errors}"
     );
+}
+
+/// What an embedder carries. A make that links `libherdless.a` gets the
+/// C ABI, the library behind it and the parts of Rust's standard library
+/// they use (formatting, panics, backtraces); linked the way `herdless.pc`
+/// says, nothing more, and it exports none of it.
+///
+/// `tests/c/embed.c` calls every function of the C ABI, as a make would.
+/// It is linked with `-rdynamic`, as GNU make is (its `load` directive
+/// needs its symbols exported): the case where a Rust static library costs
+/// most, since every global symbol of every archive member pulled in is
+/// exported, and an exported symbol is a root that `--gc-sections` must
+/// keep. Linked twice:
+///
+/// - *small*: with `herdless.pc`'s `Libs.private` (`--gc-sections`,
+///   `--exclude-libs,libherdless.a`, the system libraries). Bounds on the
+///   stripped size and on the symbols exported; no symbol of the archive
+///   (Rust-mangled `_ZN…`/`_R…`, `herdless_…`, `__rust_…`) may be among
+///   them. This checks the flags.
+/// - *naive*: the system libraries alone, as an embedder that ignores the
+///   flags would link. Bounds again: this checks what the library carries
+///   into the link, since without `--gc-sections` every archive member the
+///   program needs comes in whole, with its exports.
+///
+/// The bounds are for the profile `cargo test` builds (debug: no
+/// optimisation, so the library's own code is several times its release
+/// size), measured with rustc 1.95 on x86_64 Debian 12 (GNU ld 2.40):
+///
+/// | link  | stripped, measured | bound  | exported, measured | bound  |
+/// |-------|--------------------|--------|--------------------|--------|
+/// | small | 0.87 MB            | 1.3 MB | 9                  | 16     |
+/// | naive | 4.0 MB             | 6 MB   | 8,478              | 12,000 |
+///
+/// The same program linked against the library as it was when it also
+/// carried the command line (clap), the benchmark harness and serde_json,
+/// in the same profile: 8.2 MB and 16,863 symbols naive, 0.89 MB and 9
+/// small. So the naive bounds fail if those came back (the small link
+/// cannot tell: the flags drop them), and the archive check below names
+/// them. The release profile's figures are in docs/EMBEDDING.md;
+/// `cargo test --test ffi an_embedder_stays_small -- --nocapture` prints
+/// this profile's.
+#[cfg(target_os = "linux")]
+#[test]
+fn an_embedder_stays_small() {
+    const SMALL_MAX_BYTES: u64 = 1_300_000;
+    const SMALL_MAX_EXPORTS: usize = 16;
+    const NAIVE_MAX_BYTES: u64 = 6_000_000;
+    const NAIVE_MAX_EXPORTS: usize = 12_000;
+
+    // Nothing in the archive comes from the command line, the benchmarks
+    // or a JSON library: the crates the C ABI must not depend on, as they
+    // appear in mangled names (length-prefixed, in both manglings), and the
+    // benchmark module that the library once had.
+    let lib = static_lib();
+    let symbols = tool_output(Command::new("nm").arg("--defined-only").arg(&lib));
+    for unwanted in [
+        "12clap_builder",
+        "8clap_lex",
+        "10serde_json",
+        "6anyhow",
+        "14herdless_bench",
+        "12herdless_cli",
+        "8herdless5bench",
+    ] {
+        let found: Vec<&str> = symbols.lines().filter(|l| l.contains(unwanted)).collect();
+        assert!(
+            found.is_empty(),
+            "{} defines {} symbol(s) of {unwanted}, e.g. {}",
+            lib.display(),
+            found.len(),
+            found[0]
+        );
+    }
+
+    let dir = tmp_dir("embed-size");
+    let link = |name: &str, libs: Vec<String>| {
+        let exe = dir.join(name);
+        compile_c("embed", &exe, &["-rdynamic"], &libs);
+        let stripped = dir.join(format!("{name}.stripped"));
+        tool_output(Command::new("strip").arg("-o").arg(&stripped).arg(&exe));
+        let bytes = fs::metadata(&stripped).expect("stripped program").len();
+        let dynsym = tool_output(
+            Command::new("nm")
+                .args(["-D", "--defined-only"])
+                .arg(&stripped),
+        );
+        let exported: Vec<String> = dynsym
+            .lines()
+            .filter_map(|l| l.split_whitespace().last().map(String::from))
+            .collect();
+        println!(
+            "embed, {name} link: {bytes} bytes stripped, {} symbols exported",
+            exported.len()
+        );
+        (stripped, bytes, exported)
+    };
+
+    let (small, bytes, exported) = link("small", libs_private());
+    let leaked: Vec<&String> = exported
+        .iter()
+        .filter(|s| {
+            ["_ZN", "_R", "herdless_", "__rust", "rust_"]
+                .iter()
+                .any(|p| s.starts_with(p))
+        })
+        .collect();
+    assert!(
+        leaked.is_empty(),
+        "the small link exports {} symbol(s) of libherdless.a: {:?}",
+        leaked.len(),
+        &leaked[..leaked.len().min(10)]
+    );
+    assert!(
+        exported.len() <= SMALL_MAX_EXPORTS,
+        "the small link exports {} symbols (bound {SMALL_MAX_EXPORTS}): {exported:?}",
+        exported.len()
+    );
+    assert!(
+        bytes <= SMALL_MAX_BYTES,
+        "the small link is {bytes} bytes stripped (bound {SMALL_MAX_BYTES})"
+    );
+
+    let (_, bytes, exported) = link("naive", native_static_libs());
+    assert!(
+        exported.len() <= NAIVE_MAX_EXPORTS,
+        "the naive link exports {} symbols (bound {NAIVE_MAX_EXPORTS})",
+        exported.len()
+    );
+    assert!(
+        bytes <= NAIVE_MAX_BYTES,
+        "the naive link is {bytes} bytes stripped (bound {NAIVE_MAX_BYTES})"
+    );
+
+    // What the flags dropped was not needed: the stripped small program
+    // does its work under a broker.
+    let run = run_under_broker(3, Classic::None, &small, &[]);
+    assert_ok("embed", &run);
+    assert_eq!(stat(&run.2, "tokens lost"), 0, "{}", run.2);
+}
+
+/// The standard output of a binutils command that must succeed.
+#[cfg(target_os = "linux")]
+fn tool_output(cmd: &mut Command) -> String {
+    let out = cmd
+        .output()
+        .unwrap_or_else(|e| panic!("{cmd:?}: {e} (binutils installed?)"));
+    assert!(
+        out.status.success(),
+        "{cmd:?}: {}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
 }

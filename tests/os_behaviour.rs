@@ -1,4 +1,4 @@
-//! What each kernel does when many processes wait on one pipe (DESIGN §2),
+//! What each kernel does when many processes wait on one pipe (ARCHITECTURE §2),
 //! and herdless's single wake-up beside it, with real waiter processes.
 //!
 //! Only counts the kernel guarantees are asserted: how many processes one

@@ -1,4 +1,4 @@
-//! Crash reclamation (DESIGN §4.6) and conservation (§4.1) with real
+//! Crash reclamation (ARCHITECTURE §4.6) and conservation (§4.1) with real
 //! processes: clients killed with SIGKILL while holding tokens.
 
 mod common;

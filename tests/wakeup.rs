@@ -1,4 +1,4 @@
-//! Single wake-up (DESIGN §4.2), FIFO order (§4.4) and no idle-while-free
+//! Single wake-up (ARCHITECTURE §4.2), FIFO order (§4.4) and no idle-while-free
 //! (§4.3), with real client processes blocked in `acquire`.
 
 mod common;

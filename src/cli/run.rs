@@ -4,8 +4,9 @@ use anyhow::{Context, Result};
 
 use std::os::fd::AsRawFd;
 
-use herdless::bridge::{is_classic_client, Bridge, Flavor};
+use herdless::bridge::Bridge;
 use herdless::broker::{Broker, Config};
+use herdless::classic::{Flavor, Program};
 use herdless::client::{slot_env_value, SLOT_ENV, SOCKET_ENV};
 use herdless::rundir::RunDir;
 use herdless::status::Status;
@@ -28,7 +29,9 @@ use super::RunArgs;
 /// none starts after it. When the command ends, the broker stops for good.
 pub fn run(args: RunArgs) -> Result<u8> {
     let mut dir = RunDir::create().context("cannot prepare the socket directory")?;
-    let mut broker = Broker::bind(dir.socket(), Config::new(args.jobs))?;
+    let mut config = Config::new(args.jobs);
+    config.admission = args.admission.admission()?;
+    let mut broker = Broker::bind(dir.socket(), config)?;
     dir.set_bound();
     let mut env = vec![
         (SOCKET_ENV, dir.socket().as_os_str().to_owned()),
@@ -47,7 +50,7 @@ pub fn run(args: RunArgs) -> Result<u8> {
             args.style,
             flavor,
             args.jobs,
-            is_classic_client(program),
+            Program::of(program).is_some_and(Program::reads_jobserver),
         )
         .context("cannot set up the classic jobserver")?;
         let fds = bridge.inheritable_fds()?;

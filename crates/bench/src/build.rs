@@ -15,12 +15,10 @@
 //! finish". A run that passes the cut-off is stopped (its process group
 //! killed) and reported as stalled.
 
-use std::fmt;
 use std::io::{self, Read, Write};
 use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
-use std::str::FromStr;
 use std::sync::mpsc;
 use std::thread;
 use std::time::{Duration, Instant};
@@ -30,93 +28,12 @@ use serde::Serialize;
 
 use super::channel::{make_fifo, open_fifo_read, open_fifo_write};
 use super::kernel_label;
+pub use super::make::Variant;
 use super::make::{make_args, spin};
 use super::procs::ensure_limits;
 use super::shared::TOKENS;
 use herdless::broker::{Broker, Config};
 use herdless::rundir::RunDir;
-
-/// How the makes of one run take tokens.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Variant {
-    /// A classic pipe. `poll`: P, the pipe is polled while a token is
-    /// wanted; `check`: C, a make with nothing running runs one job without
-    /// a token; `sleep`: R, a failed read is followed by one second of
-    /// sleep.
-    Pipe {
-        /// P: poll the pipe while a token is wanted.
-        poll: bool,
-        /// C: the implicit-token check.
-        check: bool,
-        /// R: sleep a second after a failed read.
-        sleep: bool,
-    },
-    /// Native clients of a broker.
-    Herdless,
-}
-
-impl Variant {
-    /// The seed's eight P C R rows, in its order (000 … 111), then herdless.
-    pub fn all() -> Vec<Variant> {
-        let mut v: Vec<Variant> = (0..8u8)
-            .map(|bits| Variant::Pipe {
-                poll: bits & 4 != 0,
-                check: bits & 2 != 0,
-                sleep: bits & 1 != 0,
-            })
-            .collect();
-        v.push(Variant::Herdless);
-        v
-    }
-
-    /// "P1C1R0" or "herdless".
-    pub fn name(self) -> String {
-        match self {
-            Variant::Pipe { poll, check, sleep } => format!(
-                "P{}C{}R{}",
-                u8::from(poll),
-                u8::from(check),
-                u8::from(sleep)
-            ),
-            Variant::Herdless => "herdless".to_owned(),
-        }
-    }
-}
-
-impl fmt::Display for Variant {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.name())
-    }
-}
-
-impl FromStr for Variant {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Variant, String> {
-        if s.eq_ignore_ascii_case("herdless") {
-            return Ok(Variant::Herdless);
-        }
-        let b = s.as_bytes();
-        let bit = |c: u8| match c {
-            b'0' => Some(false),
-            b'1' => Some(true),
-            _ => None,
-        };
-        if b.len() == 6
-            && b[0].eq_ignore_ascii_case(&b'P')
-            && b[2].eq_ignore_ascii_case(&b'C')
-            && b[4].eq_ignore_ascii_case(&b'R')
-        {
-            if let (Some(poll), Some(check), Some(sleep)) = (bit(b[1]), bit(b[3]), bit(b[5])) {
-                return Ok(Variant::Pipe { poll, check, sleep });
-            }
-        }
-        Err(format!(
-            "unknown variant {s:?}; expected P0C0R0 … P1C1R1 (P: poll the pipe, C: \
-             implicit-token check, R: sleep after a failed read) or herdless"
-        ))
-    }
-}
 
 /// One build-model run's parameters.
 #[derive(Debug, Clone)]

@@ -37,7 +37,7 @@ use std::process::{Command, Stdio};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use herdless_platform::self_rusage;
+use herdless_platform::{self_rusage, SchedCount};
 use serde::Serialize;
 
 use super::channel::{Record, RecordReader};
@@ -263,21 +263,7 @@ pub fn run_matrix(
 /// waiters, grants or tokens; a limit too low for W processes; any failure
 /// of a waiter (with its message) or of the set-up.
 pub fn run_cell(cfg: &CellConfig, progress: &mut dyn FnMut(u64)) -> io::Result<CellResult> {
-    cfg.mode.available().map_err(|why| {
-        io::Error::new(io::ErrorKind::Unsupported, format!("{}: {why}", cfg.mode))
-    })?;
-    if cfg.waiters == 0 || cfg.grants == 0 || cfg.tokens == 0 {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidInput,
-            "waiters, grants and tokens must all be at least 1",
-        ));
-    }
-    let fds = if cfg.mode == BenchMode::Herdless {
-        u64::from(cfg.waiters)
-    } else {
-        0
-    };
-    ensure_limits(u64::from(cfg.waiters), fds)?;
+    check_cell(cfg)?;
     let mut scratch = Scratch::new()?;
     let dir = scratch.dir().to_path_buf();
     let mut records = RecordReader::open(&scratch.fifo(RECORDS)?)?;
@@ -301,35 +287,10 @@ pub fn run_cell(cfg: &CellConfig, progress: &mut dyn FnMut(u64)) -> io::Result<C
     wait_all_asleep(&run.pids, Duration::from_secs(60))?;
     let counted0 = counted(&run.pids);
 
-    // The grant phase.
     let relay0 = shared.relay_cpu_ns();
     let usage0 = self_rusage()?;
     let t0 = now_ns();
-    shared.start(cfg.tokens, &mut run.releases)?;
-    let mut last_progress = Instant::now();
-    while (run.got.len() as u64) < cfg.grants {
-        match run.next_record()? {
-            Record::Got {
-                idx,
-                t_want,
-                t_got,
-                t_rel,
-            } => {
-                run.got.push((idx, t_want, t_got));
-                run.t_want[idx as usize] = t_want;
-                run.releases.extend(t_rel);
-                if cfg.settle && shared.socket().is_none() {
-                    settle(&run.pids)?;
-                }
-                shared.after_grant(&mut run.releases)?;
-            }
-            other => run.unexpected(other)?,
-        }
-        if last_progress.elapsed() > Duration::from_millis(100) {
-            progress(run.got.len() as u64);
-            last_progress = Instant::now();
-        }
-    }
+    run.grant_phase(&mut shared, progress)?;
     let usage1 = self_rusage()?;
     let relay1 = shared.relay_cpu_ns();
 
@@ -337,44 +298,48 @@ pub fn run_cell(cfg: &CellConfig, progress: &mut dyn FnMut(u64)) -> io::Result<C
     wait_all_asleep(&run.pids, Duration::from_secs(60))?;
     let counted1 = counted(&run.pids);
     let t_stop = now_ns();
-    shared.stop(cfg.waiters)?;
-    while run.finals.iter().any(Option::is_none) {
-        let record = run.next_record()?;
-        match record {
-            Record::Final {
-                idx,
-                wakes,
-                cpu_ns,
-                t_want,
-            } => {
-                run.finals[idx as usize] = Some((wakes, cpu_ns));
-                run.t_want[idx as usize] = t_want;
-            }
-            other => run.unexpected(other)?,
-        }
-    }
-    run.workers.reap(Duration::from_secs(30))?;
-    shared.finish()?;
-    let t_end = run.got.iter().map(|g| g.2).max().unwrap_or(t0);
+    run.stop_phase(&mut shared)?;
     progress(run.got.len() as u64);
 
-    // The figures.
-    let n = cfg.waiters as usize;
-    let mut grants_by_waiter = vec![0u64; n];
-    let mut got = run.got.clone();
-    got.sort_by_key(|g| g.2);
-    for g in &got {
-        grants_by_waiter[g.0 as usize] += 1;
+    let releaser_cpu = match (relay0, relay1) {
+        (Some(a), Some(b)) => Duration::from_nanos(b.saturating_sub(a)),
+        _ => usage1.since(&usage0).cpu(),
+    };
+    let waiters = waiter_counts(counted0, counted1, &run.finals);
+    Ok(run.figures(t0, t_stop, releaser_cpu, waiters))
+}
+
+/// Refuses a cell this OS cannot run, or one with nothing to measure, and
+/// checks the process and descriptor limits it needs.
+fn check_cell(cfg: &CellConfig) -> io::Result<()> {
+    cfg.mode.available().map_err(|why| {
+        io::Error::new(io::ErrorKind::Unsupported, format!("{}: {why}", cfg.mode))
+    })?;
+    if cfg.waiters == 0 || cfg.grants == 0 || cfg.tokens == 0 {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "waiters, grants and tokens must all be at least 1",
+        ));
     }
-    let claims: Vec<u64> = got.iter().map(|g| g.2).collect();
-    let mut waits: Vec<(u64, u64)> = got.iter().map(|g| (g.1, g.2)).collect();
-    // Each waiter's last wait, ended by the stop.
-    waits.extend(run.t_want.iter().map(|&t| (t, t_stop)));
-    // Where the scheduler's own counts can be read from outside (Linux),
-    // they bracket the grant phase exactly; elsewhere each waiter's
-    // getrusage() does, with the first wait's entry and the stop's wake-up
-    // in its CPU time (see the waiter module).
-    let (wakeups_by_waiter, waiter_cpu_ns): (Vec<u64>, u64) = match (counted0, counted1) {
+    let fds = if cfg.mode == BenchMode::Herdless {
+        u64::from(cfg.waiters)
+    } else {
+        0
+    };
+    ensure_limits(u64::from(cfg.waiters), fds)
+}
+
+/// Each waiter's wake-ups during the grant phase, and the waiters' CPU in
+/// all (ns). Where the scheduler's own counts can be read from outside
+/// (Linux) they bracket the grant phase exactly; elsewhere each waiter's
+/// getrusage() does, with the first wait's entry and the stop's wake-up in
+/// its CPU time (see the waiter module).
+fn waiter_counts(
+    before: Option<Vec<SchedCount>>,
+    after: Option<Vec<SchedCount>>,
+    finals: &[Option<(u64, u64)>],
+) -> (Vec<u64>, u64) {
+    match (before, after) {
         (Some(a), Some(b)) => (
             a.iter()
                 .zip(&b)
@@ -386,40 +351,13 @@ pub fn run_cell(cfg: &CellConfig, progress: &mut dyn FnMut(u64)) -> io::Result<C
                 .sum(),
         ),
         _ => {
-            let finals: Vec<(u64, u64)> = run.finals.iter().map(|f| f.unwrap_or((0, 0))).collect();
+            let finals: Vec<(u64, u64)> = finals.iter().map(|f| f.unwrap_or((0, 0))).collect();
             (
                 finals.iter().map(|f| f.0).collect(),
                 finals.iter().map(|f| f.1).sum(),
             )
         }
-    };
-    Ok(CellResult {
-        mode: cfg.mode,
-        waiters: cfg.waiters,
-        tokens: cfg.tokens,
-        grants: got.len() as u64,
-        wakeups: wakeups_by_waiter.iter().sum(),
-        wakeups_by_waiter,
-        grants_by_waiter,
-        winners: got.iter().map(|g| g.0).collect(),
-        grant_times: got.clone(),
-        open_waits: run.t_want.clone(),
-        waiter_cpu: Duration::from_nanos(waiter_cpu_ns),
-        releaser_cpu: match (relay0, relay1) {
-            (Some(a), Some(b)) => Duration::from_nanos(b.saturating_sub(a)),
-            _ => usage1.since(&usage0).cpu(),
-        },
-        handoffs_ns: handoffs(&run.releases, &claims),
-        elapsed: Duration::from_nanos(t_end.saturating_sub(t0)),
-        idle_while_free: Duration::from_nanos(idle_while_free(
-            &run.releases,
-            &claims,
-            &waits,
-            t0,
-            t_end,
-        )),
-        kernel: kernel_label(),
-    })
+    }
 }
 
 /// Waits until every waiter is back asleep: exactly on Linux, by a short
@@ -450,6 +388,109 @@ struct Run<'a> {
 }
 
 impl Run<'_> {
+    /// Hands out the cell's grants and collects what the waiters report.
+    fn grant_phase(
+        &mut self,
+        shared: &mut Shared,
+        progress: &mut dyn FnMut(u64),
+    ) -> io::Result<()> {
+        let cfg = self.cfg;
+        shared.start(cfg.tokens, &mut self.releases)?;
+        let mut last_progress = Instant::now();
+        while (self.got.len() as u64) < cfg.grants {
+            match self.next_record()? {
+                Record::Got {
+                    idx,
+                    t_want,
+                    t_got,
+                    t_rel,
+                } => {
+                    self.got.push((idx, t_want, t_got));
+                    self.t_want[idx as usize] = t_want;
+                    self.releases.extend(t_rel);
+                    if cfg.settle && shared.socket().is_none() {
+                        settle(&self.pids)?;
+                    }
+                    shared.after_grant(&mut self.releases)?;
+                }
+                other => self.unexpected(other)?,
+            }
+            if last_progress.elapsed() > Duration::from_millis(100) {
+                progress(self.got.len() as u64);
+                last_progress = Instant::now();
+            }
+        }
+        Ok(())
+    }
+
+    /// Stops every waiter, collects their final reports and reaps them.
+    fn stop_phase(&mut self, shared: &mut Shared) -> io::Result<()> {
+        shared.stop(self.cfg.waiters)?;
+        while self.finals.iter().any(Option::is_none) {
+            match self.next_record()? {
+                Record::Final {
+                    idx,
+                    wakes,
+                    cpu_ns,
+                    t_want,
+                } => {
+                    self.finals[idx as usize] = Some((wakes, cpu_ns));
+                    self.t_want[idx as usize] = t_want;
+                }
+                other => self.unexpected(other)?,
+            }
+        }
+        self.workers.reap(Duration::from_secs(30))?;
+        shared.finish()
+    }
+
+    /// The cell's figures, from the grants recorded, the grant phase's
+    /// start `t0`, the stop at `t_stop`, and the CPU and wake-ups counted.
+    fn figures(
+        &self,
+        t0: u64,
+        t_stop: u64,
+        releaser_cpu: Duration,
+        (wakeups_by_waiter, waiter_cpu_ns): (Vec<u64>, u64),
+    ) -> CellResult {
+        let cfg = self.cfg;
+        let t_end = self.got.iter().map(|g| g.2).max().unwrap_or(t0);
+        let mut grants_by_waiter = vec![0u64; cfg.waiters as usize];
+        let mut got = self.got.clone();
+        got.sort_by_key(|g| g.2);
+        for g in &got {
+            grants_by_waiter[g.0 as usize] += 1;
+        }
+        let claims: Vec<u64> = got.iter().map(|g| g.2).collect();
+        let mut waits: Vec<(u64, u64)> = got.iter().map(|g| (g.1, g.2)).collect();
+        // Each waiter's last wait, ended by the stop.
+        waits.extend(self.t_want.iter().map(|&t| (t, t_stop)));
+        CellResult {
+            mode: cfg.mode,
+            waiters: cfg.waiters,
+            tokens: cfg.tokens,
+            grants: got.len() as u64,
+            wakeups: wakeups_by_waiter.iter().sum(),
+            wakeups_by_waiter,
+            grants_by_waiter,
+            winners: got.iter().map(|g| g.0).collect(),
+            grant_times: got.clone(),
+            open_waits: self.t_want.clone(),
+            waiter_cpu: Duration::from_nanos(waiter_cpu_ns),
+            releaser_cpu,
+            handoffs_ns: handoffs(&self.releases, &claims),
+            elapsed: Duration::from_nanos(t_end.saturating_sub(t0)),
+            idle_while_free: Duration::from_nanos(idle_while_free(
+                &self.releases,
+                &claims,
+                &waits,
+                t0,
+                t_end,
+            )),
+            kernel: kernel_label(),
+        }
+    }
+
     fn start_waiters(&mut self, dir: &Path) -> io::Result<()> {
         let mut ready = 0u32;
         for i in 0..self.cfg.waiters {

@@ -1,5 +1,5 @@
 //! What this kernel does when processes wait on one thing: the measurements
-//! behind DESIGN §2, repeated on the machine at hand.
+//! behind ARCHITECTURE §2, repeated on the machine at hand.
 //!
 //! For each mode the OS offers:
 //! - how many of 32 waiting processes one token wakes (processes whose

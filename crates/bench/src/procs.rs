@@ -6,6 +6,7 @@ use std::process::{Child, Command};
 use std::thread;
 use std::time::{Duration, Instant};
 
+use herdless_platform::{sched_count, SchedCount};
 use nix::sys::resource::{getrlimit, setrlimit, Resource};
 
 /// The worker processes of one run. Dropping it kills and reaps those still
@@ -110,7 +111,7 @@ pub(crate) fn wait_all_asleep(pids: &[u32], limit: Duration) -> io::Result<()> {
         while calm_scans < 2 {
             let awake = pids
                 .iter()
-                .find(|&&pid| !matches!(linux_state(pid), Some('S')));
+                .find(|&&pid| !matches!(herdless_platform::process_state(pid), Some('S')));
             match awake {
                 None => calm_scans += 1,
                 Some(&pid) => {
@@ -121,7 +122,7 @@ pub(crate) fn wait_all_asleep(pids: &[u32], limit: Duration) -> io::Result<()> {
                             format!(
                                 "process {pid} is still not asleep after {} s (state {:?})",
                                 limit.as_secs(),
-                                linux_state(pid)
+                                herdless_platform::process_state(pid)
                             ),
                         ));
                     }
@@ -140,101 +141,19 @@ pub(crate) fn wait_all_asleep(pids: &[u32], limit: Duration) -> io::Result<()> {
     }
 }
 
-/// The state letter of `/proc/PID/stat` (the field after the command name,
-/// which may itself hold spaces and parentheses).
-#[cfg(target_os = "linux")]
-fn linux_state(pid: u32) -> Option<char> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let after = &stat[stat.rfind(')')? + 1..];
-    after.trim_start().chars().next()
-}
-
-/// What the scheduler has counted for one process, all threads together.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub(crate) struct Counted {
-    /// User + system time, in ns.
-    pub(crate) cpu_ns: u64,
-    /// Voluntary context switches: sleeps.
-    pub(crate) sleeps: u64,
-}
-
-/// Each process's [`Counted`] figures, read from outside without waking
-/// it.
-///
-/// # Portability
-///
-/// Linux: the first field of `/proc/PID/task/TID/schedstat` (the run time
-/// the scheduler keeps, exact to the nanosecond) and
-/// `voluntary_ctxt_switches` of `/proc/PID/task/TID/status`. `None` where
-/// they are not readable (other systems; kernels without
-/// `CONFIG_SCHED_INFO`); callers then use the processes' own
-/// `getrusage()`.
-pub(crate) fn counted(pids: &[u32]) -> Option<Vec<Counted>> {
-    #[cfg(target_os = "linux")]
-    {
-        pids.iter()
-            .map(|pid| {
-                let mut total = Counted::default();
-                for task in std::fs::read_dir(format!("/proc/{pid}/task")).ok()? {
-                    let dir = task.ok()?.path();
-                    let sched = std::fs::read_to_string(dir.join("schedstat")).ok()?;
-                    total.cpu_ns += sched.split_whitespace().next()?.parse::<u64>().ok()?;
-                    let status = std::fs::read_to_string(dir.join("status")).ok()?;
-                    total.sleeps += status
-                        .lines()
-                        .find_map(|l| l.strip_prefix("voluntary_ctxt_switches:"))?
-                        .trim()
-                        .parse::<u64>()
-                        .ok()?;
-                }
-                Some(total)
-            })
-            .collect()
-    }
-    #[cfg(not(target_os = "linux"))]
-    {
-        let _ = pids;
-        None
-    }
-}
-
-/// The id of the calling thread, where [`thread_cpu_ns`] can use it.
-pub(crate) fn current_tid() -> Option<i32> {
-    #[cfg(target_os = "linux")]
-    {
-        Some(nix::unistd::gettid().as_raw())
-    }
-    #[cfg(not(target_os = "linux"))]
-    {
-        None
-    }
-}
-
-/// CPU time (ns) of thread `tid` of this process so far: Linux's
-/// `/proc/self/task/TID/schedstat`; `None` elsewhere.
-pub(crate) fn thread_cpu_ns(tid: i32) -> Option<u64> {
-    #[cfg(target_os = "linux")]
-    {
-        let text = std::fs::read_to_string(format!("/proc/self/task/{tid}/schedstat")).ok()?;
-        text.split_whitespace().next()?.parse().ok()
-    }
-    #[cfg(not(target_os = "linux"))]
-    {
-        let _ = tid;
-        None
-    }
+/// Each process's scheduler counts ([`SchedCount`]), read from outside
+/// without waking it; `None` where the platform cannot read them (callers
+/// then use the processes' own `getrusage()`).
+pub(crate) fn counted(pids: &[u32]) -> Option<Vec<SchedCount>> {
+    pids.iter().map(|&pid| sched_count(pid)).collect()
 }
 
 /// Makes this worker die with its coordinator, so that no waiter sleeps on
 /// forever when the benchmark is killed (a futex waiter has nothing else to
-/// wake it). Linux only (`PR_SET_PDEATHSIG`); elsewhere the FIFO or socket
-/// a worker waits on closes with its coordinator, except for the futex
-/// mode.
+/// wake it). Linux only; elsewhere the FIFO or socket a worker waits on
+/// closes with its coordinator, except for the futex mode.
 pub(crate) fn die_with_parent() {
-    #[cfg(target_os = "linux")]
-    {
-        let _ = nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL);
-    }
+    let _ = herdless_platform::die_with_parent();
 }
 
 /// Checks (and where it can, raises) the limits `processes` more worker
@@ -285,12 +204,12 @@ mod tests {
     #[test]
     fn reads_process_states() {
         // The main thread of the test binary: running or waiting.
-        assert!(linux_state(std::process::id()).is_some());
+        assert!(herdless_platform::process_state(std::process::id()).is_some());
         let mut sleeper = Command::new("sleep").arg("5").spawn().unwrap();
         wait_all_asleep(&[sleeper.id()], Duration::from_secs(5)).unwrap();
         sleeper.kill().unwrap();
         sleeper.wait().unwrap();
-        assert_eq!(linux_state(u32::MAX), None);
+        assert_eq!(herdless_platform::process_state(u32::MAX), None);
     }
 
     #[cfg(target_os = "linux")]
@@ -304,10 +223,10 @@ mod tests {
         assert!(b.cpu_ns > a.cpu_ns, "{a:?} {b:?}");
         assert!(b.sleeps > a.sleeps, "{a:?} {b:?}");
         assert_eq!(counted(&[u32::MAX]), None);
-        let tid = current_tid().unwrap();
-        let a = thread_cpu_ns(tid).unwrap();
+        let tid = herdless_platform::current_tid().unwrap();
+        let a = herdless_platform::thread_cpu_ns(tid).unwrap();
         crate::make::spin(5_000_000);
-        assert!(thread_cpu_ns(tid).unwrap() > a);
+        assert!(herdless_platform::thread_cpu_ns(tid).unwrap() > a);
     }
 
     #[test]

@@ -11,7 +11,7 @@ use super::herd::CellResult;
 use super::BenchMode;
 use herdless_platform::wait::Mode;
 
-/// The modes the ratio table compares herdless with (DESIGN §5), where
+/// The modes the ratio table compares herdless with (ARCHITECTURE §5), where
 /// measured.
 pub const RATIO_MODES: [BenchMode; 4] = [
     BenchMode::Kernel(Mode::Poll),
@@ -210,7 +210,7 @@ mod tests {
         let t = ratio_table(&cells);
         assert!(t.contains("poll"), "{t}");
         assert!(t.contains("8.00×"), "{t}");
-        // Only the modes DESIGN §5 names.
+        // Only the modes ARCHITECTURE §5 names.
         assert!(!t.contains("select"), "{t}");
         let h = herd_table(&cells);
         assert_eq!(h.lines().count(), 4);

@@ -40,13 +40,13 @@ use herdless_platform::wait::Mode;
 use herdless_platform::SharedWord;
 
 use super::channel::{make_fifo, open_fifo_read, open_fifo_write};
-use super::procs::{current_tid, thread_cpu_ns};
 use super::BenchMode;
 use herdless::broker::{Broker, Config, Stopper};
 use herdless::client::{Client, Options};
 use herdless::rundir::RunDir;
 use herdless::status::Status;
 use herdless::Token;
+use herdless_platform::{current_tid, thread_cpu_ns};
 
 /// The FIFO the pipe modes wait on.
 pub(crate) const TOKENS: &str = "tokens";

@@ -132,7 +132,8 @@ fn pipe_waiter(mode: Mode, dir: &Path, idx: u32, out: &mut RecordWriter) -> io::
             after_wait = Some(self_rusage()?);
             match woken {
                 Ok(Woken::Claimed(_)) => {}
-                Ok(Woken::Readable) => continue,
+                // `PipeWaiter::wait` has no deadline and retries `EINTR`.
+                Ok(Woken::Readable | Woken::TimedOut | Woken::Interrupted) => continue,
                 Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => {
                     return tally.finish(out, after_wait, t_want)
                 }

@@ -21,7 +21,7 @@
 //!
 //! The classic side is one client of the [`Pool`], labelled `classic`; the
 //! tokens it holds are those in the pipe plus those held by classic
-//! clients, so conservation (DESIGN §4.1) holds across both worlds. The
+//! clients, so conservation (ARCHITECTURE §4.1) holds across both worlds. The
 //! classic protocol cannot tell the broker when a client *takes* a token
 //! from the pipe, so the bridge works from what it can see: how many bytes
 //! are in the pipe (`FIONREAD`), what comes back, and the native queue.
@@ -69,133 +69,12 @@ use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
+use crate::classic::{Auth, Flavor, Jobserver, Style};
 use crate::log;
 use crate::log::Level;
 use crate::pool::{ClientId, ClientInfo, Pool};
 use crate::protocol::AbortReason;
 use crate::status::ClassicStatus;
-
-/// How classic clients reach the pool.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Style {
-    /// Inherited descriptors `R,W`: every classic client reads these.
-    Pipe,
-    /// A named FIFO (`fifo:PATH`): GNU make 4.4 and later only.
-    Fifo,
-}
-
-/// Which make's conventions the exported flags follow.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Flavor {
-    /// GNU make, cargo, rustc, gcc: `MAKEFLAGS=-jN --jobserver-auth=…`.
-    Gnu,
-    /// bmake: `MAKEFLAGS=-j N -J R,W`, with `E` and `I` abort tokens.
-    Bmake,
-}
-
-impl Style {
-    /// Every style, in the order the command line lists them.
-    pub const ALL: [Style; 2] = [Style::Pipe, Style::Fifo];
-
-    /// The style's name: `pipe` or `fifo`.
-    pub const fn name(self) -> &'static str {
-        match self {
-            Style::Pipe => "pipe",
-            Style::Fifo => "fifo",
-        }
-    }
-}
-
-impl std::str::FromStr for Style {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Style, String> {
-        Style::ALL
-            .into_iter()
-            .find(|v| v.name() == s)
-            .ok_or_else(|| format!("unknown jobserver style {s:?} (pipe or fifo)"))
-    }
-}
-
-impl Flavor {
-    /// Every flavour, in the order the command line lists them.
-    pub const ALL: [Flavor; 2] = [Flavor::Gnu, Flavor::Bmake];
-
-    /// The flavour's name: `gnu` or `bmake`.
-    pub const fn name(self) -> &'static str {
-        match self {
-            Flavor::Gnu => "gnu",
-            Flavor::Bmake => "bmake",
-        }
-    }
-}
-
-impl std::str::FromStr for Flavor {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Flavor, String> {
-        Flavor::ALL
-            .into_iter()
-            .find(|v| v.name() == s)
-            .ok_or_else(|| format!("unknown jobserver flavour {s:?} (gnu or bmake)"))
-    }
-}
-
-impl Flavor {
-    /// bmake for a command named `bmake`, `bsdmake` or `pmake`; GNU
-    /// otherwise.
-    pub fn for_command(program: &OsStr) -> Flavor {
-        match command_name(program).as_deref() {
-            Some("bmake" | "bsdmake" | "pmake") => Flavor::Bmake,
-            _ => Flavor::Gnu,
-        }
-    }
-}
-
-fn command_name(program: &OsStr) -> Option<String> {
-    Path::new(program)
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-}
-
-/// Whether a command is itself a classic jobserver client, expected to
-/// take tokens from the pipe from the start.
-pub fn is_classic_client(program: &OsStr) -> bool {
-    matches!(
-        command_name(program).as_deref(),
-        Some("make" | "gmake" | "bmake" | "bsdmake" | "pmake" | "cargo" | "ninja" | "rustc")
-    )
-}
-
-/// `MAKEFLAGS` without the job-count and jobserver flags of an outer
-/// make (`-jN`, `-j N`, `--jobserver-auth=…`, `--jobserver-fds=…`, bmake's
-/// `-J R,W`), so the tree sees only herdless's; everything else, and the
-/// variable definitions after `--`, is kept as it was.
-pub fn without_jobserver(makeflags: &str) -> String {
-    let numeric = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
-    let mut kept: Vec<&str> = Vec::new();
-    let mut words = makeflags.split(' ').filter(|w| !w.is_empty()).peekable();
-    while let Some(w) = words.next() {
-        if w == "--" {
-            kept.push(w);
-            kept.extend(words.by_ref());
-            break;
-        }
-        match w {
-            // The value may be the next word (bmake writes `-j 4`).
-            "-j" | "-J" => {
-                if words.peek().is_some_and(|v| numeric(v) || v.contains(',')) {
-                    words.next();
-                }
-            }
-            _ if w.starts_with("--jobserver-auth=") || w.starts_with("--jobserver-fds=") => {}
-            _ if w.starts_with("-j") && numeric(&w[2..]) => {}
-            _ if w.starts_with("-J") && w[2..].contains(',') => {}
-            _ => kept.push(w),
-        }
-    }
-    kept.join(" ")
-}
 
 /// The token byte. GNU make writes back whatever it read; bmake uses `+`.
 const TOKEN: u8 = b'+';
@@ -369,24 +248,11 @@ impl Bridge {
         makeflags: Option<&OsStr>,
     ) -> Vec<(&'static str, OsString)> {
         let auth = match (self.style, fds) {
-            (Style::Fifo, _) => format!("--jobserver-auth=fifo:{}", self.offers_path.display()),
-            (Style::Pipe, Some((r, w))) => match self.flavor {
-                Flavor::Gnu => format!("--jobserver-auth={r},{w}"),
-                Flavor::Bmake => format!("-J {r},{w}"),
-            },
+            (Style::Fifo, _) => Auth::Fifo(self.offers_path.clone()),
+            (Style::Pipe, Some((read, write))) => Auth::Fds { read, write },
             (Style::Pipe, None) => unreachable!("pipe style exports descriptors"),
         };
-        let jobs = match self.flavor {
-            Flavor::Gnu => format!("-j{}", self.jobs),
-            Flavor::Bmake => format!("-j {}", self.jobs),
-        };
-        let mut flags = OsString::from(without_jobserver(
-            &makeflags.map(OsStr::to_string_lossy).unwrap_or_default(),
-        ));
-        if !flags.is_empty() {
-            flags.push(" ");
-        }
-        flags.push(format!("{jobs} {auth}"));
+        let flags = Jobserver::new(auth, self.flavor, Some(self.jobs)).makeflags(makeflags);
         let mut env = vec![("MAKEFLAGS", flags.clone())];
         if self.flavor == Flavor::Gnu {
             env.push(("CARGO_MAKEFLAGS", flags));
@@ -624,7 +490,10 @@ impl Bridge {
             // Nobody native is waiting: the whole free pool goes to the pipe.
             self.offer = None;
             while pool.free() > 0 && !self.queued {
-                if pool.try_acquire(id).is_err() {
+                // A denial (a load limit or a cap holds the token back)
+                // leaves the token free: stop rather than ask again.
+                let free = pool.free();
+                if pool.try_acquire(id).is_err() || pool.free() == free {
                     break;
                 }
             }
@@ -772,26 +641,5 @@ impl Drop for Bridge {
         if let Some(p) = &self.returns_path {
             let _ = std::fs::remove_file(p);
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::without_jobserver;
-
-    #[test]
-    fn outer_jobserver_flags_are_dropped() {
-        assert_eq!(without_jobserver(""), "");
-        assert_eq!(
-            without_jobserver("k -j3 --jobserver-auth=3,4 -- CC=gcc -j5"),
-            "k -- CC=gcc -j5"
-        );
-        assert_eq!(
-            without_jobserver(" -j 4 -J 15,16 .MAKE.LEVEL.ENV=MAKELEVEL"),
-            ".MAKE.LEVEL.ENV=MAKELEVEL"
-        );
-        assert_eq!(without_jobserver("-j --jobserver-fds=3,4 -s"), "-s");
-        assert_eq!(without_jobserver("-J3,4 -k"), "-k");
-        assert_eq!(without_jobserver("--jobserver-auth=fifo:/tmp/x -w"), "-w");
     }
 }

@@ -11,11 +11,13 @@ pub mod bridge;
 pub mod broker;
 pub mod classic;
 pub mod client;
+pub mod error;
 pub mod log;
 pub mod pool;
 pub mod protocol;
 pub mod rundir;
 pub mod stats;
 pub mod status;
+mod sync;
 
 pub use client::{Client, Token};

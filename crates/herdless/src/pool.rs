@@ -5,7 +5,7 @@
 //! release, disconnect, abort) together with the current time, and carries
 //! out the [`Effect`]s it returns: a grant becomes one write to one client.
 //! Nothing here reads a clock or touches a file descriptor, so every
-//! invariant of DESIGN §4 is checked by property tests (see the tests at the
+//! invariant of ARCHITECTURE §4 is checked by property tests (see the tests at the
 //! bottom of this file).
 //!
 //! # Tokens
@@ -34,6 +34,9 @@ use std::time::Duration;
 
 use crate::protocol::AbortReason;
 use crate::stats::Histogram;
+
+mod controls;
+pub use controls::Cap;
 
 /// A client's identity inside the pool; never reused during a pool's life.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -251,6 +254,7 @@ pub struct Pool {
     next_id: u64,
     stats: Stats,
     effects: Vec<Effect>,
+    controls: controls::Controls,
 }
 
 impl Pool {
@@ -267,6 +271,7 @@ impl Pool {
             next_id: 1,
             stats: Stats::default(),
             effects: Vec::new(),
+            controls: controls::Controls::default(),
         }
     }
 
@@ -319,11 +324,6 @@ impl Pool {
         &self.stats
     }
 
-    /// Connected clients, observers included.
-    pub fn client_count(&self) -> usize {
-        self.clients.len()
-    }
-
     /// Shared tokens held by `client`, plus one if it holds a slot.
     pub fn held_by(&self, client: ClientId) -> Option<u32> {
         self.clients
@@ -366,7 +366,7 @@ impl Pool {
     /// cannot lose a token, because a closed connection returns all of its.
     pub fn unaccounted(&self) -> i64 {
         let held: u64 = self.clients.values().map(|c| u64::from(c.pool_held)).sum();
-        i64::from(self.capacity) - i64::from(self.free) - held as i64
+        i64::from(self.capacity) + i64::from(self.retiring()) - i64::from(self.free) - held as i64
     }
 
     /// Every non-observer client's holdings, in connection order.
@@ -543,12 +543,17 @@ impl Pool {
         let client = self.client_mut(id)?;
         if client.pool_held > 0 {
             client.pool_held -= 1;
-            self.free += 1;
+            if !self.retire_returned() {
+                self.free += 1;
+            }
             self.dispatch_pool(now);
         } else if client.slot_held {
             client.slot_held = false;
             let key = client.info.borrows.expect("a slot holder names its slot");
             self.give_back_slot(key, now);
+            // A cap counts slots: one given back may let a capped waiter
+            // take a free shared token.
+            self.dispatch_pool(now);
         } else {
             return Err(PoolError::NotHolding(id));
         }
@@ -598,8 +603,13 @@ impl Pool {
                 self.queue.shrink_to_fit();
             }
         }
+        self.forget_controls_of(id);
         let mut reclaimed = client.pool_held;
-        self.free += client.pool_held;
+        for _ in 0..client.pool_held {
+            if !self.retire_returned() {
+                self.free += 1;
+            }
+        }
         // Its own job's slots go with it; one still lent goes when it is
         // given back.
         for key in &client.owns {
@@ -690,10 +700,11 @@ impl Pool {
             self.give(id, Source::Slot, false);
             return true;
         }
-        // A free shared token with waiters queued cannot happen (the
-        // no-idle-while-free invariant); check anyway so FIFO order is kept
-        // even if it ever did.
-        if self.free > 0 && self.queue.is_empty() {
+        // A free shared token with a waiter queued that may take it cannot
+        // happen (the no-idle-while-free invariant); check anyway so FIFO
+        // order is kept even if it ever did. Waiters held back by a cap or
+        // by admission do not keep a client that may take it from a token.
+        if self.free > 0 && self.may_take_shared(id) && self.first_eligible().is_none() {
             self.give(id, Source::Pool, false);
             return true;
         }
@@ -723,7 +734,7 @@ impl Pool {
         } else {
             self.stats.immediate += 1;
         }
-        let in_use = self.capacity - self.free + self.slots_in_use() as u32;
+        let in_use = self.shared_in_use() + self.slots_in_use() as u32;
         self.stats.max_in_use = self.stats.max_in_use.max(in_use);
         self.effects.push(Effect::Grant {
             client: id,
@@ -749,8 +760,11 @@ impl Pool {
         if self.aborted.is_some() || self.stopped {
             return;
         }
-        while self.free > 0 && !self.queue.is_empty() {
-            let id = self.dequeue_at(0, now);
+        while self.free > 0 {
+            let Some(pos) = self.first_eligible() else {
+                break;
+            };
+            let id = self.dequeue_at(pos, now);
             self.give(id, Source::Pool, true);
         }
     }
@@ -777,14 +791,22 @@ impl Pool {
     pub fn check_invariants(&self) -> Result<(), String> {
         // 1. Conservation of shared tokens.
         let held: u64 = self.clients.values().map(|c| u64::from(c.pool_held)).sum();
-        if u64::from(self.free) + held != u64::from(self.capacity) {
+        let retiring = self.retiring();
+        if u64::from(self.free) + held != u64::from(self.capacity) + u64::from(retiring) {
             return Err(format!(
-                "conservation: free {} + held {held} != capacity {}",
+                "conservation: free {} + held {held} != capacity {} + retiring {retiring}",
                 self.free, self.capacity
             ));
         }
-        // 3. No idle-while-free.
-        if self.free > 0 && !self.queue.is_empty() {
+        if retiring > 0 && self.free > 0 {
+            return Err(format!(
+                "{} tokens free while a shrink waits for {retiring}",
+                self.free
+            ));
+        }
+        // 3. No idle-while-free: no waiter that may take a shared token
+        // (not held back by a cap or by admission) waits while one is free.
+        if self.free > 0 && self.first_eligible().is_some() {
             return Err(format!(
                 "{} waiters queued while {} tokens are free",
                 self.queue.len(),

@@ -1,4 +1,5 @@
-//! The wire format between native clients and the broker (version 1).
+//! The wire format between native clients and the broker (versions 1 and
+//! 2; version 2 adds [`Request::Control`] and [`Reply::Controlled`]).
 //!
 //! Every message is one frame: a 5-byte header (`len: u32` little-endian, the
 //! payload length, then `kind: u8`) followed by `len` payload bytes. Frames
@@ -21,7 +22,18 @@ use bitflags::bitflags;
 
 /// The protocol version this module speaks, sent in [`Request::Hello`] and
 /// [`Reply::Welcome`].
-pub const PROTOCOL_VERSION: u16 = 2;
+///
+/// Version 3 names the slot a job may borrow (`HERDLESS_SLOT`) in `Hello`
+/// and the slot minted for the client's own job in `Welcome`. Versions 1
+/// and 2 named the client's parent by process id, which the broker no
+/// longer trusts; their `Hello` is decoded only to be refused by version.
+pub const PROTOCOL_VERSION: u16 = 3;
+
+/// The lowest version with [`Request::Control`] and [`Reply::Controlled`]
+/// (they came with version 2). A broker speaks every version from
+/// [`PROTOCOL_VERSION`] to this one and answers `Welcome` with the version
+/// the client asked for; today that is version 3 alone.
+pub const CONTROL_VERSION: u16 = 3;
 
 /// The first four payload bytes of [`Request::Hello`].
 pub const MAGIC: [u8; 4] = *b"HRDL";
@@ -40,7 +52,8 @@ pub const MAX_ERROR_MESSAGE: usize = 1024;
 
 /// The `kind` byte of each frame.
 ///
-/// Requests use `0x01..=0x07`, replies `0x81..=0x87`; each decoder knows
+/// Requests use `0x01..=0x08`, replies `0x81..=0x88` (`0x08` and `0x88`
+/// from version 2); each decoder knows
 /// only its own direction's kinds.
 pub mod kind {
     /// [`Request::Hello`](super::Request::Hello).
@@ -57,6 +70,8 @@ pub mod kind {
     pub const ABORT: u8 = 0x06;
     /// [`Request::Status`](super::Request::Status).
     pub const STATUS: u8 = 0x07;
+    /// [`Request::Control`](super::Request::Control) (version 2).
+    pub const CONTROL: u8 = 0x08;
 
     /// [`Reply::Welcome`](super::Reply::Welcome).
     pub const WELCOME: u8 = 0x81;
@@ -72,15 +87,19 @@ pub mod kind {
     pub const STATUS_REPLY: u8 = 0x86;
     /// [`Reply::Error`](super::Reply::Error).
     pub const ERROR: u8 = 0x87;
+    /// [`Reply::Controlled`](super::Reply::Controlled) (version 2).
+    pub const CONTROLLED: u8 = 0x88;
 }
 
 /// Payload length of `Hello`: magic, version, flags, pid, slot.
 const HELLO_LEN: usize = 4 + 2 + 1 + 4 + 8;
-/// Payload length of a version 1 `Hello` (magic, version, flags, pid,
+/// Payload length of a version 1 or 2 `Hello` (magic, version, flags, pid,
 /// ppid): decoded only so that the broker can refuse it by its version.
-const HELLO_V1_LEN: usize = 4 + 2 + 1 + 4 + 4;
+const HELLO_OLD_LEN: usize = 4 + 2 + 1 + 4 + 4;
 /// Payload length of `Welcome`: version, capacity, client id, slot.
 const WELCOME_LEN: usize = 2 + 4 + 8 + 8;
+/// `Control`: op, pid, value.
+const CONTROL_LEN: usize = 1 + 4 + 4;
 
 bitflags! {
     /// The flags byte of [`Request::Hello`].
@@ -176,6 +195,29 @@ pub enum Request {
     },
     /// Ask for the broker's state; answered by `Status`.
     Status,
+    /// Change the running pool (version 2 only); answered by `Controlled`.
+    Control(ControlOp),
+}
+
+/// What a [`Request::Control`] changes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ControlOp {
+    /// Make the pool `-j jobs`: grow at once, shrink as tokens come back.
+    SetJobs(u32),
+    /// Let the subtree of process `pid` hold at most `max` shared tokens at
+    /// once; `None` lifts the cap.
+    Cap {
+        /// The process whose subtree (itself and every descendant) is capped.
+        pid: u32,
+        /// The most shared tokens, or `None` for no cap.
+        max: Option<u32>,
+    },
+}
+
+impl ControlOp {
+    const SET_JOBS: u8 = 1;
+    const CAP: u8 = 2;
+    const UNCAP: u8 = 3;
 }
 
 /// A frame from broker to client.
@@ -221,6 +263,8 @@ pub enum Reply {
         /// Why, in at most [`MAX_ERROR_MESSAGE`] bytes.
         message: String,
     },
+    /// The answer to `Control`: the change is made (version 2).
+    Controlled,
 }
 
 /// Why bytes are not a valid frame.
@@ -272,6 +316,16 @@ pub enum ProtocolError {
         /// The byte found.
         byte: u8,
     },
+    /// A `Control` whose op byte is unknown, or whose unused field is not 0.
+    #[error("control op {op:#04x} with pid {pid} and value {value} is not defined")]
+    BadControl {
+        /// The op byte.
+        op: u8,
+        /// The pid field.
+        pid: u32,
+        /// The value field.
+        value: u32,
+    },
     /// A string payload that is not UTF-8.
     #[error("frame of kind {kind:#04x} has a payload that is not valid utf-8")]
     BadUtf8 {
@@ -291,6 +345,7 @@ impl Request {
             Request::Release => kind::RELEASE,
             Request::Abort { .. } => kind::ABORT,
             Request::Status => kind::STATUS,
+            Request::Control(_) => kind::CONTROL,
         }
     }
 
@@ -304,6 +359,7 @@ impl Request {
             Request::Release => "Release",
             Request::Abort { .. } => "Abort",
             Request::Status => "Status",
+            Request::Control(_) => "Control",
         }
     }
 
@@ -336,6 +392,20 @@ impl Request {
                 put_header(out, self.kind(), 1);
                 out.push(reason.byte());
             }
+            Request::Control(op) => {
+                let (code, pid, value) = match *op {
+                    ControlOp::SetJobs(jobs) => (ControlOp::SET_JOBS, 0, jobs),
+                    ControlOp::Cap {
+                        pid,
+                        max: Some(max),
+                    } => (ControlOp::CAP, pid, max),
+                    ControlOp::Cap { pid, max: None } => (ControlOp::UNCAP, pid, 0),
+                };
+                put_header(out, self.kind(), CONTROL_LEN);
+                out.push(code);
+                out.extend_from_slice(&pid.to_le_bytes());
+                out.extend_from_slice(&value.to_le_bytes());
+            }
         }
     }
 }
@@ -357,6 +427,7 @@ impl Reply {
             Reply::Aborted { .. } => kind::ABORTED,
             Reply::Status { .. } => kind::STATUS_REPLY,
             Reply::Error { .. } => kind::ERROR,
+            Reply::Controlled => kind::CONTROLLED,
         }
     }
 
@@ -370,6 +441,7 @@ impl Reply {
             Reply::Aborted { .. } => "Aborted",
             Reply::Status { .. } => "Status",
             Reply::Error { .. } => "Error",
+            Reply::Controlled => "Controlled",
         }
     }
 
@@ -395,7 +467,7 @@ impl Reply {
                 out.extend_from_slice(&client_id.to_le_bytes());
                 out.extend_from_slice(&slot.to_le_bytes());
             }
-            Reply::Grant | Reply::Denied => put_header(out, self.kind(), 0),
+            Reply::Grant | Reply::Denied | Reply::Controlled => put_header(out, self.kind(), 0),
             Reply::Cancelled { cancelled } => {
                 put_header(out, self.kind(), 1);
                 out.push(u8::from(*cancelled));
@@ -460,6 +532,7 @@ fn request_payload_len(kind: u8) -> Option<usize> {
         kind::HELLO => Some(HELLO_LEN),
         kind::ACQUIRE | kind::TRY_ACQUIRE | kind::CANCEL | kind::RELEASE | kind::STATUS => Some(0),
         kind::ABORT => Some(1),
+        kind::CONTROL => Some(CONTROL_LEN),
         _ => None,
     }
 }
@@ -473,7 +546,7 @@ enum ReplyLen {
 fn reply_payload_len(kind: u8) -> Option<ReplyLen> {
     match kind {
         kind::WELCOME => Some(ReplyLen::Exact(WELCOME_LEN)),
-        kind::GRANT | kind::DENIED => Some(ReplyLen::Exact(0)),
+        kind::GRANT | kind::DENIED | kind::CONTROLLED => Some(ReplyLen::Exact(0)),
         kind::CANCELLED | kind::ABORTED => Some(ReplyLen::Exact(1)),
         kind::STATUS_REPLY => Some(ReplyLen::AtMost(MAX_REPLY_PAYLOAD)),
         kind::ERROR => Some(ReplyLen::AtMost(MAX_ERROR_MESSAGE)),
@@ -531,8 +604,8 @@ pub fn decode_request(buf: &[u8]) -> Result<Option<(Request, usize)>, ProtocolEr
     }
     let expected = request_payload_len(kind).ok_or(ProtocolError::UnknownKind(kind))?;
     // A version 1 hello is read far enough to be refused by its version.
-    let hello_v1 = kind == kind::HELLO && len == HELLO_V1_LEN;
-    if len != expected && !hello_v1 {
+    let hello_old = kind == kind::HELLO && len == HELLO_OLD_LEN;
+    if len != expected && !hello_old {
         return Err(ProtocolError::BadLength {
             kind,
             len,
@@ -544,8 +617,8 @@ pub fn decode_request(buf: &[u8]) -> Result<Option<(Request, usize)>, ProtocolEr
         return Ok(None);
     };
     let request = match kind {
-        kind::HELLO if hello_v1 => {
-            let p = fixed::<HELLO_V1_LEN>(kind, payload)?;
+        kind::HELLO if hello_old => {
+            let p = fixed::<HELLO_OLD_LEN>(kind, payload)?;
             let magic = [p[0], p[1], p[2], p[3]];
             if magic != MAGIC {
                 return Err(ProtocolError::BadMagic(magic));
@@ -584,6 +657,20 @@ pub fn decode_request(buf: &[u8]) -> Result<Option<(Request, usize)>, ProtocolEr
             }
         }
         kind::STATUS => Request::Status,
+        kind::CONTROL => {
+            let p = fixed::<CONTROL_LEN>(kind, payload)?;
+            let pid = u32::from_le_bytes([p[1], p[2], p[3], p[4]]);
+            let value = u32::from_le_bytes([p[5], p[6], p[7], p[8]]);
+            Request::Control(match p[0] {
+                ControlOp::SET_JOBS if pid == 0 => ControlOp::SetJobs(value),
+                ControlOp::CAP => ControlOp::Cap {
+                    pid,
+                    max: Some(value),
+                },
+                ControlOp::UNCAP if value == 0 => ControlOp::Cap { pid, max: None },
+                op => return Err(ProtocolError::BadControl { op, pid, value }),
+            })
+        }
         _ => return Err(ProtocolError::UnknownKind(kind)),
     };
     Ok(Some((request, end)))
@@ -642,6 +729,7 @@ pub fn decode_reply(buf: &[u8]) -> Result<Option<(Reply, usize)>, ProtocolError>
             }
         }
         kind::GRANT => Reply::Grant,
+        kind::CONTROLLED => Reply::Controlled,
         kind::DENIED => Reply::Denied,
         kind::CANCELLED => {
             let [byte] = *fixed::<1>(kind, payload)?;
@@ -1058,13 +1146,13 @@ mod tests {
 
     #[test]
     fn unknown_kinds_are_rejected_from_the_header() {
-        for kind in [0x00, 0x08, 0x7f, 0x80, 0x81, 0x87, 0xff] {
+        for kind in [0x00, 0x09, 0x7f, 0x80, 0x81, 0x87, 0x88, 0xff] {
             assert_eq!(
                 decode_request(&[0, 0, 0, 0, kind]),
                 Err(ProtocolError::UnknownKind(kind))
             );
         }
-        for kind in [0x00, 0x01, 0x07, 0x80, 0x88, 0xff] {
+        for kind in [0x00, 0x01, 0x08, 0x80, 0x89, 0xff] {
             assert_eq!(
                 decode_reply(&[0, 0, 0, 0, kind]),
                 Err(ProtocolError::UnknownKind(kind))
@@ -1089,7 +1177,7 @@ mod tests {
         ];
         for (kind, expected) in fixed {
             for len in 0..=MAX_REQUEST_PAYLOAD {
-                if len == expected || (kind == kind::HELLO && len == HELLO_V1_LEN) {
+                if len == expected || (kind == kind::HELLO && len == HELLO_OLD_LEN) {
                     continue;
                 }
                 let header = [len as u8, 0, 0, 0, kind];

@@ -4,8 +4,10 @@
 //! process can wait for a byte on a shared pipe ([`wait`]), a wake-one word in
 //! shared memory ([`SharedWord`]), peer credentials of a Unix socket
 //! ([`peer_cred`]), wake-up counting ([`process_ctx_switches`],
-//! [`self_rusage`]), a clock shared by all processes ([`monotonic`]) and
-//! kernel capability detection ([`capabilities`]).
+//! [`self_rusage`]), a clock shared by all processes ([`monotonic`]),
+//! kernel capability detection ([`capabilities`]), the process table
+//! ([`ProcessTable`], [`process_state`], [`sched_count`]) and questions about
+//! a descriptor ([`fd_path`], [`access_mode`], [`is_nonblocking`]).
 //!
 //! # Backends
 //!
@@ -64,10 +66,13 @@ compile_error!("herdless-platform does not support this OS");
 mod caps;
 mod clock;
 mod cred;
+mod fair_wait;
 mod kernel;
 mod pipe;
+mod process;
 mod shared_word;
 mod signal;
+mod system;
 mod usage;
 pub mod wait;
 
@@ -75,9 +80,16 @@ pub use caps::{capabilities, Capabilities};
 pub use clock::monotonic;
 pub use cred::{peer_cred, PeerCred};
 pub use kernel::{kernel, parse_release, Kernel};
-pub use pipe::{bytes_readable, pipe_cloexec};
+pub use pipe::{access_mode, bytes_readable, fd_path, is_nonblocking, pipe_cloexec};
+pub use process::{
+    current_tid, die_with_parent, parse_stat, process_state, sched_count, thread_cpu_ns,
+    ProcessTable, SchedCount,
+};
 pub use shared_word::SharedWord;
 pub use signal::{sent_by_kernel, signal_ignored};
+pub use system::{
+    available_memory, listen_fds, load_average, parent_of, parse_meminfo, parse_stat_ppid,
+};
 pub use usage::{
     children_rusage, process_ctx_switches, process_ctx_switches_all_threads, self_rusage,
     CtxSwitches, Usage,

@@ -1,7 +1,10 @@
 //! Questions about a pipe that only an `ioctl` answers.
 
 use std::io;
-use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
+use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd, RawFd};
+use std::path::PathBuf;
+
+use nix::fcntl::{fcntl, FcntlArg, OFlag};
 
 /// `ioctl(fd, FIONREAD)`: how many bytes wait unread in the pipe or FIFO
 /// behind `fd` (or in a socket's receive buffer).
@@ -61,6 +64,40 @@ pub fn pipe_cloexec(nonblocking: bool) -> io::Result<(OwnedFd, OwnedFd)> {
         }
         Ok((r, w))
     }
+}
+
+/// The path through which this process can open its own descriptor `fd`
+/// again: `/proc/self/fd/N` on Linux (which opens the pipe itself, a new
+/// open file description), `/dev/fd/N` elsewhere (on FreeBSD, fdescfs must
+/// be mounted there for numbers above 2; the BSDs and macOS give back the
+/// same description).
+pub fn fd_path(fd: RawFd) -> PathBuf {
+    if cfg!(target_os = "linux") {
+        PathBuf::from(format!("/proc/self/fd/{fd}"))
+    } else {
+        PathBuf::from(format!("/dev/fd/{fd}"))
+    }
+}
+
+/// How this process's descriptor `fd` was opened: `O_RDONLY`, `O_WRONLY` or
+/// `O_RDWR`, from `/proc/self/fdinfo` (Linux only; `None` elsewhere or when
+/// unreadable).
+pub fn access_mode(fd: RawFd) -> Option<OFlag> {
+    if !cfg!(target_os = "linux") {
+        return None;
+    }
+    let info = std::fs::read_to_string(format!("/proc/self/fdinfo/{fd}")).ok()?;
+    let flags = info
+        .lines()
+        .find_map(|l| l.strip_prefix("flags:"))
+        .and_then(|v| i32::from_str_radix(v.trim(), 8).ok())?;
+    Some(OFlag::from_bits_retain(flags) & OFlag::O_ACCMODE)
+}
+
+/// Whether the open file description behind `fd` is non-blocking.
+pub fn is_nonblocking(fd: BorrowedFd<'_>) -> io::Result<bool> {
+    let flags = OFlag::from_bits_retain(fcntl(fd, FcntlArg::F_GETFL)?);
+    Ok(flags.contains(OFlag::O_NONBLOCK))
 }
 
 #[cfg(test)]

@@ -3,7 +3,8 @@
 //!
 //! A job-token pipe is shared by many processes. How many of them one
 //! written byte wakes depends on how they wait; [`Mode`] names each way and
-//! [`PipeWaiter`] waits in it. DESIGN.md section 2 has the measured counts.
+//! [`PipeWaiter`] waits in it; docs/ARCHITECTURE.md §2 has the measured
+//! counts. [`FairWait`] is the one wait a jobserver client makes.
 //!
 //! The readiness modes (poll, select, epoll, kqueue) only learn that the
 //! pipe is *probably* readable: by the time the woken process reads, another
@@ -39,6 +40,7 @@ use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 use nix::sys::select::{select, FdSet, FD_SETSIZE};
 use nix::sys::stat::fstat;
 
+pub use crate::fair_wait::FairWait;
 use crate::kernel::{kernel, Kernel};
 use crate::sys;
 
@@ -230,6 +232,10 @@ pub enum Woken {
     Readable,
     /// `BlockingRead` mode read this byte: the caller now holds it.
     Claimed(u8),
+    /// The deadline passed ([`FairWait`] only).
+    TimedOut,
+    /// A signal arrived (`EINTR`; [`FairWait`] only).
+    Interrupted,
 }
 
 /// Waits on the read end of a shared pipe in one [`Mode`].

@@ -59,7 +59,8 @@ fn signals_interrupt_only_the_interruptible_waits() {
                 let woken = waiter.wait().unwrap();
                 let byte = match woken {
                     Woken::Claimed(b) => b,
-                    Woken::Readable => loop {
+                    other => loop {
+                        assert_eq!(other, Woken::Readable, "{mode}: wait() has no deadline");
                         if let Some(b) = waiter.try_claim().unwrap() {
                             break b;
                         }

@@ -1,7 +1,13 @@
-//! Finding a classic jobserver in the environment.
+//! The classic jobserver's vocabulary: how it is named in the environment
+//! ([`Jobserver::parse`] reads `MAKEFLAGS`, [`Jobserver::makeflags`] writes
+//! it, [`without_jobserver`] strips an outer make's flags), whose
+//! conventions apply ([`Flavor`]), how its tokens are reached ([`Style`],
+//! [`Auth`]), and which programs take part ([`Program`]). The bridge, the
+//! client and the command line all use these.
 //!
-//! Pure parsing: nothing here opens or checks a descriptor (that is
-//! [`super::pipe`]). The forms understood, as the programs write them:
+//! Pure parsing and writing: nothing here opens or checks a descriptor
+//! (that is the `pipe` module). The forms understood, as the programs write
+//! them:
 //!
 //! | writer                       | example                                          |
 //! |------------------------------|--------------------------------------------------|
@@ -21,7 +27,7 @@ use std::os::fd::RawFd;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 
-use crate::client::{Error, ErrorKind, Result};
+use crate::error::{Error, ErrorKind, Result};
 
 /// The variables that may name a jobserver, in order of preference: the
 /// first one that names one wins, as in the `jobserver` crate (cargo sets
@@ -55,6 +61,128 @@ pub enum Flavor {
     /// bmake (`-J`): `+` is a token; `E` (a job failed) and `I` (interrupted)
     /// are abort tokens that stop the whole tree.
     Bmake,
+}
+
+impl Flavor {
+    /// Every flavour, in the order the command line lists them.
+    pub const ALL: [Flavor; 2] = [Flavor::Gnu, Flavor::Bmake];
+
+    /// The flavour's name on the command line and in status: `gnu` or
+    /// `bmake`.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Flavor::Gnu => "gnu",
+            Flavor::Bmake => "bmake",
+        }
+    }
+
+    /// bmake's conventions for a command that is a bmake ([`Program`]),
+    /// GNU make's otherwise.
+    pub fn for_command(program: &OsStr) -> Flavor {
+        Program::of(program).map_or(Flavor::Gnu, Program::flavor)
+    }
+}
+
+impl std::str::FromStr for Flavor {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Flavor, String> {
+        Flavor::ALL
+            .into_iter()
+            .find(|v| v.name() == s)
+            .ok_or_else(|| format!("unknown jobserver flavour {s:?} (gnu or bmake)"))
+    }
+}
+
+/// How classic clients reach the tokens of a jobserver that herdless makes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Style {
+    /// Inherited descriptors `R,W`: every classic client reads these.
+    Pipe,
+    /// A named FIFO (`fifo:PATH`): GNU make 4.4 and later only.
+    Fifo,
+}
+
+impl Style {
+    /// Every style, in the order the command line lists them.
+    pub const ALL: [Style; 2] = [Style::Pipe, Style::Fifo];
+
+    /// The style's name: `pipe` or `fifo`.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Style::Pipe => "pipe",
+            Style::Fifo => "fifo",
+        }
+    }
+}
+
+impl std::str::FromStr for Style {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Style, String> {
+        Style::ALL
+            .into_iter()
+            .find(|v| v.name() == s)
+            .ok_or_else(|| format!("unknown jobserver style {s:?} (pipe or fifo)"))
+    }
+}
+
+/// A program that takes part in a jobserver, known by its command name
+/// (the file name of `argv[0]`, or the kernel's `comm`), case-insensitive.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Program {
+    /// `make`, `gmake`, `gnumake`, any other `*make` and `make-*` that is
+    /// not a bmake: GNU make's conventions.
+    GnuMake,
+    /// `bmake`, `bsdmake`, `pmake`: bmake's `-J` and abort tokens.
+    Bmake,
+    /// `ninja` and its rewrite `samu`.
+    Ninja,
+    /// `cargo`.
+    Cargo,
+    /// `rustc`, which reads the jobserver for its own threads.
+    Rustc,
+    /// `herdless` itself (`herdless exec` holds a job's slot for its
+    /// command).
+    Herdless,
+}
+
+impl Program {
+    /// The program a command name (or path) names, if it is one of these.
+    pub fn of(command: &OsStr) -> Option<Program> {
+        let name = Path::new(command).file_name()?.to_string_lossy();
+        let name = name.trim().to_ascii_lowercase();
+        Some(match name.as_str() {
+            "bmake" | "bsdmake" | "pmake" => Program::Bmake,
+            "ninja" | "samu" => Program::Ninja,
+            "cargo" => Program::Cargo,
+            "rustc" => Program::Rustc,
+            "herdless" => Program::Herdless,
+            n if n.ends_with("make") || n.starts_with("make-") => Program::GnuMake,
+            _ => return None,
+        })
+    }
+
+    /// Whose conventions its jobserver flags follow.
+    pub fn flavor(self) -> Flavor {
+        match self {
+            Program::Bmake => Flavor::Bmake,
+            _ => Flavor::Gnu,
+        }
+    }
+
+    /// Whether it is a classic jobserver client: it takes tokens from the
+    /// pipe named in `MAKEFLAGS` from the start.
+    pub fn reads_jobserver(self) -> bool {
+        self != Program::Herdless
+    }
+
+    /// Whether it starts each job it runs in a job slot of its own (a make,
+    /// ninja, cargo, or `herdless exec` for its command); rustc runs
+    /// threads, not jobs.
+    pub fn runs_each_job_in_a_slot(self) -> bool {
+        self != Program::Rustc
+    }
 }
 
 impl fmt::Display for Flavor {
@@ -131,115 +259,65 @@ impl Jobserver {
     ///
     /// `BadJobserver` when the winning option cannot be read.
     pub fn parse(var: &'static str, value: &OsStr) -> Result<Option<Jobserver>> {
-        let words = split_words(value.as_bytes());
-        let mut found: Option<(Vec<u8>, Flavor, Vec<u8>)> = None;
-        let mut jobs = None;
-        let mut i = 0;
-        while i < words.len() {
-            let w = &words[i];
-            i += 1;
-            if w.as_slice() == b"--" {
-                break;
-            }
-            if let Some(rest) = w.strip_prefix(b"--") {
-                for name in [&b"jobserver-auth="[..], b"jobserver-fds="] {
-                    if let Some(arg) = rest.strip_prefix(name) {
-                        found = Some((w.clone(), Flavor::Gnu, arg.to_vec()));
-                    }
-                }
-                if let Some(n) = rest.strip_prefix(b"jobs=") {
-                    jobs = parse_u32(n).or(jobs);
-                } else if rest == b"jobs" {
-                    if let Some(n) = words.get(i).and_then(|n| parse_u32(n)) {
-                        jobs = Some(n);
-                        i += 1;
-                    }
-                }
-                continue;
-            }
-            // A cluster of short options: "-j4", "-kJ 3,4", and GNU make's
-            // first word, which has no dash ("k", "ks").
-            let cluster = match w.strip_prefix(b"-") {
-                Some(c) => c,
-                None if i == 1 && !w.is_empty() && w.iter().all(u8::is_ascii_alphanumeric) => w,
-                None => continue,
-            };
-            let mut k = 0;
-            while k < cluster.len() {
-                let letter = cluster[k];
-                let rest = &cluster[k + 1..];
-                k += 1;
-                match letter {
-                    b'J' => {
-                        let arg = if rest.is_empty() {
-                            let next = words.get(i).cloned().unwrap_or_default();
-                            i += 1;
-                            next
-                        } else {
-                            rest.to_vec()
-                        };
-                        let mut option = b"-J ".to_vec();
-                        option.extend_from_slice(&arg);
-                        found = Some((option, Flavor::Bmake, arg));
-                        break;
-                    }
-                    b'j' => {
-                        if rest.is_empty() {
-                            if let Some(n) = words.get(i).and_then(|n| parse_u32(n)) {
-                                jobs = Some(n);
-                                i += 1;
-                            }
-                        } else {
-                            jobs = parse_u32(rest).or(jobs);
-                        }
-                        break;
-                    }
-                    // Letters that take an argument in GNU make or bmake: the
-                    // rest of the word, or the next word when it does not
-                    // look like an option, is that argument.
-                    b'C' | b'D' | b'I' | b'T' | b'V' | b'd' | b'f' | b'm' | b'v' | b'o' | b'O'
-                    | b'l' | b'L' | b'W' => {
-                        if rest.is_empty()
-                            && letter != b'O'
-                            && words.get(i).is_some_and(|n| !n.starts_with(b"-"))
-                        {
-                            i += 1;
-                        }
-                        break;
-                    }
-                    _ => {}
-                }
-            }
-        }
-        let Some((option, flavor, arg)) = found else {
+        let mut scan = Scan::default();
+        scan.words(&split_words(value.as_bytes()));
+        let Some((option, flavor, arg)) = scan.found else {
             return Ok(None);
         };
         let option = String::from_utf8_lossy(&option).into_owned();
-        let auth = parse_auth(&arg).ok_or_else(|| {
+        let malformed = |expected: &str| {
             Error::new(
                 ErrorKind::BadJobserver,
-                format!(
-                    "{var} has a malformed jobserver option {option:?}: expected {}",
-                    match flavor {
-                        Flavor::Gnu => "R,W (two descriptor numbers) or fifo:PATH",
-                        Flavor::Bmake => "R,W (two descriptor numbers)",
-                    }
-                ),
+                format!("{var} has a malformed jobserver option {option:?}: {expected}"),
             )
+        };
+        let auth = parse_auth(&arg).ok_or_else(|| {
+            malformed(match flavor {
+                Flavor::Gnu => "expected R,W (two descriptor numbers) or fifo:PATH",
+                Flavor::Bmake => "expected R,W (two descriptor numbers)",
+            })
         })?;
         if flavor == Flavor::Bmake && matches!(auth, Auth::Fifo(_)) {
-            return Err(Error::new(
-                ErrorKind::BadJobserver,
-                format!("{var} has a malformed jobserver option {option:?}: bmake's -J takes R,W, not a fifo"),
-            ));
+            return Err(malformed("bmake's -J takes R,W, not a fifo"));
         }
         Ok(Some(Jobserver {
             var,
             option,
             auth,
             flavor,
-            jobs,
+            jobs: scan.jobs,
         }))
+    }
+
+    /// `MAKEFLAGS` for a child: `existing` without an outer make's job
+    /// count and jobserver flags ([`without_jobserver`]), with this
+    /// jobserver's `-j` (when known) and option in its flavour's spelling
+    /// (`-jN --jobserver-auth=R,W` or `fifo:PATH` for GNU make, `-j N -J
+    /// R,W` for bmake) after the other options and before the variable
+    /// definitions that follow a `--`.
+    pub fn makeflags(&self, existing: Option<&OsStr>) -> std::ffi::OsString {
+        let kept = without_jobserver(&existing.map(OsStr::to_string_lossy).unwrap_or_default());
+        // Options go before a `--` word: what follows it are variable
+        // definitions, which no make reads options from.
+        let (options, definitions) = match kept.split(' ').position(|w| w == "--") {
+            Some(i) => {
+                let words: Vec<&str> = kept.split(' ').collect();
+                (words[..i].join(" "), Some(words[i..].join(" ")))
+            }
+            None => (kept.clone(), None),
+        };
+        let mut words: Vec<String> = Vec::new();
+        if !options.is_empty() {
+            words.push(options);
+        }
+        match (self.jobs, self.flavor) {
+            (Some(n), Flavor::Gnu) => words.push(format!("-j{n}")),
+            (Some(n), Flavor::Bmake) => words.push(format!("-j {n}")),
+            (None, _) => {}
+        }
+        words.push(self.option.clone());
+        words.extend(definitions);
+        words.join(" ").into()
     }
 
     /// The variable it was found in (`"MAKEFLAGS"`), or `""` for one made
@@ -302,6 +380,36 @@ impl fmt::Display for Jobserver {
     }
 }
 
+/// `MAKEFLAGS` without the job-count and jobserver flags of an outer
+/// make (`-jN`, `-j N`, `--jobserver-auth=…`, `--jobserver-fds=…`, bmake's
+/// `-J R,W`), so a tree sees only the jobserver it is given; everything
+/// else, and the variable definitions after `--`, is kept as it was.
+pub fn without_jobserver(makeflags: &str) -> String {
+    let numeric = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    let mut kept: Vec<&str> = Vec::new();
+    let mut words = makeflags.split(' ').filter(|w| !w.is_empty()).peekable();
+    while let Some(w) = words.next() {
+        if w == "--" {
+            kept.push(w);
+            kept.extend(words.by_ref());
+            break;
+        }
+        match w {
+            // The value may be the next word (bmake writes `-j 4`).
+            "-j" | "-J" => {
+                if words.peek().is_some_and(|v| numeric(v) || v.contains(',')) {
+                    words.next();
+                }
+            }
+            _ if w.starts_with("--jobserver-auth=") || w.starts_with("--jobserver-fds=") => {}
+            _ if w.starts_with("-j") && numeric(&w[2..]) => {}
+            _ if w.starts_with("-J") && w[2..].contains(',') => {}
+            _ => kept.push(w),
+        }
+    }
+    kept.join(" ")
+}
+
 /// `R,W` with both numbers non-negative, negative numbers (disabled), or
 /// `fifo:PATH`.
 fn parse_auth(arg: &[u8]) -> Option<Auth> {
@@ -327,6 +435,105 @@ fn parse_u32(s: &[u8]) -> Option<u32> {
         return None;
     }
     std::str::from_utf8(s).ok()?.parse().ok()
+}
+
+/// What the words of one variable say: the last jobserver option (as
+/// written, its flavour, its argument) and the last `-j` count.
+#[derive(Default)]
+struct Scan {
+    found: Option<(Vec<u8>, Flavor, Vec<u8>)>,
+    jobs: Option<u32>,
+}
+
+impl Scan {
+    /// Reads the words up to a `--` (after which come variable
+    /// definitions).
+    fn words(&mut self, words: &[Vec<u8>]) {
+        let mut i = 0;
+        while i < words.len() {
+            let w = &words[i];
+            i += 1;
+            if w.as_slice() == b"--" {
+                break;
+            }
+            if let Some(rest) = w.strip_prefix(b"--") {
+                i += self.long_option(w, rest, words.get(i));
+                continue;
+            }
+            // A cluster of short options: "-j4", "-kJ 3,4", and GNU make's
+            // first word, which has no dash ("k", "ks").
+            let cluster = match w.strip_prefix(b"-") {
+                Some(c) => c,
+                None if i == 1 && !w.is_empty() && w.iter().all(u8::is_ascii_alphanumeric) => w,
+                None => continue,
+            };
+            i += self.short_options(cluster, words.get(i));
+        }
+    }
+
+    /// `--jobserver-auth=`, `--jobserver-fds=`, `--jobs=N` or `--jobs N`;
+    /// returns how many following words it took (0 or 1).
+    fn long_option(&mut self, word: &[u8], rest: &[u8], next: Option<&Vec<u8>>) -> usize {
+        for name in [&b"jobserver-auth="[..], b"jobserver-fds="] {
+            if let Some(arg) = rest.strip_prefix(name) {
+                self.found = Some((word.to_vec(), Flavor::Gnu, arg.to_vec()));
+            }
+        }
+        if let Some(n) = rest.strip_prefix(b"jobs=") {
+            self.jobs = parse_u32(n).or(self.jobs);
+        } else if rest == b"jobs" {
+            if let Some(n) = next.and_then(|n| parse_u32(n)) {
+                self.jobs = Some(n);
+                return 1;
+            }
+        }
+        0
+    }
+
+    /// A cluster of one-letter options; returns how many following words
+    /// it took as an argument (0 or 1).
+    fn short_options(&mut self, cluster: &[u8], next: Option<&Vec<u8>>) -> usize {
+        for (k, &letter) in cluster.iter().enumerate() {
+            let rest = &cluster[k + 1..];
+            match letter {
+                b'J' => {
+                    let (arg, took) = match rest.is_empty() {
+                        true => (next.cloned().unwrap_or_default(), 1),
+                        false => (rest.to_vec(), 0),
+                    };
+                    let mut option = b"-J ".to_vec();
+                    option.extend_from_slice(&arg);
+                    self.found = Some((option, Flavor::Bmake, arg));
+                    return took;
+                }
+                b'j' => {
+                    if !rest.is_empty() {
+                        self.jobs = parse_u32(rest).or(self.jobs);
+                        return 0;
+                    }
+                    return match next.and_then(|n| parse_u32(n)) {
+                        Some(n) => {
+                            self.jobs = Some(n);
+                            1
+                        }
+                        None => 0,
+                    };
+                }
+                // Letters that take an argument in GNU make or bmake: the
+                // rest of the word, or the next word when it does not look
+                // like an option, is that argument.
+                b'C' | b'D' | b'I' | b'T' | b'V' | b'd' | b'f' | b'm' | b'v' | b'o' | b'O'
+                | b'l' | b'L' | b'W' => {
+                    let takes_next = rest.is_empty()
+                        && letter != b'O'
+                        && next.is_some_and(|n| !n.starts_with(b"-"));
+                    return usize::from(takes_next);
+                }
+                _ => {}
+            }
+        }
+        0
+    }
 }
 
 /// Splits at unescaped blanks; a backslash keeps the next byte as it is.
@@ -361,6 +568,91 @@ fn split_words(s: &[u8]) -> Vec<Vec<u8>> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn outer_jobserver_flags_are_dropped() {
+        assert_eq!(without_jobserver(""), "");
+        assert_eq!(
+            without_jobserver("k -j3 --jobserver-auth=3,4 -- CC=gcc -j5"),
+            "k -- CC=gcc -j5"
+        );
+        assert_eq!(
+            without_jobserver(" -j 4 -J 15,16 .MAKE.LEVEL.ENV=MAKELEVEL"),
+            ".MAKE.LEVEL.ENV=MAKELEVEL"
+        );
+        assert_eq!(without_jobserver("-j --jobserver-fds=3,4 -s"), "-s");
+        assert_eq!(without_jobserver("-J3,4 -k"), "-k");
+        assert_eq!(without_jobserver("--jobserver-auth=fifo:/tmp/x -w"), "-w");
+    }
+
+    #[test]
+    fn makeflags_written_are_read_back() {
+        let cases = [
+            (
+                Auth::Fds { read: 3, write: 4 },
+                Flavor::Gnu,
+                "k -- X=1",
+                "k -j4 --jobserver-auth=3,4 -- X=1",
+            ),
+            (
+                Auth::Fds { read: 5, write: 6 },
+                Flavor::Bmake,
+                "-j 9 -J 1,2",
+                "-j 4 -J 5,6",
+            ),
+            (
+                Auth::Fifo(PathBuf::from("/t/f")),
+                Flavor::Gnu,
+                "-j2 --jobserver-auth=1,2",
+                "-j4 --jobserver-auth=fifo:/t/f",
+            ),
+        ];
+        for (auth, flavor, outer, want) in cases {
+            let js = Jobserver::new(auth.clone(), flavor, Some(4));
+            let flags = js.makeflags(Some(OsStr::new(outer)));
+            assert_eq!(flags, OsStr::new(want));
+            let back = Jobserver::parse("MAKEFLAGS", &flags).unwrap().unwrap();
+            assert_eq!(
+                (back.auth(), back.flavor(), back.jobs()),
+                (&auth, flavor, Some(4))
+            );
+        }
+    }
+
+    #[test]
+    fn programs_by_name() {
+        let of = |n: &str| Program::of(OsStr::new(n));
+        for n in [
+            "make",
+            "/usr/bin/gmake",
+            "gnumake",
+            "remake",
+            "make-4.4",
+            "GMAKE",
+        ] {
+            assert_eq!(of(n), Some(Program::GnuMake), "{n}");
+        }
+        for n in ["bmake", "bsdmake", "/usr/bin/pmake"] {
+            assert_eq!(of(n), Some(Program::Bmake), "{n}");
+        }
+        assert_eq!(of("samu"), Some(Program::Ninja));
+        assert_eq!(of("cargo"), Some(Program::Cargo));
+        assert_eq!(of("rustc"), Some(Program::Rustc));
+        assert_eq!(of("herdless"), Some(Program::Herdless));
+        for n in ["sh", "makefile.sh", "cc", "xargs", "timeout", ""] {
+            assert_eq!(of(n), None, "{n}");
+        }
+        assert!(!Program::Herdless.reads_jobserver());
+        assert!(!Program::Rustc.runs_each_job_in_a_slot());
+        assert_eq!(Flavor::for_command(OsStr::new("bsdmake")), Flavor::Bmake);
+        assert_eq!(Flavor::for_command(OsStr::new("./build.sh")), Flavor::Gnu);
+        for f in Flavor::ALL {
+            assert_eq!(f.name().parse::<Flavor>(), Ok(f));
+        }
+        for s in Style::ALL {
+            assert_eq!(s.name().parse::<Style>(), Ok(s));
+        }
+    }
+
     use super::*;
 
     fn parse(value: &str) -> Option<Jobserver> {

@@ -2,11 +2,16 @@
 //! (`fifo:PATH`), the older `--jobserver-fds=R,W`, cargo's
 //! `CARGO_MAKEFLAGS`, and bmake's `-J R,W`.
 //!
-//! When no herdless broker is named (`HERDLESS_SOCKET` is unset),
-//! [`Client::from_env`](crate::Client::from_env) falls back to the classic
-//! jobserver named in the environment ([`Jobserver::from_env`]), and the
-//! whole [`Client`](crate::Client) API works on it. This module is that
-//! backend.
+//! This module holds the classic jobserver's vocabulary ([`auth`]: how it
+//! is named in `MAKEFLAGS`, its flavours and styles, which programs take
+//! part), shared by the client, the broker's bridge and the command line,
+//! and the mechanics of a classic client: the token pipe (`pipe`) and the
+//! job slot of a make recipe (`slot`). The client backend built on them is
+//! `client/classic.rs`: when no herdless broker is named (`HERDLESS_SOCKET`
+//! is unset), [`Client::from_env`](crate::Client::from_env) falls back to
+//! the classic jobserver named in the environment
+//! ([`Jobserver::from_env`]), and the whole [`Client`](crate::Client) API
+//! works on it.
 //!
 //! # Taking a token
 //!
@@ -112,10 +117,8 @@
 //! `Unsupported`), and readers of the pipe that use `poll()` (make itself)
 //! still wake all together.
 
-mod auth;
-pub(crate) mod client;
-mod pipe;
+pub mod auth;
+pub(crate) mod pipe;
 pub(crate) mod slot;
-mod wait;
 
-pub use auth::{Auth, Flavor, Jobserver, VARS};
+pub use auth::{without_jobserver, Auth, Flavor, Jobserver, Program, Style, VARS};

@@ -27,14 +27,16 @@ use std::fs::{Metadata, OpenOptions};
 use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd, RawFd};
 use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use nix::errno::Errno;
-use nix::fcntl::{fcntl, FcntlArg, OFlag};
+use nix::fcntl::OFlag;
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 
+use herdless_platform::{access_mode, fd_path, is_nonblocking};
+
 use super::auth::{Auth, Flavor, Jobserver};
-use crate::client::{Error, ErrorKind, Result};
+use crate::error::{Error, ErrorKind, Result};
 
 /// How a token byte can be claimed from the read description.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -109,8 +111,8 @@ impl Pipe {
 
     /// Reads one byte without blocking (in `SharedBlocking` mode: with a
     /// blocking read, so only for a wait with no deadline). `EINTR` is
-    /// retried unless `interruptible`.
-    pub(crate) fn read_byte(&self, interruptible: bool) -> io::Result<Read> {
+    /// retried: an interruptible wait is the waiter's job, not the claim's.
+    pub(crate) fn read_byte(&self) -> io::Result<Read> {
         let mut byte = [0u8; 1];
         loop {
             match nix::unistd::read(&self.read, &mut byte) {
@@ -125,7 +127,7 @@ impl Pipe {
                 }
                 Ok(_) => return Ok(Read::Byte(byte[0])),
                 Err(Errno::EAGAIN) => return Ok(Read::Empty),
-                Err(Errno::EINTR) if !interruptible => continue,
+                Err(Errno::EINTR) => continue,
                 Err(e) => return Err(e.into()),
             }
         }
@@ -170,15 +172,6 @@ impl Pipe {
                 Err(e) => return Err(e.into()),
             }
         }
-    }
-}
-
-/// The path through which this process can open its own descriptor `fd`.
-fn fd_path(fd: RawFd) -> PathBuf {
-    if cfg!(target_os = "linux") {
-        PathBuf::from(format!("/proc/self/fd/{fd}"))
-    } else {
-        PathBuf::from(format!("/dev/fd/{fd}"))
     }
 }
 
@@ -250,20 +243,6 @@ fn check_fd(js: &Jobserver, fd: RawFd) -> Result<Metadata> {
         )));
     }
     Ok(meta)
-}
-
-/// The access mode of this process's descriptor `fd`, from
-/// `/proc/self/fdinfo` (Linux only; `None` elsewhere or when unreadable).
-fn access_mode(fd: RawFd) -> Option<OFlag> {
-    if !cfg!(target_os = "linux") {
-        return None;
-    }
-    let info = std::fs::read_to_string(format!("/proc/self/fdinfo/{fd}")).ok()?;
-    let flags = info
-        .lines()
-        .find_map(|l| l.strip_prefix("flags:"))
-        .and_then(|v| i32::from_str_radix(v.trim(), 8).ok())?;
-    Some(OFlag::from_bits_retain(flags) & OFlag::O_ACCMODE)
 }
 
 fn open_fds(js: &Jobserver, r: RawFd, w: RawFd) -> Result<Pipe> {
@@ -379,11 +358,6 @@ fn open_fifo(js: &Jobserver, path: &Path) -> Result<Pipe> {
         id: (meta.dev(), meta.ino()),
         what: format!("fifo {shown}"),
     })
-}
-
-fn is_nonblocking(fd: BorrowedFd<'_>) -> io::Result<bool> {
-    let flags = OFlag::from_bits_retain(fcntl(fd, FcntlArg::F_GETFL)?);
-    Ok(flags.contains(OFlag::O_NONBLOCK))
 }
 
 /// Guards against the path being replaced between the check and the open.

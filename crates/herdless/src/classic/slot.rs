@@ -24,26 +24,23 @@ use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 
 use nix::errno::Errno;
 use nix::fcntl::{Flock, FlockArg, OFlag};
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
+use herdless_platform::ProcessTable;
+
+use super::Program;
+use crate::sync::lock;
 
 /// Whether `name` (a process's command name) is a program that starts each
-/// job it runs in a job slot of its own: make in its variants, ninja,
-/// samurai, cargo, and `herdless exec` itself (its command is the job it
-/// holds a slot for, and that command's own jobs run below it). Their
-/// direct children own their slot outright.
+/// job it runs in a job slot of its own ([`Program::runs_each_job_in_a_slot`]:
+/// make in its variants, ninja, samurai, cargo, and `herdless exec` itself,
+/// whose command is the job it holds a slot for). Their direct children own
+/// their slot outright.
 pub(crate) fn runs_each_job_in_a_slot(name: &str) -> bool {
-    let name = name.trim();
-    let name = name.rsplit('/').next().unwrap_or(name).to_ascii_lowercase();
-    name.ends_with("make")
-        || name.starts_with("make-")
-        || matches!(name.as_str(), "ninja" | "samu" | "cargo" | "herdless")
+    Program::of(std::ffi::OsStr::new(name)).is_some_and(Program::runs_each_job_in_a_slot)
 }
 
 /// Whose slot a job of its parent runs in.
@@ -83,60 +80,13 @@ pub(crate) fn slot_owner(parent: u32, ps: impl Fn(u32) -> Option<(u32, String)>)
     Owner::Shared(parent)
 }
 
-/// The slot owner for this process, read from the process table:
-/// `/proc/PID/stat` on Linux, one `ps -A -o pid= -o ppid= -o comm=`
-/// elsewhere.
+/// The slot owner for this process, read from the process table (see
+/// [`ProcessTable`]).
 pub(crate) fn this_slot_owner() -> Owner {
-    let parent = std::os::unix::process::parent_id();
-    if cfg!(target_os = "linux") && std::path::Path::new("/proc/self/stat").exists() {
-        return slot_owner(parent, proc_stat);
-    }
-    let table = ps_table();
-    slot_owner(parent, |pid| {
-        table
-            .iter()
-            .find(|(p, _, _)| *p == pid)
-            .map(|(_, ppid, name)| (*ppid, name.clone()))
+    let table = ProcessTable::read();
+    slot_owner(std::os::unix::process::parent_id(), |pid| {
+        table.parent_and_name(pid)
     })
-}
-
-/// `(ppid, comm)` from `/proc/PID/stat`; the name is in parentheses and
-/// may itself hold spaces and parentheses, so the fields after it are
-/// found from the last `)`.
-fn proc_stat(pid: u32) -> Option<(u32, String)> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    parse_stat(&stat)
-}
-
-fn parse_stat(stat: &str) -> Option<(u32, String)> {
-    let open = stat.find('(')?;
-    let close = stat.rfind(')')?;
-    let name = stat.get(open + 1..close)?.to_owned();
-    let mut rest = stat.get(close + 1..)?.split_whitespace();
-    let _state = rest.next()?;
-    let ppid = rest.next()?.parse().ok()?;
-    Some((ppid, name))
-}
-
-fn ps_table() -> Vec<(u32, u32, String)> {
-    let Ok(out) = std::process::Command::new("ps")
-        .args(["-A", "-o", "pid=", "-o", "ppid=", "-o", "comm="])
-        .stdin(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .output()
-    else {
-        return Vec::new();
-    };
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .filter_map(|l| {
-            let mut f = l.split_whitespace();
-            let pid = f.next()?.parse().ok()?;
-            let ppid = f.next()?.parse().ok()?;
-            let name = f.collect::<Vec<_>>().join(" ");
-            Some((pid, ppid, name))
-        })
-        .collect()
 }
 
 /// The private directory for slot lock files: `herdless-slots-UID` under
@@ -461,21 +411,6 @@ mod tests {
         ] {
             assert!(!runs_each_job_in_a_slot(n), "{n}");
         }
-    }
-
-    #[test]
-    fn stat_lines() {
-        assert_eq!(
-            parse_stat("42 (make) S 7 42 42 0 -1"),
-            Some((7, "make".to_owned()))
-        );
-        assert_eq!(
-            parse_stat("43 (a (b) c) R 42 1"),
-            Some((42, "a (b) c".to_owned()))
-        );
-        assert_eq!(parse_stat("garbage"), None);
-        let (ppid, _) = proc_stat(std::process::id()).unwrap();
-        assert_eq!(ppid, std::os::unix::process::parent_id());
     }
 
     fn table<'a>(rows: &'a [(u32, u32, &'a str)]) -> impl Fn(u32) -> Option<(u32, String)> + 'a {

@@ -12,7 +12,7 @@
 //! # The implicit token
 //!
 //! Every process that takes part in a jobserver owns one implicit token: it
-//! may always run one job without asking (DESIGN §4.5). A client made with
+//! may always run one job without asking (ARCHITECTURE §4.5). A client made with
 //! [`Options::implicit_token`] (the default of [`Client::from_env`]) hands
 //! that token out first, without a round trip to the broker; only while it
 //! is in use do further acquires go to the broker. That is what keeps nested
@@ -57,10 +57,11 @@
 //! the caller sees at once: blocking calls never hang on a broker that is
 //! gone, because its socket reads end-of-file the moment it dies.
 
-mod error;
+mod classic;
 mod native;
 
-use crate::classic::client::{Classic, Got};
+use classic::{Classic, Got};
+
 use crate::classic::Jobserver;
 
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
@@ -69,9 +70,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-pub use error::{Error, ErrorKind, Result};
+pub use crate::error::{Error, ErrorKind, Result};
 use native::Native;
-pub(crate) use native::Wait;
 
 use crate::protocol::{AbortReason, HelloFlags};
 
@@ -176,6 +176,15 @@ impl Options {
         }
         self
     }
+}
+
+/// How a blocking wait may end early.
+#[derive(Clone, Copy)]
+pub(crate) struct Wait {
+    /// Give up then (`Ok(None)`).
+    pub deadline: Option<Instant>,
+    /// Return `Interrupted` when a signal arrives.
+    pub interruptible: bool,
 }
 
 enum Backend {
@@ -323,9 +332,20 @@ impl Client {
     }
 
     /// Connects as an observer, which may only ask for status.
-    pub fn observe(path: impl AsRef<Path>) -> Result<Status> {
+    pub fn observe(path: impl AsRef<Path>) -> Result<Observer> {
         let native = Native::connect(path.as_ref(), HelloFlags::OBSERVER, 0)?;
-        Ok(Status { native })
+        Ok(Observer { native })
+    }
+
+    /// Connects as an observer that may change the running pool.
+    pub fn control(path: impl AsRef<Path>) -> Result<Control> {
+        let native = Native::connect_version(
+            path.as_ref(),
+            HelloFlags::OBSERVER,
+            0,
+            crate::protocol::CONTROL_VERSION,
+        )?;
+        Ok(Control { native })
     }
 
     /// The number of shared tokens (`-j` minus one): the broker's, or for a
@@ -470,7 +490,7 @@ impl Client {
     pub fn take_grant(&self) -> Result<Option<Token>> {
         match &self.inner.backend {
             Backend::Native(n) => Ok(self.shared(n.take_grant()?)),
-            Backend::Classic(c) => Ok(self.got(c.take_grant()?)),
+            Backend::Classic(c) => Ok(self.got(c.try_acquire()?)),
         }
     }
 
@@ -551,11 +571,47 @@ impl AsRawFd for Client {
 }
 
 /// A status-only connection (see [`Client::observe`]).
-pub struct Status {
+pub struct Observer {
     native: Native,
 }
 
-impl Status {
+impl Observer {
+    /// The broker's status report as JSON.
+    pub fn json(&self) -> Result<String> {
+        self.native.status()
+    }
+}
+
+/// A connection that changes a running pool (from [`Client::control`]).
+/// Each call returns once the broker has made the change.
+pub struct Control {
+    native: Native,
+}
+
+impl Control {
+    /// Makes the pool `-j jobs` (at least 1): grows at once; shrinks at
+    /// once by the free tokens and by the others as they are given back.
+    /// No running job loses its token.
+    pub fn set_jobs(&self, jobs: u32) -> Result<()> {
+        self.native
+            .control(crate::protocol::ControlOp::SetJobs(jobs))
+    }
+
+    /// Lets the subtree of process `pid` (itself and its descendants) hold
+    /// at most `max` shared tokens at once; `None` lifts the cap.
+    pub fn cap(&self, pid: u32, max: Option<u32>) -> Result<()> {
+        self.native
+            .control(crate::protocol::ControlOp::Cap { pid, max })
+    }
+
+    /// Aborts the tree: every client is told, bmakes find the abort byte.
+    pub fn abort(&self, reason: AbortReason) -> Result<()> {
+        self.native.abort(reason)?;
+        // The abort has no reply to an observer; a status round trip shows
+        // the broker has read it.
+        self.native.status().map(drop)
+    }
+
     /// The broker's status report as JSON.
     pub fn json(&self) -> Result<String> {
         self.native.status()

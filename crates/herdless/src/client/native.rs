@@ -16,8 +16,12 @@ use std::time::{Duration, Instant};
 
 use nix::poll::{PollFd, PollFlags, PollTimeout};
 
-use super::error::{Error, ErrorKind, Result};
-use crate::protocol::{AbortReason, FrameBuffer, HelloFlags, Reply, Request, PROTOCOL_VERSION};
+use super::Wait;
+use crate::error::{Error, ErrorKind, Result};
+use crate::protocol::{
+    AbortReason, ControlOp, FrameBuffer, HelloFlags, Reply, Request, PROTOCOL_VERSION,
+};
+use crate::sync::lock;
 
 /// How long a broker may take to answer the handshake. This is not in the
 /// hand-off path: it only bounds how long a client waits on a broker that
@@ -44,13 +48,8 @@ struct State {
     dead: Option<(ErrorKind, String)>,
     /// Status replies not yet taken, in arrival order.
     statuses: std::collections::VecDeque<String>,
-}
-
-/// How a blocking wait may end early.
-#[derive(Clone, Copy)]
-pub(crate) struct Wait {
-    pub deadline: Option<Instant>,
-    pub interruptible: bool,
+    /// `Controlled` replies not yet taken.
+    controlled: u32,
 }
 
 pub(crate) struct Native {
@@ -63,12 +62,7 @@ pub(crate) struct Native {
     client_id: u64,
     /// The slot the broker minted for this client's own job.
     slot: u64,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // A panic in another thread while holding the lock leaves counters that
-    // are still consistent (each update is a single statement).
-    m.lock().unwrap_or_else(|e| e.into_inner())
+    version: u16,
 }
 
 /// Waits until `fd` is readable or writable. `Ok(false)` on timeout.
@@ -109,6 +103,17 @@ fn take_spare(st: &mut State) -> bool {
 impl Native {
     /// Connects, checks the broker is this user's, and shakes hands.
     pub(crate) fn connect(path: &Path, flags: HelloFlags, slot: u64) -> Result<Native> {
+        Native::connect_version(path, flags, slot, PROTOCOL_VERSION)
+    }
+
+    /// Connects speaking protocol `version` (the broker must speak it),
+    /// naming `slot` as the one this client may borrow.
+    pub(crate) fn connect_version(
+        path: &Path,
+        flags: HelloFlags,
+        slot: u64,
+        version: u16,
+    ) -> Result<Native> {
         if let Err(e) = std::os::unix::net::SocketAddr::from_pathname(path) {
             return Err(Error::io(
                 ErrorKind::Connect,
@@ -169,9 +174,10 @@ impl Native {
             capacity: 0,
             client_id: 0,
             slot: 0,
+            version,
         };
         native.send(&Request::Hello {
-            version: PROTOCOL_VERSION,
+            version,
             flags,
             pid: std::process::id(),
             slot,
@@ -191,11 +197,12 @@ impl Native {
                     client_id,
                     slot,
                 })) => {
-                    if version != PROTOCOL_VERSION {
+                    if version != self.version {
                         return Err(Error::new(
                             ErrorKind::Protocol,
                             format!(
-                                "broker speaks protocol {version}, this client {PROTOCOL_VERSION}"
+                                "broker speaks protocol {version}, this client {}",
+                                self.version
                             ),
                         ));
                     }
@@ -408,6 +415,7 @@ impl Native {
                 st.tries = 0;
             }
             Reply::Status { json } => st.statuses.push_back(json),
+            Reply::Controlled => st.controlled += 1,
             Reply::Error { message } => {
                 st.dead = Some((
                     ErrorKind::Refused,
@@ -636,6 +644,22 @@ impl Native {
             self.drain(&mut st);
         }
         st.aborted
+    }
+
+    /// Sends a control request and waits for the broker's `Controlled`.
+    pub(crate) fn control(&self, op: ControlOp) -> Result<()> {
+        let st = lock(&self.state);
+        self.send(&Request::Control(op))?;
+        let (mut st, r) = self.wait_until(st, NO_DEADLINE, |s| s.controlled > 0);
+        r?;
+        if st.controlled > 0 {
+            st.controlled -= 1;
+            return Ok(());
+        }
+        if let Some((kind, msg)) = &st.dead {
+            return Err(Error::new(*kind, msg.clone()));
+        }
+        Err(Error::new(ErrorKind::Protocol, "no answer from the broker"))
     }
 
     /// The broker's status report, as JSON.

@@ -1,4 +1,4 @@
-//! Unit and property tests of the pool's invariants (DESIGN §4: 1, 3, 4, 5).
+//! Unit and property tests of the pool's invariants (ARCHITECTURE §4: 1, 3, 4, 5).
 
 use super::*;
 use proptest::prelude::*;

@@ -1,5 +1,5 @@
-//! Waiting for a byte on the shared pipe, waking as few processes as the
-//! OS allows.
+//! One wait for a token on a pipe shared with other processes, waking as
+//! few of them as the OS allows, longest waiter first.
 //!
 //! # Implementation notes
 //!
@@ -11,18 +11,23 @@
 //! from its head, so with one registration *per wait* — made when the wait
 //! starts, dropped when it ends — the longest waiter is woken first. (A
 //! registration kept for a process's lifetime would instead always favour
-//! the process that registered first, DESIGN §2.)
+//! the process that registered first: docs/ARCHITECTURE.md §2.)
 //!
 //! Why not the blocking `read()`, which Linux ≥ 5.6 also wakes one at a
 //! time, in FIFO order? It cannot have a deadline without a timer or a
 //! signal; a signal that interrupts it after the kernel chose it swallows
 //! the wake-up, and the next waiter is woken only if the byte is still
-//! there when the first leaves; it needs a blocking description, which is
-//! the one thing this client never makes of a shared pipe; and a caller's
-//! own poll loop cannot watch it. With epoll the claim is a separate
-//! non-blocking read that follows *every* return from the wait — an event,
-//! a timeout or `EINTR` alike — so a wake-up aimed at this process is never
-//! dropped: either it finds the byte, or another process already has it.
+//! there when the first leaves; it needs a blocking description, which a
+//! client must never make of a shared pipe; and a caller's own poll loop
+//! cannot watch it. With epoll the claim is a separate non-blocking read
+//! that follows *every* return from the wait — an event, a timeout or
+//! `EINTR` alike — so a wake-up aimed at this process is never dropped:
+//! either it finds the byte, or another process already has it.
+//!
+//! One write wakes one exclusive waiter however many bytes it carries: a
+//! caller that claims a byte and finds more in the pipe must pass the
+//! wake-up on (take one more byte and write it back), or the other waiters
+//! sleep on with tokens free.
 //!
 //! Elsewhere: `poll()`. FreeBSD, NetBSD and macOS wake every process that
 //! waits on a pipe, whatever the call (kqueue has no exclusive mode), so
@@ -32,16 +37,7 @@ use std::io;
 use std::os::fd::BorrowedFd;
 use std::time::Instant;
 
-/// How one wait ended.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Woke {
-    /// Something is (probably) readable: claim, then wait again.
-    Ready,
-    /// The deadline passed.
-    TimedOut,
-    /// A signal arrived (`EINTR`).
-    Interrupted,
-}
+use crate::wait::Woken;
 
 /// Milliseconds left until `deadline`, rounded up so that a sub-millisecond
 /// remainder still waits; `None` for no deadline.
@@ -59,17 +55,19 @@ mod imp {
     use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags, EpollTimeout};
 
     /// One wait's epoll instance.
-    pub(crate) struct Waiter {
+    #[derive(Debug)]
+    pub struct FairWait {
         epoll: Epoll,
     }
 
-    impl Waiter {
+    impl FairWait {
         /// Registers `pipe` exclusively and `extra` (a private notification
-        /// pipe) normally.
-        pub(crate) fn new(
-            pipe: BorrowedFd<'_>,
-            extra: Option<BorrowedFd<'_>>,
-        ) -> io::Result<Waiter> {
+        /// pipe, or any descriptor only this process waits on) normally.
+        ///
+        /// # Errors
+        ///
+        /// Those of `epoll_create1` and `epoll_ctl`.
+        pub fn new(pipe: BorrowedFd<'_>, extra: Option<BorrowedFd<'_>>) -> io::Result<FairWait> {
             let epoll = Epoll::new(EpollCreateFlags::EPOLL_CLOEXEC)?;
             epoll.add(
                 pipe,
@@ -78,20 +76,24 @@ mod imp {
             if let Some(fd) = extra {
                 epoll.add(fd, EpollEvent::new(EpollFlags::EPOLLIN, 1))?;
             }
-            Ok(Waiter { epoll })
+            Ok(FairWait { epoll })
         }
 
-        /// One `epoll_wait()`.
-        pub(crate) fn wait(&self, deadline: Option<Instant>) -> io::Result<Woke> {
+        /// One `epoll_wait()`: `Readable`, `TimedOut` or `Interrupted`.
+        ///
+        /// # Errors
+        ///
+        /// Those of `epoll_wait` other than `EINTR`.
+        pub fn wait(&self, deadline: Option<Instant>) -> io::Result<Woken> {
             let timeout = match millis_left(deadline) {
                 None => EpollTimeout::NONE,
                 Some(ms) => EpollTimeout::try_from(ms).unwrap_or(EpollTimeout::MAX),
             };
             let mut events = [EpollEvent::empty(); 2];
             match self.epoll.wait(&mut events, timeout) {
-                Ok(0) => Ok(Woke::TimedOut),
-                Ok(_) => Ok(Woke::Ready),
-                Err(Errno::EINTR) => Ok(Woke::Interrupted),
+                Ok(0) => Ok(Woken::TimedOut),
+                Ok(_) => Ok(Woken::Readable),
+                Err(Errno::EINTR) => Ok(Woken::Interrupted),
                 Err(e) => Err(e.into()),
             }
         }
@@ -106,24 +108,31 @@ mod imp {
     use std::os::fd::{AsFd, OwnedFd};
 
     /// The descriptors one wait polls.
-    pub(crate) struct Waiter {
+    #[derive(Debug)]
+    pub struct FairWait {
         pipe: OwnedFd,
         extra: Option<OwnedFd>,
     }
 
-    impl Waiter {
-        pub(crate) fn new(
-            pipe: BorrowedFd<'_>,
-            extra: Option<BorrowedFd<'_>>,
-        ) -> io::Result<Waiter> {
-            Ok(Waiter {
+    impl FairWait {
+        /// Keeps duplicates of `pipe` and `extra` to poll.
+        ///
+        /// # Errors
+        ///
+        /// Those of `fcntl(F_DUPFD_CLOEXEC)`.
+        pub fn new(pipe: BorrowedFd<'_>, extra: Option<BorrowedFd<'_>>) -> io::Result<FairWait> {
+            Ok(FairWait {
                 pipe: pipe.try_clone_to_owned()?,
                 extra: extra.map(|e| e.try_clone_to_owned()).transpose()?,
             })
         }
 
-        /// One `poll()`.
-        pub(crate) fn wait(&self, deadline: Option<Instant>) -> io::Result<Woke> {
+        /// One `poll()`: `Readable`, `TimedOut` or `Interrupted`.
+        ///
+        /// # Errors
+        ///
+        /// Those of `poll` other than `EINTR`.
+        pub fn wait(&self, deadline: Option<Instant>) -> io::Result<Woken> {
             let timeout = match millis_left(deadline) {
                 None => PollTimeout::NONE,
                 Some(ms) => PollTimeout::try_from(ms).unwrap_or(PollTimeout::MAX),
@@ -133,13 +142,13 @@ mod imp {
                 fds.push(PollFd::new(e.as_fd(), PollFlags::POLLIN));
             }
             match poll(&mut fds, timeout) {
-                Ok(0) => Ok(Woke::TimedOut),
-                Ok(_) => Ok(Woke::Ready),
-                Err(Errno::EINTR) => Ok(Woke::Interrupted),
+                Ok(0) => Ok(Woken::TimedOut),
+                Ok(_) => Ok(Woken::Readable),
+                Err(Errno::EINTR) => Ok(Woken::Interrupted),
                 Err(e) => Err(e.into()),
             }
         }
     }
 }
 
-pub(crate) use imp::Waiter;
+pub use imp::FairWait;

@@ -3,18 +3,16 @@
 
 use std::io;
 use std::os::fd::BorrowedFd;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::Mutex;
 
-use super::auth::{Flavor, Jobserver};
-use super::pipe::{Claim, Pipe, Read};
-use super::slot::{self, Held, Owner, ParentSlot, SharedSlot};
-use super::wait::{Waiter, Woke};
-use crate::client::{Error, ErrorKind, Result, Wait};
+use super::Wait;
+use crate::classic::pipe::{Claim, Pipe, Read};
+use crate::classic::slot::{self, Held, Owner, ParentSlot, SharedSlot};
+use crate::classic::{Flavor, Jobserver};
+use crate::error::{Error, ErrorKind, Result};
 use crate::protocol::AbortReason;
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
+use crate::sync::lock;
+use herdless_platform::wait::{FairWait, Woken};
 
 /// What a successful acquire got.
 #[derive(Debug, PartialEq, Eq)]
@@ -122,8 +120,8 @@ impl Classic {
     }
 
     /// One non-blocking read of the pipe. `Ok(true)`: a token was claimed.
-    fn claim(&self, interruptible: bool) -> Result<bool> {
-        let byte = match self.pipe.read_byte(interruptible) {
+    fn claim(&self) -> Result<bool> {
+        let byte = match self.pipe.read_byte() {
             Ok(Read::Byte(b)) => b,
             Ok(Read::Empty) => return Ok(false),
             Err(e) => return Err(self.io_error("cannot read", e)),
@@ -183,7 +181,7 @@ impl Classic {
             return Ok(Some(Got::Slot));
         }
         self.needs_blocking_read("a non-blocking acquire")?;
-        Ok(self.claim(false)?.then_some(Got::Byte))
+        Ok(self.claim()?.then_some(Got::Byte))
     }
 
     /// Waits for the parent's slot or a pipe token, as `wait` allows.
@@ -199,7 +197,7 @@ impl Classic {
             }
             return self.acquire_blocking_read();
         }
-        if self.claim(false)? {
+        if self.claim()? {
             return Ok(Some(Got::Byte));
         }
         let shared = match &self.slot {
@@ -210,7 +208,7 @@ impl Classic {
             .map(|s| s.start_waiting())
             .transpose()
             .map_err(|e| Error::io(ErrorKind::Io, "cannot wait for the parent's job slot", e))?;
-        let waiter = Waiter::new(self.pipe.fd(), slot_wait.as_ref().map(|w| w.fd()))
+        let waiter = FairWait::new(self.pipe.fd(), slot_wait.as_ref().map(|w| w.fd()))
             .map_err(|e| self.io_error("cannot wait on", e))?;
         let from_slot = || -> Result<bool> {
             let Some(w) = &slot_wait else {
@@ -240,25 +238,44 @@ impl Classic {
                 // be left unannounced in the pipe (an exclusive wake-up went
                 // to this process only): take it and write it straight back,
                 // which wakes the next waiter.
-                if self.claim(false)? {
+                if self.claim()? {
                     self.release_byte()?;
                 }
                 return Ok(Some(Got::Slot));
             }
-            if self.claim(false)? {
+            if self.claim()? {
+                self.pass_on_wakeup()?;
                 return Ok(Some(Got::Byte));
             }
             match woke {
-                Woke::Ready => {}
-                Woke::TimedOut => return Ok(None),
-                Woke::Interrupted if wait.interruptible => {
+                Woken::Readable | Woken::Claimed(_) => {}
+                Woken::TimedOut => return Ok(None),
+                Woken::Interrupted if wait.interruptible => {
                     return Err(Error::new(
                         ErrorKind::Interrupted,
                         "interrupted by a signal",
                     ))
                 }
-                Woke::Interrupted => {}
+                Woken::Interrupted => {}
             }
+        }
+    }
+
+    /// One write wakes one exclusive waiter however many bytes it carries
+    /// (a make or the bridge may write several tokens at once): a waiter
+    /// that was woken, claimed a byte and still sees bytes in the pipe
+    /// takes one more and writes it straight back, which wakes the next
+    /// waiter. Without this, the other waiters sleep on while tokens sit
+    /// unread in the pipe.
+    fn pass_on_wakeup(&self) -> Result<()> {
+        if herdless_platform::bytes_readable(self.pipe.fd()).unwrap_or(1) == 0 {
+            return Ok(());
+        }
+        match self.claim() {
+            Ok(true) => self.release_byte(),
+            // An abort token is recorded by the claim and reported by the
+            // next call; the caller already holds its token.
+            Ok(false) | Err(_) => Ok(()),
         }
     }
 
@@ -266,16 +283,10 @@ impl Classic {
     /// `read()` of the shared description.
     fn acquire_blocking_read(&self) -> Result<Option<Got>> {
         loop {
-            if self.claim(false)? {
+            if self.claim()? {
                 return Ok(Some(Got::Byte));
             }
         }
-    }
-
-    /// Non-blocking, for a caller's poll loop (the read description is the
-    /// fd to watch): a token if the slot is free or a byte is in the pipe.
-    pub(crate) fn take_grant(&self) -> Result<Option<Got>> {
-        self.try_acquire()
     }
 
     /// Gives back the most recently read byte, exactly as it was read. After

@@ -1,0 +1,208 @@
+//! What the process table says about other processes: parents and command
+//! names, scheduler states and counts, read from outside without waking
+//! the process.
+//!
+//! # Portability
+//!
+//! Linux reads `/proc`. Elsewhere a process's parent and name come from one
+//! `ps -A -o pid= -o ppid= -o comm=` snapshot ([`ProcessTable`]); states
+//! and scheduler counts of other processes are not readable without
+//! privileges there, and those functions return `None`.
+
+use std::io;
+
+/// Parents and command names of the processes, as one consistent source.
+///
+/// Linux reads `/proc/PID/stat` at each lookup; other systems run `ps`
+/// once, when the table is made.
+#[derive(Debug)]
+pub struct ProcessTable {
+    /// `(pid, ppid, command name)` rows of a `ps` snapshot; `None` where
+    /// `/proc` answers each lookup.
+    snapshot: Option<Vec<(u32, u32, String)>>,
+}
+
+impl ProcessTable {
+    /// Reads the table (a no-op where `/proc` is there).
+    pub fn read() -> ProcessTable {
+        if cfg!(target_os = "linux") && std::path::Path::new("/proc/self/stat").exists() {
+            return ProcessTable { snapshot: None };
+        }
+        ProcessTable {
+            snapshot: Some(ps_table()),
+        }
+    }
+
+    /// `(ppid, command name)` of `pid`, or `None` when it is not there (or
+    /// not readable).
+    pub fn parent_and_name(&self, pid: u32) -> Option<(u32, String)> {
+        match &self.snapshot {
+            None => {
+                let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+                parse_stat(&stat)
+            }
+            Some(rows) => rows
+                .iter()
+                .find(|(p, _, _)| *p == pid)
+                .map(|(_, ppid, name)| (*ppid, name.clone())),
+        }
+    }
+}
+
+/// `(ppid, comm)` from the text of a `/proc/PID/stat`. The name is in
+/// parentheses and may itself hold spaces and parentheses, so the fields
+/// after it are found from the last `)`.
+pub fn parse_stat(stat: &str) -> Option<(u32, String)> {
+    let open = stat.find('(')?;
+    let close = stat.rfind(')')?;
+    let name = stat.get(open + 1..close)?.to_owned();
+    let mut rest = stat.get(close + 1..)?.split_whitespace();
+    let _state = rest.next()?;
+    let ppid = rest.next()?.parse().ok()?;
+    Some((ppid, name))
+}
+
+fn ps_table() -> Vec<(u32, u32, String)> {
+    let Ok(out) = std::process::Command::new("ps")
+        .args(["-A", "-o", "pid=", "-o", "ppid=", "-o", "comm="])
+        .stdin(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .output()
+    else {
+        return Vec::new();
+    };
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| {
+            let mut f = l.split_whitespace();
+            let pid = f.next()?.parse().ok()?;
+            let ppid = f.next()?.parse().ok()?;
+            let name = f.collect::<Vec<_>>().join(" ");
+            Some((pid, ppid, name))
+        })
+        .collect()
+}
+
+/// The scheduler's state letter of process `pid` (`S` asleep, `R`
+/// running, …): Linux's `/proc/PID/stat`; `None` elsewhere or when the
+/// process is gone.
+pub fn process_state(pid: u32) -> Option<char> {
+    if !cfg!(target_os = "linux") {
+        return None;
+    }
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let after = &stat[stat.rfind(')')? + 1..];
+    after.trim_start().chars().next()
+}
+
+/// What the scheduler has counted for one process, all threads together.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct SchedCount {
+    /// User + system time, in ns.
+    pub cpu_ns: u64,
+    /// Voluntary context switches: sleeps.
+    pub sleeps: u64,
+}
+
+/// Process `pid`'s [`SchedCount`], read without waking it.
+///
+/// Linux: the first field of `/proc/PID/task/TID/schedstat` (the run time
+/// the scheduler keeps, exact to the nanosecond) and
+/// `voluntary_ctxt_switches` of `/proc/PID/task/TID/status`, summed over
+/// the threads. `None` where they are not readable (other systems; kernels
+/// without `CONFIG_SCHED_INFO`).
+pub fn sched_count(pid: u32) -> Option<SchedCount> {
+    if !cfg!(target_os = "linux") {
+        return None;
+    }
+    let mut total = SchedCount::default();
+    for task in std::fs::read_dir(format!("/proc/{pid}/task")).ok()? {
+        let dir = task.ok()?.path();
+        let sched = std::fs::read_to_string(dir.join("schedstat")).ok()?;
+        total.cpu_ns += sched.split_whitespace().next()?.parse::<u64>().ok()?;
+        let status = std::fs::read_to_string(dir.join("status")).ok()?;
+        total.sleeps += status
+            .lines()
+            .find_map(|l| l.strip_prefix("voluntary_ctxt_switches:"))?
+            .trim()
+            .parse::<u64>()
+            .ok()?;
+    }
+    Some(total)
+}
+
+/// The id of the calling thread, where [`thread_cpu_ns`] can use it (Linux).
+pub fn current_tid() -> Option<i32> {
+    #[cfg(target_os = "linux")]
+    {
+        Some(nix::unistd::gettid().as_raw())
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        None
+    }
+}
+
+/// CPU time (ns) of thread `tid` of this process so far: Linux's
+/// `/proc/self/task/TID/schedstat`; `None` elsewhere.
+pub fn thread_cpu_ns(tid: i32) -> Option<u64> {
+    if !cfg!(target_os = "linux") {
+        return None;
+    }
+    let text = std::fs::read_to_string(format!("/proc/self/task/{tid}/schedstat")).ok()?;
+    text.split_whitespace().next()?.parse().ok()
+}
+
+/// Makes this process die (SIGKILL) when its parent does. Linux only
+/// (`PR_SET_PDEATHSIG`); elsewhere `Unsupported`.
+pub fn die_with_parent() -> io::Result<()> {
+    #[cfg(target_os = "linux")]
+    {
+        nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL)?;
+        Ok(())
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        Err(io::ErrorKind::Unsupported.into())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stat_lines() {
+        assert_eq!(
+            parse_stat("42 (make) S 7 42 42 0 -1"),
+            Some((7, "make".to_owned()))
+        );
+        assert_eq!(
+            parse_stat("43 (a (b) c) R 42 1"),
+            Some((42, "a (b) c".to_owned()))
+        );
+        assert_eq!(parse_stat("garbage"), None);
+    }
+
+    #[test]
+    fn this_process_is_in_the_table() {
+        let table = ProcessTable::read();
+        let (ppid, _) = table
+            .parent_and_name(std::process::id())
+            .expect("this process");
+        assert_eq!(ppid, std::os::unix::process::parent_id());
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn linux_states_and_counts() {
+        let me = std::process::id();
+        // The main thread (the test harness's, waiting or running).
+        assert!(matches!(process_state(me), Some('S' | 'R')));
+        assert_eq!(process_state(u32::MAX), None);
+        let c = sched_count(me).expect("schedstat");
+        assert!(c.cpu_ns > 0);
+        let tid = current_tid().unwrap();
+        assert!(thread_cpu_ns(tid).unwrap() > 0);
+    }
+}
