@@ -99,6 +99,7 @@ impl Stopper {
     /// Asks the broker to shut down; `Broker::run` then returns its report.
     /// No token is granted from the moment the broker sees the request.
     pub fn stop(&self) {
+        self.halt.store(true, Ordering::SeqCst);
         self.flag.store(true, Ordering::SeqCst);
         self.wake();
     }
@@ -389,6 +390,11 @@ impl Broker {
             self.check_admission(events.is_empty());
             self.flush_dirty();
             for event in events.iter() {
+                // A stop that came in during this batch (a signal, a
+                // stopper) takes effect before the next event is handled.
+                if self.halt.load(Ordering::SeqCst) && !self.pool.stopped() {
+                    self.stop_granting();
+                }
                 match event.token() {
                     LISTENER => self.accept_all(),
                     WAKER => {}
