@@ -266,9 +266,9 @@ fn no_job_starts_after_a_stop_signal_or_the_command_s_death() {
 
 #[test]
 fn serve_refuses_its_waiters_when_it_stops() {
-    // -j 1 and no slot exported: every exec waits for a shared token that
-    // never comes; SIGTERM must refuse them all, grant none, and count
-    // nothing as taken back.
+    // -j 1 and a slot that names nothing: every exec waits for a shared
+    // token that never comes; SIGTERM must refuse them all, grant none, and
+    // count nothing as taken back.
     let serve = common::Serve::start(1);
     let tree = JobTree::new("serve-stop");
     let execs: Vec<_> = (0..30)
@@ -277,7 +277,7 @@ fn serve_refuses_its_waiters_when_it_stops() {
                 .args(["exec", "sh", &tree.path("job.sh").to_string_lossy()])
                 .arg(&tree.dir)
                 .env("HERDLESS_SOCKET", &serve.socket)
-                .env_remove("HERDLESS_SLOT")
+                .env("HERDLESS_SLOT", "00000000deadbeef/")
                 .env_remove("MAKELEVEL")
                 .stderr(Stdio::piped())
                 .spawn()

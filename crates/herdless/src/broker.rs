@@ -121,9 +121,6 @@ impl Stopper {
     }
 }
 
-/// Why a connection is told that no token will come.
-const STOPPED_REASON: &str = "the broker is shutting down: no more job tokens are granted";
-
 /// A fresh, unguessable slot id: 64 bits from the standard library's
 /// randomly keyed hasher (seeded by the OS), never 0.
 fn random_slot_id(counter: u64) -> u64 {
@@ -640,6 +637,8 @@ impl Broker {
                 (true, true) => {
                     return Err("hello flags JOB and RECIPE_JOB exclude each other".into())
                 }
+                // A job that names no runner is a job of the top.
+                (true, false) if slot == 0 => Some(SlotKey::Minted(self.top_slot)),
                 (true, false) => Some(SlotKey::Minted(slot)),
                 (false, true) => match u32::try_from(slot) {
                     Ok(root) if root > 1 => Some(SlotKey::Recipe(root)),
@@ -795,7 +794,7 @@ impl Broker {
                     self.send(
                         token,
                         &Reply::Error {
-                            message: STOPPED_REASON.into(),
+                            message: crate::protocol::STOPPING_MESSAGE.into(),
                         },
                     );
                     self.closing.push(token);

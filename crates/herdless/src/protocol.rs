@@ -35,6 +35,11 @@ pub const PROTOCOL_VERSION: u16 = 3;
 /// the client asked for; today that is version 3 alone.
 pub const CONTROL_VERSION: u16 = 3;
 
+/// The message of the `Error` a broker sends, before it closes the
+/// connection, to a client that waits or asks for a token after the broker
+/// stopped granting. A client reports it as the broker going away.
+pub const STOPPING_MESSAGE: &str = "the broker is shutting down: no more job tokens are granted";
+
 /// The first four payload bytes of [`Request::Hello`].
 pub const MAGIC: [u8; 4] = *b"HRDL";
 

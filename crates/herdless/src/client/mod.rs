@@ -103,8 +103,11 @@ pub(crate) enum Borrow {
     /// This process is a job that a make (or `herdless exec`) started
     /// directly: the token its starter holds for it is its own.
     Own,
-    /// No runner named: the job waits for shared tokens only.
+    /// No runner named: a job of the command at the top, whose slot the
+    /// broker lends when the hello names none.
     Nothing,
+    /// A slot variable that is not one: the job borrows no slot at all.
+    Unnamed,
 }
 
 /// Parses `HERDLESS_SLOT`: `(id, MAKELEVEL)`.
@@ -123,10 +126,14 @@ pub(crate) fn borrow_from_env() -> Borrow {
         match value.to_str().and_then(parse_slot_env) {
             Some((id, at)) if at == level => return Borrow::Slot(id),
             Some(_) => {}
-            None => crate::log!(
-                crate::log::Level::Warn,
-                "{SLOT_ENV}={value:?} is not a slot (16 hex digits, '/', MAKELEVEL); ignored"
-            ),
+            None => {
+                crate::log!(
+                    crate::log::Level::Warn,
+                    "{SLOT_ENV}={value:?} is not a slot (16 hex digits, '/', MAKELEVEL); \
+                     this job borrows none"
+                );
+                return Borrow::Unnamed;
+            }
         }
     }
     if level.is_empty() {
@@ -308,7 +315,10 @@ impl Client {
                     slot = u64::from(root);
                 }
                 Borrow::Own => options.implicit_token = true,
-                Borrow::Nothing => {}
+                // A job of the top (a shell that only exported
+                // HERDLESS_SOCKET, as a service's users do).
+                Borrow::Nothing => flags |= HelloFlags::JOB,
+                Borrow::Unnamed => {}
             }
         }
         let native = Native::connect(path.as_ref(), flags, slot)?;

@@ -416,6 +416,9 @@ impl Native {
             }
             Reply::Status { json } => st.statuses.push_back(json),
             Reply::Controlled => st.controlled += 1,
+            Reply::Error { message } if message == crate::protocol::STOPPING_MESSAGE => {
+                st.dead = Some((ErrorKind::BrokerGone, message));
+            }
             Reply::Error { message } => {
                 st.dead = Some((
                     ErrorKind::Refused,
