@@ -381,3 +381,61 @@ fn make_recipes_that_exec_through_timeout_and_subshells() {
         }
     }
 }
+
+/// `herdless run -j OUTER -- sh -c SCRIPT` where SCRIPT starts the inner
+/// runs; returns (jobs done, most at once, stderr).
+fn nested(tree: &JobTree, outer: u32, script: &str) -> (usize, u32, String) {
+    let out = common::output_within(
+        &mut herdless(&["run", "-j", &outer.to_string(), "--", "sh", "-c", script]),
+        PATIENCE * 2,
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(out.status.success(), "{stderr}");
+    let (done, max) = tree.counts();
+    (done, max, stderr)
+}
+
+#[test]
+fn nested_runs_join_the_outer_pool() {
+    // Three `run -j 4` at once inside `run -j 2`: the outer -j bounds all.
+    let tree = JobTree::new("nested-runs");
+    let job = format!("herdless exec sh {0}/job.sh {0}", tree.dir.display());
+    let script = format!(
+        "for i in 1 2 3; do herdless run -j 4 -- sh -c 'for j in 1 2 3 4; do {job} & done; wait' & done; wait"
+    );
+    let (done, max, stderr) = nested(&tree, 2, &script);
+    assert_eq!(done, 12, "{stderr}");
+    assert_eq!(
+        max, 2,
+        "at most the outer 2 at once, and 2 reached\n{stderr}"
+    );
+    assert!(!stderr.contains("warning"), "{stderr}");
+}
+
+#[cfg(target_os = "linux")]
+#[test]
+fn a_nested_run_caps_its_own_subtree() {
+    // `run -j 2` inside `run -j 8`: its own -j bounds its subtree.
+    let tree = JobTree::new("nested-cap");
+    let job = format!("herdless exec sh {0}/job.sh {0}", tree.dir.display());
+    let script =
+        format!("herdless run -j 2 -- sh -c 'for j in $(seq 8); do ( {job}; true ) & done; wait'");
+    let (done, max, stderr) = nested(&tree, 8, &script);
+    assert_eq!(done, 8, "{stderr}");
+    assert_eq!(max, 2, "the inner -j 2 rules, and is reached\n{stderr}");
+}
+
+#[test]
+fn new_pool_starts_a_pool_of_its_own_and_warns() {
+    let tree = JobTree::new("nested-new-pool");
+    let job = format!("herdless exec sh {0}/job.sh {0}", tree.dir.display());
+    let script =
+        format!("herdless run -j 3 --new-pool -- sh -c 'for j in $(seq 9); do {job} & done; wait'");
+    let (done, max, stderr) = nested(&tree, 1, &script);
+    assert_eq!(done, 9, "{stderr}");
+    assert!(max <= 3, "{stderr}");
+    assert!(
+        stderr.contains("warning: --new-pool: -j3 forced in a pool of its own"),
+        "{stderr}"
+    );
+}
