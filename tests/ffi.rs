@@ -618,6 +618,80 @@ fn killed_client_tokens_are_reclaimed() {
     assert_eq!(stat(&report, "tokens lost"), 0, "{report}");
 }
 
+/// Polls `serve`'s status until `pred` holds; panics after a bound.
+fn status_until(serve: &Serve, what: &str, pred: impl Fn(&serde_json::Value) -> bool) {
+    let start = Instant::now();
+    loop {
+        let s = serve.status();
+        if pred(&s) {
+            return;
+        }
+        assert!(start.elapsed() < Duration::from_secs(30), "{what}: {s}");
+        thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// A handle and the two tokens it holds, in a process that forks: the
+/// fork cannot use the handle (-EPERM, nothing sent); the tokens stay the
+/// parent's while it lives, even if the fork frees its copy; and they come
+/// back when the parent is killed, even while the fork keeps the socket
+/// open (Linux: the broker watches the holder's pidfd).
+#[test]
+fn a_fork_cannot_use_or_keep_its_parent_s_tokens() {
+    let program = build_c("fork_holder");
+    for free_in_child in [false, true] {
+        let serve = Serve::start(3);
+        let mut parent = clean(Command::new(&program))
+            .args(if free_in_child {
+                &["free"][..]
+            } else {
+                &[][..]
+            })
+            .env("HERDLESS_SOCKET", &serve.socket)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("fork_holder");
+        let mut out = BufReader::new(parent.stdout.take().unwrap());
+        let mut lines = Vec::new();
+        while lines.len() < 2 {
+            let mut line = String::new();
+            assert!(out.read_line(&mut line).unwrap() > 0, "{lines:?}");
+            lines.push(line.trim().to_string());
+        }
+        lines.sort();
+        assert_eq!(lines[0], "child: ok", "{lines:?}");
+        let child: i32 = lines[1]
+            .strip_prefix("holding 2 child ")
+            .unwrap_or_else(|| panic!("{lines:?}"))
+            .parse()
+            .unwrap();
+        // The fork's calls (and its free) changed nothing: two held.
+        let s = serve.status();
+        assert_eq!(
+            (s["in_use"].as_u64(), s["free"].as_u64()),
+            (Some(2), Some(0)),
+            "{s}"
+        );
+        kill(Pid::from_raw(parent.id() as i32), Signal::SIGKILL).unwrap();
+        let _ = parent.wait();
+        if cfg!(target_os = "linux") {
+            status_until(&serve, "the dead parent's tokens come back", |s| {
+                s["free"].as_u64() == Some(2)
+            });
+            assert!(
+                kill(Pid::from_raw(child), None).is_ok(),
+                "the fork still lives, holding the socket"
+            );
+        }
+        kill(Pid::from_raw(child), Signal::SIGKILL).unwrap();
+        status_until(&serve, "all free", |s| s["free"].as_u64() == Some(2));
+        let (status, report) = serve.stop();
+        assert!(status.success(), "{report}");
+    }
+}
+
 #[test]
 fn calls_report_a_broker_that_is_gone() {
     let program = build_c("broker_gone");

@@ -59,8 +59,12 @@
  * exactly one of the callers. `herdless_client_free` must be the last
  * call on a handle, with no other call in progress.
  *
- * fork: a child must not use its parent's handle (the connection and its
- * tokens belong to the parent). The socket is close-on-exec.
+ * fork: the connection and its tokens belong to the process that opened
+ * the handle. In a fork every call on it fails with `-EPERM` and sends
+ * nothing (`herdless_aborted` says 0); `herdless_client_free` there frees
+ * the fork's copy only, giving nothing back. A broker on Linux takes the
+ * tokens back when the opening process dies, even while a fork keeps the
+ * socket open. The socket is close-on-exec.
  */
 typedef struct herdless_client herdless_client;
 

@@ -64,8 +64,12 @@ const SUN_PATH_LEN: usize =
 /// exactly one of the callers. `herdless_client_free` must be the last
 /// call on a handle, with no other call in progress.
 ///
-/// fork: a child must not use its parent's handle (the connection and its
-/// tokens belong to the parent). The socket is close-on-exec.
+/// fork: the connection and its tokens belong to the process that opened
+/// the handle. In a fork every call on it fails with `-EPERM` and sends
+/// nothing (`herdless_aborted` says 0); `herdless_client_free` there frees
+/// the fork's copy only, giving nothing back. A broker on Linux takes the
+/// tokens back when the opening process dies, even while a fork keeps the
+/// socket open. The socket is close-on-exec.
 #[allow(non_camel_case_types)]
 pub struct herdless_client {
     client: Client,
@@ -464,6 +468,7 @@ fn describe(code: c_int) -> &'static CStr {
         libc::EBADF => c"the jobserver named in the environment is unusable",
         libc::ENAMETOOLONG => c"the socket path is too long for a Unix socket",
         libc::ENOTSUP => c"this jobserver cannot do that (an abort on a GNU make pipe)",
+        libc::EPERM => c"this handle was opened by another process (this one is a fork of it)",
         libc::EACCES => c"permission denied",
         libc::ENOTRECOVERABLE => c"internal error in herdless (a bug)",
         libc::EIO => c"input/output error",

@@ -52,6 +52,9 @@ const SIGNALS: Token = Token(2);
 const CLASSIC_OFFERS: Token = Token(3);
 const CLASSIC_RETURNS: Token = Token(4);
 const FIRST_CONN: usize = 16;
+/// Set in the token of a connection's process-exit descriptor (its pidfd):
+/// the rest of the bits are the connection's own token.
+const EXIT_BIT: usize = 1 << (usize::BITS - 2);
 
 /// A client whose unsent replies pile up past this is not reading them;
 /// it is disconnected rather than allowed to grow the broker's memory.
@@ -141,6 +144,10 @@ struct Conn {
     watching_writes: bool,
     /// The protocol version agreed in the handshake.
     version: u16,
+    /// Readable once the process that opened the connection has exited
+    /// (a pidfd, Linux): its tokens come back then, even if a fork of it
+    /// keeps the socket open.
+    exit_fd: Option<std::os::fd::OwnedFd>,
 }
 
 /// The broker. Build it with [`Broker::bind`], run it with [`Broker::run`].
@@ -410,6 +417,9 @@ impl Broker {
                         }
                         self.apply_effects();
                     }
+                    token if token.0 & EXIT_BIT != 0 => {
+                        self.process_exited(Token(token.0 & !EXIT_BIT));
+                    }
                     token => self.conn_event(token, event.is_readable(), event.is_writable()),
                 }
                 self.rebalance();
@@ -526,6 +536,7 @@ impl Broker {
             log!(Level::Error, "cannot watch a new connection: {e}");
             return;
         }
+        let exit_fd = pid.and_then(|pid| self.watch_exit(pid, token));
         self.conns.insert(
             token,
             Conn {
@@ -536,12 +547,50 @@ impl Broker {
                 pid,
                 watching_writes: false,
                 version: PROTOCOL_VERSION,
+                exit_fd,
             },
         );
         // The client may have written its hello already; with
         // edge-triggered readiness the registration reports it, but reading
         // now saves a trip through the loop.
         self.conn_event(token, true, false);
+    }
+
+    /// Watches for the exit of the process that opened the connection of
+    /// `token`; `None` where the OS has no process descriptors (the BSDs,
+    /// macOS, Linux before 5.3), and the connection's end is its socket's.
+    fn watch_exit(&self, pid: u32, token: Token) -> Option<std::os::fd::OwnedFd> {
+        use std::os::fd::AsRawFd;
+        let fd = herdless_platform::process_exit_fd(pid).ok()?;
+        self.poll
+            .registry()
+            .register(
+                &mut mio::unix::SourceFd(&fd.as_raw_fd()),
+                Token(token.0 | EXIT_BIT),
+                Interest::READABLE,
+            )
+            .ok()?;
+        Some(fd)
+    }
+
+    /// The process that opened a connection has exited, while the socket
+    /// stays open (a fork of it inherited it): the connection is its, so
+    /// it closes now and its tokens come back.
+    fn process_exited(&mut self, token: Token) {
+        // What it wrote before it died comes first (a release, say); that
+        // read also closes a connection whose socket has ended.
+        self.conn_event(token, true, false);
+        let Some(conn) = self.conns.get(&token) else {
+            return;
+        };
+        log!(
+            Level::Info,
+            "the process (pid {}) of connection {} exited, and a fork of it keeps the \
+             socket open; closing the connection",
+            conn.pid.unwrap_or(0),
+            token.0
+        );
+        self.close(token, None);
     }
 
     fn conn_event(&mut self, token: Token, readable: bool, writable: bool) {
@@ -900,6 +949,13 @@ impl Broker {
         // before the connection does, as far as the socket takes them.
         let _ = flush(&mut conn);
         let _ = self.poll.registry().deregister(&mut conn.stream);
+        if let Some(fd) = conn.exit_fd.take() {
+            use std::os::fd::AsRawFd;
+            let _ = self
+                .poll
+                .registry()
+                .deregister(&mut mio::unix::SourceFd(&fd.as_raw_fd()));
+        }
         if let Some(id) = conn.client {
             self.by_client.remove(&id);
             let now = self.now();

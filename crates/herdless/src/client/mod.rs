@@ -202,6 +202,8 @@ enum Backend {
 struct Inner {
     backend: Backend,
     options: Options,
+    /// The process that opened the handle: the only one that may use it.
+    opened_by: u32,
     implicit_in_use: AtomicBool,
     /// The implicit token was forgotten while in use: the next
     /// `release_raw` gives it back, locally.
@@ -284,11 +286,30 @@ impl Client {
         Ok(Client::with_backend(Backend::Classic(classic), options))
     }
 
+    /// Refuses use from a process other than the one that opened the
+    /// handle (a fork): acting for the parent would take or give back its
+    /// tokens, or read its grants.
+    fn same_process(&self) -> Result<()> {
+        let me = std::process::id();
+        if me == self.inner.opened_by {
+            return Ok(());
+        }
+        Err(Error::new(
+            ErrorKind::Forked,
+            format!(
+                "this jobserver handle was opened by process {}; process {me}, a fork of it, \
+                 must open its own",
+                self.inner.opened_by
+            ),
+        ))
+    }
+
     fn with_backend(backend: Backend, options: Options) -> Client {
         Client {
             inner: Arc::new(Inner {
                 backend,
                 options,
+                opened_by: std::process::id(),
                 implicit_in_use: AtomicBool::new(false),
                 implicit_forgotten: AtomicBool::new(false),
             }),
@@ -434,6 +455,7 @@ impl Client {
 
     /// Takes a token if one is free now (or this client's implicit token).
     pub fn try_acquire(&self) -> Result<Option<Token>> {
+        self.same_process()?;
         if let Some(t) = self.implicit() {
             return Ok(Some(t));
         }
@@ -475,6 +497,7 @@ impl Client {
         deadline: Option<Instant>,
         interruptible: bool,
     ) -> Result<Option<Token>> {
+        self.same_process()?;
         if let Some(t) = self.implicit() {
             return Ok(Some(t));
         }
@@ -498,6 +521,7 @@ impl Client {
     /// in it (every process watching the pipe wakes then; a blocking
     /// acquire wakes just one).
     pub fn take_grant(&self) -> Result<Option<Token>> {
+        self.same_process()?;
         match &self.inner.backend {
             Backend::Native(n) => Ok(self.shared(n.take_grant()?)),
             Backend::Classic(c) => Ok(self.got(c.try_acquire()?)),
@@ -508,6 +532,7 @@ impl Client {
     /// interrupted acquire. Returns the token if it had been granted
     /// already. On a classic jobserver there is never one: `Ok(None)`.
     pub fn cancel_pending(&self) -> Result<Option<Token>> {
+        self.same_process()?;
         match &self.inner.backend {
             Backend::Native(n) => Ok(self.shared(n.cancel_pending()?)),
             Backend::Classic(_) => Ok(None),
@@ -526,6 +551,7 @@ impl Client {
     /// no abort token; nothing is changed then. Exit with a failure status
     /// instead: make stops the build.
     pub fn abort(&self, reason: AbortReason) -> Result<()> {
+        self.same_process()?;
         match &self.inner.backend {
             Backend::Native(n) => n.abort(reason),
             Backend::Classic(c) => c.abort(reason),
@@ -535,6 +561,8 @@ impl Client {
     /// The abort that has reached this client, if any. On a classic
     /// jobserver: one this client read from the pipe or posted.
     pub fn aborted(&self) -> Option<AbortReason> {
+        // A fork must not read its parent's connection.
+        self.same_process().ok()?;
         match &self.inner.backend {
             Backend::Native(n) => n.aborted(),
             Backend::Classic(c) => c.aborted(),
@@ -547,6 +575,7 @@ impl Client {
     ///
     /// `Unsupported` on a classic jobserver, which keeps no status.
     pub fn status_json(&self) -> Result<String> {
+        self.same_process()?;
         match &self.inner.backend {
             Backend::Native(n) => n.status(),
             Backend::Classic(c) => Err(Error::new(
@@ -672,6 +701,9 @@ impl Token {
     }
 
     fn give_back(&self) -> Result<()> {
+        // A token copied into a fork is its parent's: only the parent gives
+        // it back.
+        self.client.same_process()?;
         match self.kind {
             TokenKind::Implicit => {
                 self.client
@@ -709,6 +741,7 @@ impl Client {
     /// parent's slot when no byte is held); holding none is a `NotHolding`
     /// error.
     pub fn release_raw(&self) -> Result<()> {
+        self.same_process()?;
         if self.inner.implicit_forgotten.swap(false, Ordering::AcqRel) {
             self.inner.implicit_in_use.store(false, Ordering::Release);
             return Ok(());
