@@ -108,6 +108,7 @@ fn header_declares_the_api() {
         "int herdless_aborted(const herdless_client *c);",
         "void herdless_client_free(herdless_client *c);",
         "const char *herdless_strerror(int code);",
+        "const char *herdless_slot_env(const herdless_client *c);",
     ] {
         assert!(
             header.contains(f),

@@ -18,6 +18,12 @@ int main(int argc, char **argv) {
     REQUIRE(c != NULL);
     CHECK_EQ(herdless_acquire(c, HERDLESS_WAIT_FOREVER), 0);
     CHECK_EQ(herdless_acquire(c, HERDLESS_WAIT_FOREVER), 0);
+    /* The slot for the jobs this process would start: HERDLESS_SLOT=ID/LEVEL. */
+    const char *slot = herdless_slot_env(c);
+    CHECK(slot != NULL && strncmp(slot, "HERDLESS_SLOT=", 14) == 0 &&
+          strlen(slot) >= 14 + 17 && slot[14 + 16] == '/');
+    CHECK(herdless_slot_env(NULL) == NULL);
+    /* Checks before the fork are counted in the child's report. */
     fflush(stdout);
     pid_t child = fork();
     REQUIRE(child >= 0);

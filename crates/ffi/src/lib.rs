@@ -27,7 +27,7 @@
 //! jobserver named in `MAKEFLAGS`).
 #![warn(missing_docs)]
 
-use std::ffi::{c_char, c_int, CStr, OsStr};
+use std::ffi::{c_char, c_int, CStr, CString, OsStr};
 use std::os::fd::AsRawFd;
 use std::os::unix::ffi::OsStrExt;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -75,6 +75,8 @@ pub struct herdless_client {
     client: Client,
     /// Tokens taken through this handle and not yet released.
     held: AtomicU32,
+    /// `HERDLESS_SLOT=…` for the make's jobs (see `herdless_slot_env`).
+    slot_env: Option<CString>,
 }
 
 impl herdless_client {
@@ -105,10 +107,14 @@ fn guard(f: impl FnOnce() -> c_int) -> c_int {
 fn into_handle(made: std::thread::Result<Result<Client, c_int>>) -> *mut herdless_client {
     let errno = match made {
         Ok(Ok(client)) => {
+            let slot_env = client
+                .job_env()
+                .and_then(|(k, v)| CString::new(format!("{k}={v}")).ok());
             return Box::into_raw(Box::new(herdless_client {
                 client,
                 held: AtomicU32::new(0),
-            }))
+                slot_env,
+            }));
         }
         Ok(Err(errno)) => errno,
         Err(_) => -PANICKED,
@@ -442,6 +448,31 @@ pub unsafe extern "C" fn herdless_client_free(c: *mut herdless_client) {
         }
         drop(handle)
     }));
+}
+
+/// The variable a make puts into the environment of each job it starts,
+/// `HERDLESS_SLOT=…`: it names the slot the broker minted for this handle's
+/// own job, so that a `herdless exec` in one of the make's jobs runs in the
+/// make's slot (one such exec at a time; the others wait for shared
+/// tokens) instead of taking the slot of the runner above the make, which
+/// the make itself runs a job on. A make that sets `MAKELEVEL` for its jobs
+/// (GNU make and bmake do) needs it less: a changed `MAKELEVEL` already
+/// makes `exec` use its recipe's slot.
+///
+/// Returns a NUL-terminated string owned by the handle, valid until
+/// `herdless_client_free`, or NULL for a NULL handle and on a classic
+/// jobserver (which has no broker to lend a slot).
+///
+/// # Safety
+///
+/// `c` is NULL or a live handle.
+#[no_mangle]
+pub unsafe extern "C" fn herdless_slot_env(c: *const herdless_client) -> *const c_char {
+    // SAFETY: this function's contract is `handle`'s.
+    let Some(c) = (unsafe { handle(c) }) else {
+        return ptr::null();
+    };
+    c.slot_env.as_ref().map_or(ptr::null(), |s| s.as_ptr())
 }
 
 /// A static, NUL-terminated English description of `code` (negative, as
