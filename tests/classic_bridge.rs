@@ -470,6 +470,7 @@ fn hog_driver() -> ! {
     std::process::exit(0);
 }
 
+#[cfg(target_os = "linux")]
 fn hog_scenario(kill_hog: bool) {
     let mut cmd = Command::new(BIN);
     cmd.args(["run", "-j", "3", "--stats", "--"])
