@@ -744,7 +744,7 @@ impl Broker {
             }
             Request::Acquire => self.pool.acquire(id, now),
             Request::TryAcquire => {
-                // Only when nobody queues ahead and no parent slot would
+                // Only when nobody queues ahead and no slot would
                 // serve: otherwise the token would go elsewhere and the
                 // classic side would just lose its offer.
                 if self.pool.free() == 0 && self.pool.waiting() == 0 && !self.pool.slot_free_for(id)

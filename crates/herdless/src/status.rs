@@ -22,7 +22,7 @@ pub struct ClientStatus {
     /// What kind of client: `native`, `job` (a job of its parent, such as
     /// `herdless exec`) or `classic` (the bridge's side of the pool).
     pub kind: String,
-    /// Shared tokens the client holds now (a borrowed parent slot counts).
+    /// Shared tokens the client holds now (a borrowed slot counts).
     pub held: u32,
     /// Acquires the client has waiting in the queue.
     pub waiting: u32,
@@ -65,7 +65,7 @@ pub struct Status {
     pub capacity: u32,
     /// Shared tokens nobody holds.
     pub free: u32,
-    /// Tokens in use now, parent slots included.
+    /// Tokens in use now, the top slot included.
     pub in_use: u32,
     /// Acquires waiting in the queue.
     pub waiting: u32,
@@ -100,7 +100,7 @@ pub struct Status {
     /// Slots (implicit tokens of job runners) the broker knows now.
     #[cfg_attr(feature = "serde", serde(default))]
     pub slots: u32,
-    /// The most tokens in use at once (parent slots included).
+    /// The most tokens in use at once (the top slot included).
     pub max_in_use: u32,
     /// Median wait of the grants that waited, in microseconds.
     pub wait_p50_us: f64,

@@ -70,7 +70,7 @@ impl Status {
         o.gauge(
             "herdless_tokens_in_use",
             None,
-            "Tokens running jobs now, parent slots included.",
+            "Tokens running jobs now, slots included.",
             self.in_use,
         );
         o.gauge(

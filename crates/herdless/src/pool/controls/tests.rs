@@ -194,9 +194,9 @@ struct Model {
     live: Vec<ClientId>,
     pid: HashMap<ClientId, u32>,
     ancestors: HashMap<ClientId, Vec<u32>>,
-    /// Shared tokens held by each client (parent slots apart).
+    /// Shared tokens held by each client (slots apart).
     held: HashMap<ClientId, u32>,
-    /// Whether each client holds a parent slot.
+    /// Whether each client holds a slot.
     slot: HashMap<ClientId, bool>,
     queue: Vec<ClientId>,
     capacity: u32,
