@@ -619,6 +619,18 @@ fn killed_client_tokens_are_reclaimed() {
     assert_eq!(stat(&report, "tokens lost"), 0, "{report}");
 }
 
+/// Kills the processes it names when dropped, so that a failed check
+/// leaves no process holding the test's output open.
+struct KillOnDrop(Vec<i32>);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        for &pid in &self.0 {
+            let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
+        }
+    }
+}
+
 /// Polls `serve`'s status until `pred` holds; panics after a bound.
 fn status_until(serve: &Serve, what: &str, pred: impl Fn(&serde_json::Value) -> bool) {
     let start = Instant::now();
@@ -654,6 +666,7 @@ fn a_fork_cannot_use_or_keep_its_parent_s_tokens() {
             .stderr(Stdio::inherit())
             .spawn()
             .expect("fork_holder");
+        let mut guard = KillOnDrop(vec![parent.id() as i32]);
         let mut out = BufReader::new(parent.stdout.take().unwrap());
         let mut lines = Vec::new();
         while lines.len() < 2 {
@@ -664,10 +677,11 @@ fn a_fork_cannot_use_or_keep_its_parent_s_tokens() {
         lines.sort();
         assert_eq!(lines[0], "child: ok", "{lines:?}");
         let child: i32 = lines[1]
-            .strip_prefix("holding 2 child ")
+            .strip_prefix("parent: child ")
             .unwrap_or_else(|| panic!("{lines:?}"))
             .parse()
             .unwrap();
+        guard.0.push(child);
         // The fork's calls (and its free) changed nothing: two held.
         let s = serve.status();
         assert_eq!(
@@ -691,6 +705,61 @@ fn a_fork_cannot_use_or_keep_its_parent_s_tokens() {
         let (status, report) = serve.stop();
         assert!(status.success(), "{report}");
     }
+}
+
+/// A process dies with a request queued while a fork keeps its socket:
+/// the grant that later reaches the connection finds the process gone,
+/// and the token comes back at once instead of staying with the fork.
+#[cfg(target_os = "linux")]
+#[test]
+fn a_grant_for_a_dead_process_is_not_kept_by_its_fork() {
+    let program = build_c("fork_holder");
+    let holder = build_c("holder");
+    let serve = Serve::start(2);
+    let (mut held, _) = hold(&serve, &holder, 1);
+    let mut parent = clean(Command::new(&program))
+        .arg("queue")
+        .env("HERDLESS_SOCKET", &serve.socket)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("fork_holder");
+    let mut guard = KillOnDrop(vec![parent.id() as i32]);
+    let mut out = BufReader::new(parent.stdout.take().unwrap());
+    let mut lines = Vec::new();
+    while lines.len() < 2 {
+        let mut line = String::new();
+        assert!(out.read_line(&mut line).unwrap() > 0, "{lines:?}");
+        lines.push(line.trim().to_string());
+    }
+    lines.sort();
+    assert_eq!(lines[0], "child: ok", "{lines:?}");
+    let child: i32 = lines[1]
+        .strip_prefix("parent: child ")
+        .unwrap_or_else(|| panic!("{lines:?}"))
+        .parse()
+        .unwrap();
+    guard.0.push(child);
+    status_until(&serve, "the parent's request queued", |s| {
+        s["waiting"].as_u64() == Some(1)
+    });
+    kill(Pid::from_raw(parent.id() as i32), Signal::SIGKILL).unwrap();
+    let _ = parent.wait();
+    // The holder lets go: the token goes to the dead parent's connection,
+    // which the fork keeps open, and comes straight back.
+    drop(held.stdin.take());
+    let _ = held.wait();
+    status_until(&serve, "the token back, the dead connection closed", |s| {
+        s["free"].as_u64() == Some(1) && s["clients"].as_array().is_some_and(|c| c.is_empty())
+    });
+    assert!(
+        kill(Pid::from_raw(child), None).is_ok(),
+        "the fork still lives"
+    );
+    kill(Pid::from_raw(child), Signal::SIGKILL).unwrap();
+    let (status, report) = serve.stop();
+    assert!(status.success(), "{report}");
 }
 
 #[test]

@@ -146,7 +146,8 @@ struct Conn {
     version: u16,
     /// Readable once the process that opened the connection has exited
     /// (a pidfd, Linux): its tokens come back then, even if a fork of it
-    /// keeps the socket open.
+    /// keeps the socket open. Held only while the connection holds tokens,
+    /// so the broker spends one more descriptor per holder, not per client.
     exit_fd: Option<std::os::fd::OwnedFd>,
 }
 
@@ -168,6 +169,8 @@ pub struct Broker {
     minted: u64,
     /// Connections told of the stop, closed once the effects are applied.
     closing: Vec<Token>,
+    /// Connections granted a token whose process had already exited.
+    dead: Vec<Token>,
     signals: Option<(UnixStream, Vec<signal_hook::SigId>)>,
     reserve: Option<File>,
     uid: u32,
@@ -278,6 +281,7 @@ impl Broker {
             top_slot,
             minted: 1,
             closing: Vec::new(),
+            dead: Vec::new(),
             signals,
             reserve: File::open("/dev/null").ok(),
             uid: nix::unistd::geteuid().as_raw(),
@@ -536,7 +540,6 @@ impl Broker {
             log!(Level::Error, "cannot watch a new connection: {e}");
             return;
         }
-        let exit_fd = pid.and_then(|pid| self.watch_exit(pid, token));
         self.conns.insert(
             token,
             Conn {
@@ -547,7 +550,7 @@ impl Broker {
                 pid,
                 watching_writes: false,
                 version: PROTOCOL_VERSION,
-                exit_fd,
+                exit_fd: None,
             },
         );
         // The client may have written its hello already; with
@@ -556,21 +559,45 @@ impl Broker {
         self.conn_event(token, true, false);
     }
 
-    /// Watches for the exit of the process that opened the connection of
-    /// `token`; `None` where the OS has no process descriptors (the BSDs,
-    /// macOS, Linux before 5.3), and the connection's end is its socket's.
-    fn watch_exit(&self, pid: u32, token: Token) -> Option<std::os::fd::OwnedFd> {
+    /// The connection of `token` now holds a token: watch for the exit of
+    /// the process that opened it. Where the OS has no process descriptors
+    /// (the BSDs, macOS, Linux before 5.3), or none is left, the
+    /// connection's end is its socket's. A process already gone (a fork
+    /// kept the socket, and a queued grant just reached it) is closed.
+    fn watch_holder(&mut self, token: Token) {
         use std::os::fd::AsRawFd;
-        let fd = herdless_platform::process_exit_fd(pid).ok()?;
-        self.poll
-            .registry()
-            .register(
-                &mut mio::unix::SourceFd(&fd.as_raw_fd()),
-                Token(token.0 | EXIT_BIT),
-                Interest::READABLE,
-            )
-            .ok()?;
-        Some(fd)
+        let Some(conn) = self.conns.get_mut(&token) else {
+            return;
+        };
+        let (None, Some(pid)) = (&conn.exit_fd, conn.pid) else {
+            return;
+        };
+        match herdless_platform::process_exit_fd(pid) {
+            Ok(fd) => {
+                let registered = self.poll.registry().register(
+                    &mut mio::unix::SourceFd(&fd.as_raw_fd()),
+                    Token(token.0 | EXIT_BIT),
+                    Interest::READABLE,
+                );
+                if registered.is_ok() {
+                    conn.exit_fd = Some(fd);
+                }
+            }
+            Err(e) if e.raw_os_error() == Some(libc::ESRCH) => self.dead.push(token),
+            Err(_) => {}
+        }
+    }
+
+    /// The connection of `token` holds no token any more: stop watching
+    /// its process.
+    fn unwatch_holder(&mut self, token: Token) {
+        use std::os::fd::AsRawFd;
+        if let Some(fd) = self.conns.get_mut(&token).and_then(|c| c.exit_fd.take()) {
+            let _ = self
+                .poll
+                .registry()
+                .deregister(&mut mio::unix::SourceFd(&fd.as_raw_fd()));
+        }
     }
 
     /// The process that opened a connection has exited, while the socket
@@ -757,7 +784,13 @@ impl Broker {
                 self.pool.try_acquire(id)
             }
             Request::Cancel => self.pool.cancel(id),
-            Request::Release => self.pool.release(id, now),
+            Request::Release => {
+                let released = self.pool.release(id, now);
+                if self.pool.held_by(id) == Some(0) {
+                    self.unwatch_holder(token);
+                }
+                released
+            }
             Request::Abort { reason } => {
                 if self.pool.abort(reason) {
                     log!(Level::Info, "client {id} aborted the tree ({reason})");
@@ -803,6 +836,10 @@ impl Broker {
         // the loop above, so no token freed by one reaches another.
         while let Some(token) = self.closing.pop() {
             self.close_at_stop(token);
+        }
+        // Holders whose process is gone while a fork keeps the socket.
+        while let Some(token) = self.dead.pop() {
+            self.process_exited(token);
         }
     }
 
@@ -850,9 +887,12 @@ impl Broker {
                 }
                 return;
             }
-            (Effect::Grant { waited, .. }, _) => {
+            (Effect::Grant { client, waited, .. }, _) => {
                 self.native_grants += 1;
                 self.native_wakeups += u64::from(*waited);
+                if let Some(&token) = self.by_client.get(client) {
+                    self.watch_holder(token);
+                }
             }
             _ => {}
         }
