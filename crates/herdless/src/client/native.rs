@@ -633,11 +633,23 @@ impl Native {
     }
 
     pub(crate) fn release(&self) -> Result<()> {
+        self.alive()?;
         self.send(&Request::Release)
     }
 
     pub(crate) fn abort(&self, reason: AbortReason) -> Result<()> {
+        self.alive()?;
         self.send(&Request::Abort { reason })
+    }
+
+    /// Fails once this client has learnt that the broker is gone or has
+    /// stopped: a write to a connection the broker is about to close may
+    /// still succeed, and would report a release that nobody takes.
+    fn alive(&self) -> Result<()> {
+        match &lock(&self.state).dead {
+            Some((kind, msg)) => Err(Error::new(*kind, msg.clone())),
+            None => Ok(()),
+        }
     }
 
     /// The abort posted to the tree, if one has reached this client.
