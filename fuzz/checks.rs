@@ -8,7 +8,7 @@ use std::os::unix::ffi::OsStrExt;
 use std::time::Duration;
 
 use herdless::classic::{Auth, Flavor, Jobserver};
-use herdless::pool::{ClientId, ClientInfo, Effect, Pool};
+use herdless::pool::{ClientId, ClientInfo, Effect, Pool, SlotKey};
 use herdless::protocol::{self, AbortReason, FrameBuffer, ProtocolError};
 
 /// Any bytes: the request decoder never panics, never claims more bytes
@@ -106,7 +106,7 @@ pub fn makeflags(data: &[u8]) {
 }
 
 /// Any sequence of operations on a pool of up to 4 tokens, by up to 8
-/// clients: after each one the pool's invariants hold, no token is
+/// clients that may borrow up to 3 slots: after each one the pool's invariants hold, no token is
 /// unaccounted for, and a grant goes only to a connected client.
 pub fn pool(data: &[u8]) {
     let Some((&cap, ops)) = data.split_first() else {
@@ -125,8 +125,7 @@ pub fn pool(data: &[u8]) {
             0 if clients.len() < 8 => {
                 let id = pool.connect(ClientInfo {
                     pid: 100 + step as u32,
-                    ppid: u32::from(arg % 3),
-                    job_of_parent: arg & 0x10 != 0,
+                    borrows: (arg & 0x10 != 0).then_some(SlotKey::Minted(u64::from(arg % 3))),
                     observer: arg & 0x60 == 0x60,
                     label: "native",
                     internal: false,
@@ -164,6 +163,16 @@ pub fn pool(data: &[u8]) {
             7 if arg == 0xAB => {
                 pool.abort(AbortReason::Error);
             }
+            7 => {
+                // A slot for clients to borrow: the top one (counted as the
+                // N-th token) or one owned by a client.
+                let owner = if arg & 0x80 != 0 {
+                    pick(&clients)
+                } else {
+                    None
+                };
+                pool.add_slot(SlotKey::Minted(u64::from(arg % 3)), owner, owner.is_none());
+            }
             _ => {}
         }
         for effect in pool.take_effects() {
@@ -171,7 +180,8 @@ pub fn pool(data: &[u8]) {
                 Effect::Grant { client, .. }
                 | Effect::Denied { client }
                 | Effect::Cancelled { client, .. }
-                | Effect::Aborted { client, .. } => client,
+                | Effect::Aborted { client, .. }
+                | Effect::Stopped { client } => client,
             };
             assert!(
                 connected.contains(&client),

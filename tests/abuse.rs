@@ -18,10 +18,10 @@ use herdless::protocol::{FrameBuffer, HelloFlags, Reply, Request, BUSY_PREFIX};
 fn hello() -> Vec<u8> {
     let mut out = Vec::new();
     Request::Hello {
-        version: 1,
+        version: herdless::protocol::PROTOCOL_VERSION,
         flags: HelloFlags::empty(),
         pid: std::process::id(),
-        ppid: 1,
+        slot: 0,
     }
     .encode(&mut out);
     out

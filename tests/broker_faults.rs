@@ -153,10 +153,10 @@ fn raw_hello(socket: &std::path::Path) -> Result<std::os::unix::net::UnixStream,
     s.set_read_timeout(Some(PATIENCE)).unwrap();
     let mut out = Vec::new();
     Request::Hello {
-        version: 1,
+        version: herdless::protocol::PROTOCOL_VERSION,
         flags: HelloFlags::empty(),
         pid: std::process::id(),
-        ppid: 1,
+        slot: 0,
     }
     .encode(&mut out);
     // The broker may have written its refusal and closed already.
@@ -216,10 +216,10 @@ fn replies_a_client_is_slow_to_read_all_arrive() {
     let mut s = std::os::unix::net::UnixStream::connect(&serve.socket).unwrap();
     let mut out = Vec::new();
     Request::Hello {
-        version: 1,
+        version: herdless::protocol::PROTOCOL_VERSION,
         flags: HelloFlags::empty(),
         pid: std::process::id(),
-        ppid: 1,
+        slot: 0,
     }
     .encode(&mut out);
     // Far more status replies than a socket buffer holds, asked for before

@@ -152,10 +152,10 @@ fn flooder(socket: &std::path::Path, unit: Request, stop: &AtomicBool) {
         .unwrap();
     let mut out = Vec::new();
     Request::Hello {
-        version: 1,
+        version: herdless::protocol::PROTOCOL_VERSION,
         flags: HelloFlags::empty(),
         pid: std::process::id(),
-        ppid: 1,
+        slot: 0,
     }
     .encode(&mut out);
     let _ = s.write_all(&out);

@@ -73,7 +73,7 @@ fn hello() -> Vec<u8> {
         version: PROTOCOL_VERSION,
         flags: HelloFlags::empty(),
         pid: std::process::id(),
-        ppid: std::os::unix::process::parent_id(),
+        slot: 0,
     })
 }
 
