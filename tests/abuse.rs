@@ -292,7 +292,8 @@ fn a_client_that_dies_while_the_broker_ignores_it_gives_its_tokens_back() {
         let mut blocked = 0;
         while blocked < 50 {
             match s.write(&burst) {
-                Ok(_) => blocked = 0,
+                Ok(n) if n > 0 => blocked = 0,
+                Ok(_) => blocked += 1,
                 Err(_) => {
                     blocked += 1;
                     std::thread::sleep(Duration::from_millis(2));
