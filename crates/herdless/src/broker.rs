@@ -1,11 +1,12 @@
 //! The broker: one thread, one mio loop, driving the [`Pool`] with sockets.
 //!
-//! Every readiness source is edge-triggered (mio's only mode): each event
-//! drains its source until `WouldBlock`. A grant is one frame written to one
+//! Every readiness source is edge-triggered (mio's only mode): a source is
+//! read until `WouldBlock`, a connection over as many turns as it takes
+//! (see *Fairness and bounds*). A grant is one frame written to one
 //! client's socket, so exactly one process wakes per token. There is no
 //! timer anywhere in the hand-off path: the loop sleeps in `epoll_wait` /
-//! `kevent` with no timeout and wakes only for I/O, a signal or a stop
-//! request.
+//! `kevent` and wakes only for I/O, a signal or a stop request (the
+//! handshake deadline and the admission re-check are its only timeouts).
 //!
 //! # Failure handling
 //!
