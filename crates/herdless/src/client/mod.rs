@@ -393,6 +393,29 @@ impl Client {
         }
     }
 
+    /// Withdraws, without waiting for the broker's answer, a request left
+    /// pending by [`Client::take_grant`] or an interrupted acquire, and
+    /// gives back a grant that had arrived for it: the caller holds
+    /// nothing new afterwards, and a grant that races the withdrawal goes
+    /// back to the broker when it arrives. On a classic jobserver there is
+    /// nothing to withdraw.
+    pub fn cancel_pending_nowait(&self) -> Result<()> {
+        match &self.inner.backend {
+            Backend::Native(n) => n.cancel_nowait(),
+            Backend::Classic(_) => Ok(()),
+        }
+    }
+
+    /// Whether a request left by [`Client::take_grant`] or an interrupted
+    /// acquire is still queued, or its grant has arrived and is not taken
+    /// yet. Never on a classic jobserver.
+    pub fn has_pending(&self) -> Result<bool> {
+        match &self.inner.backend {
+            Backend::Native(n) => n.pending(),
+            Backend::Classic(_) => Ok(false),
+        }
+    }
+
     /// Aborts the whole tree: every client is told, bmake children get an
     /// `E` or `I` token, and no token is granted after it.
     ///
