@@ -1,0 +1,262 @@
+//! GNU make 4.4.1 built with herdless as its jobserver backend
+//! (`embed/gnu-make/build.sh`, `target/embed/gnu-make/bin/make`), running
+//! real recursive trees: herdless sub-makes, stock GNU make 4.4.1
+//! sub-makes on the broker's classic FIFO, and nested sub-makes, under
+//! `-j 1/4/16`. Counts and invariants only: at most N jobs at once and N
+//! reached, every job run, no token lost, tokens really granted through
+//! herdless, a failing job stops the tree, SIGINT leaves nothing behind.
+
+mod common;
+
+use std::fs;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use common::{stat, JobTree as Tree, BIN, PATIENCE};
+
+fn repo_file(rel: &str, var: &str, how: &str) -> PathBuf {
+    let path = std::env::var_os(var)
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join(rel));
+    assert!(
+        path.exists(),
+        "{} not found: run `{how}` (CI does), or name it in {var}",
+        path.display()
+    );
+    path
+}
+
+/// GNU make 4.4.1 with herdless inside.
+fn herdless_make() -> PathBuf {
+    repo_file(
+        "target/embed/gnu-make/bin/make",
+        "HERDLESS_EMBED_GNU_MAKE",
+        "bash embed/gnu-make/build.sh",
+    )
+}
+
+/// Stock GNU make 4.4.1 (reads `fifo:` jobservers).
+fn stock_make() -> PathBuf {
+    repo_file(
+        "target/tools/gnu-make-4.4.1/bin/make",
+        "HERDLESS_GNU_MAKE_44",
+        "bash ci/build-gnu-make-4.4.1.sh",
+    )
+}
+
+/// The tree: the top Makefile runs six branches of eight jobs. Branches 1
+/// to 3 are herdless sub-makes (`$(MAKE)`), branch 1 with a nested
+/// herdless sub-make of its own; branches 4 and 5 are stock GNU make
+/// 4.4.1 on the classic FIFO; branch 6 is a herdless sub-make whose own
+/// sub-make is stock.
+fn tree(t: &Tree) -> usize {
+    let stock = stock_make();
+    let per = 8;
+    for b in 1..=6 {
+        t.flat_makefile(&format!("sub{b}.mk"), &format!("b{b}j"), per);
+    }
+    t.flat_makefile("nested1.mk", "n1j", per);
+    t.flat_makefile("nested6.mk", "n6j", per);
+    let d = t.dir.display();
+    let append = |file: &str, text: String| {
+        let path = t.path(file);
+        let mut mk = fs::read_to_string(&path).unwrap();
+        mk = mk.replacen("all:", "all: nested", 1);
+        mk += &text;
+        fs::write(path, mk).unwrap();
+    };
+    append("sub1.mk", format!("nested:\n\t@$(MAKE) -f {d}/nested1.mk\n"));
+    append(
+        "sub6.mk",
+        format!("nested:\n\t+@{} -f {d}/nested6.mk\n", stock.display()),
+    );
+    let mut top = String::from("all: branch1 branch2 branch3 branch4 branch5 branch6\n");
+    for b in [1, 2, 3, 6] {
+        top += &format!("branch{b}:\n\t@$(MAKE) -f {d}/sub{b}.mk\n");
+    }
+    for b in [4, 5] {
+        top += &format!("branch{b}:\n\t+@{} -f {d}/sub{b}.mk\n", stock.display());
+    }
+    fs::write(t.path("Makefile"), top).unwrap();
+    8 * per
+}
+
+/// A command with no jobserver in its environment, a private TMPDIR (the
+/// broker's directory goes there) and the broker's figures in `stats`.
+fn make_cmd(t: &Tree, program: &Path) -> Command {
+    let mut cmd = Command::new(program);
+    for var in [
+        "HERDLESS_SOCKET",
+        "HERDLESS_MAKE",
+        "MAKEFLAGS",
+        "MFLAGS",
+        "CARGO_MAKEFLAGS",
+        "MAKELEVEL",
+        "XDG_RUNTIME_DIR",
+    ] {
+        cmd.env_remove(var);
+    }
+    let tmp = t.path("tmp");
+    fs::create_dir_all(&tmp).unwrap();
+    cmd.env("TMPDIR", &tmp)
+        .env("HERDLESS_MAKE_STATS", t.path("stats"))
+        .current_dir(&t.dir)
+        .stdin(Stdio::null());
+    cmd
+}
+
+fn run(mut cmd: Command) -> Output {
+    common::output_within(&mut cmd, PATIENCE * 4)
+}
+
+fn text(out: &Output) -> String {
+    format!(
+        "status {}\nstdout:\n{}\nstderr:\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+/// The figures of each broker a herdless make started (one line each).
+fn broker_lines(t: &Tree) -> Vec<Vec<(String, i64)>> {
+    fs::read_to_string(t.path("stats"))
+        .unwrap_or_default()
+        .lines()
+        .map(|l| {
+            let w: Vec<&str> = l.split_whitespace().collect();
+            w.chunks(2)
+                .map(|kv| (kv[0].to_string(), kv[1].parse().unwrap()))
+                .collect()
+        })
+        .collect()
+}
+
+fn figure(line: &[(String, i64)], key: &str) -> i64 {
+    line.iter()
+        .find(|(k, _)| k == key)
+        .unwrap_or_else(|| panic!("no {key} in {line:?}"))
+        .1
+}
+
+/// Nothing of a broker is left in the tree's TMPDIR.
+fn assert_no_leftovers(t: &Tree) {
+    let left: Vec<_> = fs::read_dir(t.path("tmp"))
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name())
+        .collect();
+    assert!(left.is_empty(), "left behind in TMPDIR: {left:?}");
+}
+
+#[test]
+fn herdless_gnu_make_runs_a_recursive_tree_at_j_1_4_16() {
+    let make = herdless_make();
+    for n in [1u32, 4, 16] {
+        let t = Tree::new(&format!("real-make-j{n}"));
+        let total = tree(&t);
+        let mut cmd = make_cmd(&t, &make);
+        cmd.arg(format!("-j{n}"));
+        let out = run(cmd);
+        let report = text(&out);
+        assert!(out.status.success(), "-j{n}: {report}");
+        assert!(!report.contains("INTERNAL"), "-j{n}: {report}");
+        assert!(!report.contains("warning: jobserver"), "-j{n}: {report}");
+        let (done, most) = t.counts();
+        assert_eq!(done, total, "-j{n}: {report}");
+        assert!(most <= n, "-j{n}: {most} jobs at once\n{report}");
+        assert_eq!(most, n, "-j{n}: never {n} jobs at once\n{report}");
+        let brokers = broker_lines(&t);
+        if n == 1 {
+            // -j1: no jobserver at all, as stock.
+            assert!(brokers.is_empty(), "-j1 started a broker: {brokers:?}");
+        } else {
+            // One broker, the top make's; the sub-makes were its clients.
+            assert_eq!(brokers.len(), 1, "-j{n}: {brokers:?}");
+            let b = &brokers[0];
+            assert_eq!(figure(b, "jobs"), i64::from(n));
+            assert_eq!(figure(b, "lost"), 0, "-j{n}: {b:?}");
+            assert!(figure(b, "native_grants") > 0, "-j{n}: {b:?}");
+            assert!(figure(b, "max_in_use") < i64::from(n), "-j{n}: {b:?}");
+        }
+        assert_no_leftovers(&t);
+    }
+}
+
+#[test]
+fn herdless_gnu_make_is_a_native_client_of_herdless_run() {
+    let t = Tree::new("real-make-run");
+    let total = tree(&t);
+    let mut cmd = make_cmd(&t, Path::new(BIN));
+    cmd.args(["run", "-j", "4", "--stats", "--"]).arg(herdless_make());
+    let out = run(cmd);
+    let report = text(&out);
+    assert!(out.status.success(), "{report}");
+    let (done, most) = t.counts();
+    assert_eq!(done, total, "{report}");
+    assert!(most <= 4, "{most} jobs at once\n{report}");
+    assert_eq!(most, 4, "{report}");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(stat(&stderr, "tokens lost"), "0");
+    let grants = stat(&stderr, "grants");
+    let native: u64 = grants.split_whitespace().next().unwrap().parse().unwrap();
+    assert!(native > 0, "{report}");
+    // The makes used `herdless run`'s broker; none started its own.
+    assert!(broker_lines(&t).is_empty(), "{report}");
+}
+
+#[test]
+fn a_failing_job_stops_the_tree() {
+    let t = Tree::new("real-make-fail");
+    tree(&t);
+    // Branch 2 fails first thing; what depends on the failure never runs.
+    let mut mk = fs::read_to_string(t.path("sub2.mk")).unwrap();
+    mk = mk.replacen("all:", "all: after", 1);
+    mk += &format!(
+        "fail:\n\t@false\nafter: fail\n\t@touch {}\n",
+        t.path("after").display()
+    );
+    mk = mk.replacen("all: after", "all: fail after", 1);
+    fs::write(t.path("sub2.mk"), mk).unwrap();
+    let mut cmd = make_cmd(&t, &herdless_make());
+    cmd.arg("-j4");
+    let out = run(cmd);
+    let report = text(&out);
+    assert_eq!(out.status.code(), Some(2), "{report}");
+    assert!(report.contains("Error 1"), "{report}");
+    assert!(!t.path("after").exists(), "{report}");
+    assert!(!report.contains("INTERNAL"), "{report}");
+    let brokers = broker_lines(&t);
+    assert_eq!(brokers.len(), 1, "{brokers:?}");
+    assert_eq!(figure(&brokers[0], "lost"), 0, "{brokers:?}");
+    assert_no_leftovers(&t);
+}
+
+#[test]
+fn sigint_stops_the_tree_and_leaves_nothing_behind() {
+    let t = Tree::new("real-make-sigint");
+    tree(&t);
+    let mut cmd = make_cmd(&t, &herdless_make());
+    cmd.arg("-j4")
+        .env("JOB_SLEEP", "30")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .process_group(0);
+    let mut child = cmd.spawn().expect("spawn");
+    // Wait until four jobs run, then interrupt the whole group, as a
+    // terminal's ^C does.
+    let start = Instant::now();
+    while t.counts().1 < 4 {
+        assert!(start.elapsed() < PATIENCE, "the tree never ran 4 jobs");
+        thread::sleep(Duration::from_millis(20));
+    }
+    common::signal(-(child.id() as i32), libc::SIGINT);
+    let status = common::wait_timeout(&mut child, PATIENCE).expect("make ignored SIGINT");
+    assert!(!status.success());
+    // Nothing finished: every job was interrupted.
+    assert_eq!(t.counts().0, 0);
+    assert_no_leftovers(&t);
+}
