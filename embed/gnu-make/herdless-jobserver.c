@@ -161,12 +161,16 @@ __wrap_jobserver_setup (int slots, const char *style)
   if (!mode_is ("auto") || (style && strcmp (style, "fifo") != 0))
     return __real_jobserver_setup (slots, style);
 
+  /* In make's own temporary directory (MAKE_TMPDIR, TMPDIR), where the
+     stock jobserver would put its FIFO. */
   broker = herdless_broker_start ((unsigned int) slots + 1,
-                                  HERDLESS_BROKER_CLASSIC_FIFO);
+                                  HERDLESS_BROKER_CLASSIC_FIFO, get_tmpdir ());
   if (!broker)
     {
-      OS (error, NILF, "herdless: cannot start a broker (%s): "
-          "using the stock jobserver", herdless_strerror (-errno));
+      /* The stock jobserver reports what is wrong (the same directory) in
+         its own words, and copes as it does. */
+      DB (DB_JOBS, ("herdless: cannot start a broker (%s): stock jobserver\n",
+                    herdless_strerror (-errno)));
       return __real_jobserver_setup (slots, style);
     }
   broker_pid = getpid ();

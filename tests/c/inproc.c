@@ -42,11 +42,14 @@ static long status_field(herdless_client *c, const char *name) {
 int main(void) {
     /* Bad arguments. */
     errno = 0;
-    CHECK(herdless_broker_start(0, 0) == NULL);
+    CHECK(herdless_broker_start(0, 0, NULL) == NULL);
     CHECK_EQ(errno, EINVAL);
     errno = 0;
-    CHECK(herdless_broker_start(4, 64) == NULL);
+    CHECK(herdless_broker_start(4, 64, NULL) == NULL);
     CHECK_EQ(errno, EINVAL);
+    errno = 0;
+    CHECK(herdless_broker_start(4, 0, "/nonexistent/dir") == NULL);
+    CHECK_EQ(errno, ENOENT);
     CHECK_EQ(herdless_broker_stop(NULL, NULL), -EINVAL);
     CHECK(herdless_broker_socket(NULL) == NULL);
     CHECK_EQ(herdless_capacity(NULL), -EINVAL);
@@ -74,7 +77,7 @@ int main(void) {
     herdless_client_free(classic);
 
     /* -j 4 with a classic FIFO for stock makes. */
-    herdless_broker *b = herdless_broker_start(4, HERDLESS_BROKER_CLASSIC_FIFO);
+    herdless_broker *b = herdless_broker_start(4, HERDLESS_BROKER_CLASSIC_FIFO, NULL);
     REQUIRE(b != NULL);
     const char *sock = herdless_broker_socket(b);
     REQUIRE(sock != NULL && getenv("HERDLESS_SOCKET") != NULL);
@@ -112,7 +115,7 @@ int main(void) {
     /* The rest, natives only: a classic bridge keeps an offer in its FIFO
      * for classic clients while natives wait, which these exact checks
      * would have to account for. */
-    b = herdless_broker_start(4, 0);
+    b = herdless_broker_start(4, 0, NULL);
     REQUIRE(b != NULL);
     CHECK(herdless_broker_classic_auth(b) == NULL);
     c = herdless_client_native_from_env();
@@ -193,9 +196,10 @@ int main(void) {
     CHECK_EQ(rep.aborted, 'E');
 
     /* A pipe-style bridge for bmakes: R,W open without close-on-exec. */
-    b = herdless_broker_start(3, HERDLESS_BROKER_CLASSIC_PIPE | HERDLESS_BROKER_BMAKE);
+    b = herdless_broker_start(3, HERDLESS_BROKER_CLASSIC_PIPE | HERDLESS_BROKER_BMAKE, "/tmp");
     REQUIRE(b != NULL);
     int r = -1, w = -1;
+    CHECK(strncmp(herdless_broker_dir(b), "/tmp/herdless-", 14) == 0);
     CHECK_EQ(sscanf(herdless_broker_classic_auth(b), "%d,%d", &r, &w), 2);
     CHECK(fcntl(r, F_GETFD) == 0 && fcntl(w, F_GETFD) == 0);
     CHECK_EQ(herdless_broker_stop(b, NULL), 0);

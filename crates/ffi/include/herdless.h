@@ -416,10 +416,18 @@ const char *herdless_strerror(int code);
  * is 0 or `flags` is not one of the combinations above, another value
  * when the directory, socket or FIFOs cannot be made.
  *
+ * `parent_dir`, when not NULL, is where the private directory is made
+ * (a make passes its own temporary directory, so that its users'
+ * settings apply); NULL picks the default above.
+ *
  * Call it before starting threads that read the environment: it sets
  * `HERDLESS_SOCKET` with `setenv`.
+ *
+ * # Safety
+ *
+ * `parent_dir` is NULL or a NUL-terminated string valid for the call.
  */
-herdless_broker *herdless_broker_start(unsigned int jobs, unsigned int flags);
+herdless_broker *herdless_broker_start(unsigned int jobs, unsigned int flags, const char *parent_dir);
 
 /**
  * The broker's socket path (what `HERDLESS_SOCKET` was set to), or NULL

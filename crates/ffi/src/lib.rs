@@ -29,7 +29,7 @@
 
 use std::ffi::{c_char, c_int, c_uint, CStr, CString, OsStr, OsString};
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::os::unix::ffi::OsStrExt;
+use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::ptr;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -674,11 +674,31 @@ pub struct herdless_broker_report {
 /// is 0 or `flags` is not one of the combinations above, another value
 /// when the directory, socket or FIFOs cannot be made.
 ///
+/// `parent_dir`, when not NULL, is where the private directory is made
+/// (a make passes its own temporary directory, so that its users'
+/// settings apply); NULL picks the default above.
+///
 /// Call it before starting threads that read the environment: it sets
 /// `HERDLESS_SOCKET` with `setenv`.
+///
+/// # Safety
+///
+/// `parent_dir` is NULL or a NUL-terminated string valid for the call.
 #[no_mangle]
-pub extern "C" fn herdless_broker_start(jobs: c_uint, flags: c_uint) -> *mut herdless_broker {
-    let made = catch_unwind(|| start_broker(jobs, flags));
+pub unsafe extern "C" fn herdless_broker_start(
+    jobs: c_uint,
+    flags: c_uint,
+    parent_dir: *const c_char,
+) -> *mut herdless_broker {
+    let parent = if parent_dir.is_null() {
+        None
+    } else {
+        // SAFETY: not NULL, and by this function's contract a
+        // NUL-terminated string valid for the call; copied at once.
+        let dir = unsafe { CStr::from_ptr(parent_dir) };
+        Some(std::path::PathBuf::from(OsStr::from_bytes(dir.to_bytes())))
+    };
+    let made = catch_unwind(|| start_broker(jobs, flags, parent.as_deref()));
     match made {
         Ok(Ok(b)) => Box::into_raw(Box::new(b)),
         Ok(Err(errno)) => {
@@ -692,11 +712,25 @@ pub extern "C" fn herdless_broker_start(jobs: c_uint, flags: c_uint) -> *mut her
     }
 }
 
+/// The `errno` value of an I/O error, also for errors that wrap one with
+/// a message (and so carry only its kind).
 fn io_errno(e: &std::io::Error) -> c_int {
-    e.raw_os_error().unwrap_or(libc::EIO)
+    use std::io::ErrorKind as K;
+    e.raw_os_error().unwrap_or(match e.kind() {
+        K::NotFound => libc::ENOENT,
+        K::PermissionDenied => libc::EACCES,
+        K::AlreadyExists => libc::EEXIST,
+        K::InvalidInput => libc::EINVAL,
+        K::AddrInUse => libc::EADDRINUSE,
+        _ => libc::EIO,
+    })
 }
 
-fn start_broker(jobs: c_uint, flags: c_uint) -> Result<herdless_broker, c_int> {
+fn start_broker(
+    jobs: c_uint,
+    flags: c_uint,
+    parent: Option<&std::path::Path>,
+) -> Result<herdless_broker, c_int> {
     let classic = match flags {
         0 => None,
         HERDLESS_BROKER_CLASSIC_FIFO => Some((Style::Fifo, Flavor::Gnu)),
@@ -709,7 +743,11 @@ fn start_broker(jobs: c_uint, flags: c_uint) -> Result<herdless_broker, c_int> {
     if jobs == 0 {
         return Err(libc::EINVAL);
     }
-    let mut dir = RunDir::create().map_err(|e| io_errno(&e))?;
+    let mut dir = match parent {
+        Some(p) => RunDir::create_in(p),
+        None => RunDir::create(),
+    }
+    .map_err(|e| io_errno(&e))?;
     let mut broker = Broker::bind(dir.socket(), Config::new(jobs)).map_err(|e| io_errno(&e))?;
     dir.set_bound();
     let mut auth = None;
@@ -732,7 +770,11 @@ fn start_broker(jobs: c_uint, flags: c_uint) -> Result<herdless_broker, c_int> {
         auth = Some(CString::new(text).map_err(|_| libc::EINVAL)?);
         broker = broker.with_bridge(bridge).map_err(|e| io_errno(&e))?;
     }
-    let socket = CString::new(dir.socket().as_os_str().as_bytes()).map_err(|_| libc::EINVAL)?;
+    // Children may change directory: the variable names the socket by an
+    // absolute path even when `parent_dir` is relative (the FIFO keeps the
+    // caller's form, as a make's own FIFO would).
+    let socket = std::path::absolute(dir.socket()).map_err(|e| io_errno(&e))?;
+    let socket = CString::new(socket.into_os_string().into_vec()).map_err(|_| libc::EINVAL)?;
     let dir_path = CString::new(dir.dir().as_os_str().as_bytes()).map_err(|_| libc::EINVAL)?;
     let stopper = broker.stopper();
     let thread = std::thread::Builder::new()
@@ -740,7 +782,7 @@ fn start_broker(jobs: c_uint, flags: c_uint) -> Result<herdless_broker, c_int> {
         .spawn(move || broker.run())
         .map_err(|e| io_errno(&e))?;
     let previous = std::env::var_os(SOCKET_ENV);
-    std::env::set_var(SOCKET_ENV, dir.socket());
+    std::env::set_var(SOCKET_ENV, OsStr::from_bytes(socket.as_bytes()));
     Ok(herdless_broker {
         dir: Some(dir),
         stopper,
