@@ -68,7 +68,10 @@ fn tree(t: &Tree) -> usize {
         mk += &text;
         fs::write(path, mk).unwrap();
     };
-    append("sub1.mk", format!("nested:\n\t@$(MAKE) -f {d}/nested1.mk\n"));
+    append(
+        "sub1.mk",
+        format!("nested:\n\t@$(MAKE) -f {d}/nested1.mk\n"),
+    );
     append(
         "sub6.mk",
         format!("nested:\n\t+@{} -f {d}/nested6.mk\n", stock.display()),
@@ -191,7 +194,8 @@ fn herdless_gnu_make_is_a_native_client_of_herdless_run() {
     let t = Tree::new("real-make-run");
     let total = tree(&t);
     let mut cmd = make_cmd(&t, Path::new(BIN));
-    cmd.args(["run", "-j", "4", "--stats", "--"]).arg(herdless_make());
+    cmd.args(["run", "-j", "4", "--stats", "--"])
+        .arg(herdless_make());
     let out = run(cmd);
     let report = text(&out);
     assert!(out.status.success(), "{report}");

@@ -27,7 +27,7 @@
  * The implicit token stays make's own: GNU make never asks for a token
  * while no job of its runs (jobserver_tokens == 0), and gives one back
  * only when the job that ends is not its last. That maps one to one onto
- * herdless_take_grant / herdless_release, which deal in shared tokens
+ * herdless_request_grant / herdless_release, which deal in shared tokens
  * only.
  *
  * HERDLESS_MAKE_STATS=FILE: a make that started a broker appends one line
@@ -369,7 +369,11 @@ __wrap_jobserver_acquire (int timeout)
     {
       fd_set readfds;
       int fd;
-      int r = herdless_take_grant (hl);
+      /* At a high -j the pool is usually empty: queue the request with
+         one message rather than asking first whether a token is free (a
+         second broker wake-up per token). A free one makes the socket
+         readable at once. */
+      int r = herdless_request_grant (hl);
       if (r == 0)
         return 1;
       if (r == -ECANCELED)

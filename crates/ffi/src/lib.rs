@@ -324,9 +324,12 @@ pub unsafe extern "C" fn herdless_fd(c: *const herdless_client) -> c_int {
     guard(|| c.client.as_raw_fd())
 }
 
-/// Non-blocking, for a caller's own poll loop: takes a token if a grant
-/// has arrived; otherwise makes sure one request is queued at the broker,
-/// so that `herdless_fd` becomes readable when it is granted.
+/// For a caller's own poll loop: takes a token if a grant has arrived, or
+/// if one is free now (asked for with one round trip to the broker, so a
+/// free token never costs a pass through the poll loop); otherwise makes
+/// sure one request is queued at the broker, so that `herdless_fd` becomes
+/// readable when it is granted. Never waits for a token to be released.
+/// While a request is queued it sends nothing.
 ///
 /// Returns 0 when a token is now held through `c`; `-EAGAIN` when none has
 /// arrived yet (wait for `herdless_fd` to become readable, then call this
@@ -344,6 +347,30 @@ pub unsafe extern "C" fn herdless_take_grant(c: *mut herdless_client) -> c_int {
         return -libc::EINVAL;
     };
     guard(|| c.took_maybe(c.client.take_grant(), -libc::EAGAIN))
+}
+
+/// Like `herdless_take_grant`, but never waits for the broker: when no
+/// grant has arrived and no request is queued, it queues one (a single
+/// message) and returns `-EAGAIN` at once; a token that is free comes as
+/// a grant straight away and makes `herdless_fd` readable. Under a pool
+/// that is usually empty (a make at a high `-j`) this costs one broker
+/// wake-up per token instead of two; when tokens are free it costs one
+/// more pass through the caller's poll loop.
+///
+/// Returns 0 when a token is now held through `c`, `-EAGAIN` when none has
+/// arrived yet, or `-ECANCELED`, `-ECONNRESET`, `-EINVAL` as
+/// `herdless_acquire`.
+///
+/// # Safety
+///
+/// `c` is NULL or a live handle.
+#[no_mangle]
+pub unsafe extern "C" fn herdless_request_grant(c: *mut herdless_client) -> c_int {
+    // SAFETY: this function's contract is `handle`'s.
+    let Some(c) = (unsafe { handle(c) }) else {
+        return -libc::EINVAL;
+    };
+    guard(|| c.took_maybe(c.client.request_grant(), -libc::EAGAIN))
 }
 
 /// Withdraws a request left queued by `herdless_take_grant` or by an

@@ -609,11 +609,12 @@ impl Native {
         Ok(take_spare(&mut st))
     }
 
-    /// Takes a grant that has arrived, or a token that is free now (one
-    /// round trip); otherwise makes sure one request is queued, so the
-    /// socket becomes readable when it is granted. Never waits for a
-    /// token to be released.
-    pub(crate) fn take_grant(&self) -> Result<bool> {
+    /// Takes a grant that has arrived, or with `try_first` a token that is
+    /// free now (one round trip); otherwise makes sure one request is
+    /// queued, so the socket becomes readable when it is granted. Never
+    /// waits for a token to be released; without `try_first` never waits
+    /// for the broker at all.
+    pub(crate) fn take_grant(&self, try_first: bool) -> Result<bool> {
         let mut st = lock(&self.state);
         self.drain(&mut st);
         let mut st = self.settle_nowait(st);
@@ -623,6 +624,11 @@ impl Native {
         }
         if st.acquires + st.ready > st.wanting || st.tries > 0 {
             // A request of this client's is queued: its grant will come.
+            return Ok(false);
+        }
+        if !try_first {
+            self.send(&Request::Acquire)?;
+            st.acquires += 1;
             return Ok(false);
         }
         // Nothing queued: ask for a free token first, so one that is free
