@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Installs the system packages the test suite and ci/build-gnu-make-4.4.1.sh
 # need: GNU make (Debian's 4.3, also used to build 4.4.1), bmake, dpkg-dev
-# (dpkg-source), patch and xz-utils (to unpack the source package), and a C
-# toolchain with binutils (tests/ffi.rs measures a linked program with nm
-# and strip). apt is skipped entirely when everything is already present.
+# (dpkg-source), patch and xz-utils (to unpack the source package), a C
+# toolchain with binutils (gcc, whose -flto=jobserver link the tests drive;
+# tests/ffi.rs measures a linked program with nm and strip), and python3
+# able to make a venv with pip (ci/install-python-tools.sh). apt is skipped
+# entirely when everything is already present.
 set -euo pipefail
 
 log() { printf '[install-tools] %s\n' "$*"; }
@@ -30,6 +32,15 @@ for entry in "${wanted[@]}"; do
     missing+=("$pkg")
   fi
 done
+
+# Debian's python3 makes venvs only with python3-venv (ensurepip). Checked
+# by what python3 can do rather than by package, so that a python3 from
+# elsewhere first in PATH (pyenv) with a working venv is enough.
+if ! command -v python3 >/dev/null 2>&1; then
+  missing+=(python3 python3-venv)
+elif ! python3 -c 'import venv, ensurepip' >/dev/null 2>&1; then
+  missing+=(python3-venv)
+fi
 
 if ((${#missing[@]} == 0)); then
   log "all tools present, skipping apt"
@@ -71,4 +82,8 @@ for entry in "${wanted[@]}"; do
     exit 1
   fi
 done
+if ! python3 -c 'import venv, ensurepip' >/dev/null 2>&1; then
+  log "python3 still cannot make a venv with pip after install: $(command -v python3)" >&2
+  exit 1
+fi
 log "done"

@@ -71,7 +71,7 @@ fn bad_peers_are_cut_off_and_the_rest_go_on() {
     // A wrong protocol version.
     let r = send_raw(&serve, &hello(9), false);
     assert!(
-        error_of(&r).contains("unsupported protocol version 9 (broker speaks 1)"),
+        error_of(&r).contains("unsupported protocol version 9 (broker speaks 1 to 2)"),
         "{r:?}"
     );
 

@@ -190,8 +190,21 @@ fn a_failing_bmake_job_stops_every_branch() {
 
 #[test]
 fn cargo_build_runs_at_most_two_rustc() {
+    cargo_build_at_j2("pipe");
+}
+
+/// cargo 1.75 and later read `--jobserver-auth=fifo:PATH`.
+#[test]
+fn cargo_build_fifo_style_runs_at_most_two_rustc() {
+    cargo_build_at_j2("fifo");
+}
+
+/// `herdless run -j 2 --style STYLE -- cargo build` of a 4-crate
+/// workspace, with cargo's own job count at 64: at most 2 rustc at once,
+/// 2 reached, nothing lost.
+fn cargo_build_at_j2(style: &str) {
     require("cargo");
-    let tree = Tree::new("cargo");
+    let tree = Tree::new(&format!("cargo-{style}"));
     let ws = tree.path("ws");
     let members: Vec<String> = (1..=4).map(|i| format!("c{i}")).collect();
     fs::create_dir_all(&ws).unwrap();
@@ -251,6 +264,8 @@ exit $rc
             "run",
             "-j",
             "2",
+            "--style",
+            style,
             "--stats",
             "--",
             "cargo",
@@ -275,6 +290,9 @@ exit $rc
     let (_, max) = tree.counts();
     assert_eq!(max, 2, "at most 2 rustc at once, and 2 reached\n{stderr}");
     assert_eq!(stat(&stderr, "tokens lost"), "0", "{stderr}");
+    let classic = stat(&stderr, "classic");
+    assert!(classic.starts_with(&format!("gnu {style}")), "{stderr}");
+    assert!(classic.ends_with(" 0 lost"), "{stderr}");
 }
 
 #[test]

@@ -1,12 +1,14 @@
-//! Command-line interface: `herdless run | serve | exec | status`.
+//! Command-line interface: `herdless run | serve | exec | status | ctl`.
 //!
 //! Exit codes are set here and only here: a command's own status for `run`
 //! and `exec` (128 + N when it was killed by signal N), 125 when herdless
 //! itself fails, 126 when the command cannot be executed, 127 when it is
 //! not found, 2 for a usage error.
 
+mod admission;
 mod bench;
 mod child;
+mod ctl;
 mod exec;
 mod probe;
 mod run;
@@ -47,6 +49,9 @@ enum Command {
     Exec(ExecArgs),
     /// Show the broker's tokens, waiters and clients.
     Status(StatusArgs),
+    /// Change a running broker: its -j, a cap on a process subtree, or
+    /// abort the build.
+    Ctl(ctl::CtlArgs),
     /// Measure the thundering herd: wait modes side by side, or a model
     /// build.
     Bench(bench::BenchArgs),
@@ -74,6 +79,8 @@ struct RunArgs {
     /// Export no classic jobserver: only native clients take tokens.
     #[arg(long)]
     no_classic: bool,
+    #[command(flatten)]
+    admission: admission::AdmissionArgs,
     /// The command to run, and its arguments.
     #[arg(required = true, trailing_var_arg = true, value_name = "CMD")]
     command: Vec<OsString>,
@@ -85,8 +92,12 @@ struct ServeArgs {
     #[arg(short = 'j', long = "jobs", value_name = "N", value_parser = clap::value_parser!(u32).range(1..=65536))]
     jobs: u32,
     /// Listen on this path (its directory must be private: mode 0700).
+    /// Under socket activation (LISTEN_FDS) the passed socket is used and
+    /// this path is only printed.
     #[arg(long, value_name = "PATH")]
     socket: Option<PathBuf>,
+    #[command(flatten)]
+    admission: admission::AdmissionArgs,
 }
 
 #[derive(clap::Args, Debug)]
@@ -103,9 +114,13 @@ struct ExecArgs {
 
 #[derive(clap::Args, Debug)]
 struct StatusArgs {
-    /// Print the report as JSON.
-    #[arg(long)]
+    /// Print the report as JSON (the same as --format json).
+    #[arg(long, conflicts_with = "format")]
     json: bool,
+    /// How to print the report: a table, JSON, or OpenMetrics text (for
+    /// Prometheus and other scrapers).
+    #[arg(long, value_parser = ["table", "json", "openmetrics"])]
+    format: Option<String>,
     /// The broker's socket (default: $HERDLESS_SOCKET).
     #[arg(long, value_name = "PATH")]
     socket: Option<PathBuf>,
@@ -120,6 +135,7 @@ pub fn main() -> ExitCode {
         Command::Serve(args) => serve::serve(args),
         Command::Exec(args) => exec::exec(args),
         Command::Status(args) => status::status(args),
+        Command::Ctl(args) => ctl::ctl(args),
         Command::Bench(args) => bench::bench(args),
         Command::Probe(args) => probe::probe(args),
     };

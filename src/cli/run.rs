@@ -24,7 +24,9 @@ use super::RunArgs;
 /// sibling holds it). Either way, at most N jobs run at once.
 pub fn run(args: RunArgs) -> Result<u8> {
     let mut dir = RunDir::create().context("cannot prepare the socket directory")?;
-    let mut broker = Broker::bind(dir.socket(), Config::new(args.jobs))?;
+    let mut config = Config::new(args.jobs);
+    config.admission = args.admission.admission()?;
+    let mut broker = Broker::bind(dir.socket(), config)?;
     dir.set_bound();
     let mut env = vec![(SOCKET_ENV, dir.socket().as_os_str().to_owned())];
     // Scripts can call `"$HERDLESS" exec …` without herdless on PATH.

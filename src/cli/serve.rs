@@ -2,7 +2,9 @@
 
 use std::io::Write;
 
-use anyhow::{Context, Result};
+use std::path::Path;
+
+use anyhow::{anyhow, bail, Context, Result};
 
 use herdless::broker::{Broker, Config};
 use herdless::rundir::RunDir;
@@ -12,25 +14,46 @@ use super::ServeArgs;
 /// Listens, prints the line to export, serves until SIGINT or SIGTERM, then
 /// removes its socket and prints the final report to stderr.
 pub fn serve(args: ServeArgs) -> Result<u8> {
+    let mut config = Config::new(args.jobs);
+    config.handle_signals = true;
+    config.admission = args.admission.admission()?;
+    // Socket activation: a service manager made and owns the socket.
+    let mut passed = herdless_platform::listen_fds().context("socket activation")?;
+    if passed.len() > 1 {
+        bail!(
+            "socket activation passed {} sockets; herdless serves one",
+            passed.len()
+        );
+    }
+    if let Some(fd) = passed.pop() {
+        let listener = std::os::unix::net::UnixListener::from(fd);
+        let shown = match (&args.socket, listener.local_addr()) {
+            (Some(path), _) => path.clone(),
+            (None, Ok(addr)) => addr
+                .as_pathname()
+                .map(Path::to_path_buf)
+                .ok_or_else(|| anyhow!("the passed socket has no path"))?,
+            (None, Err(e)) => return Err(e).context("the passed socket"),
+        };
+        let broker =
+            Broker::from_listener(listener, config).context("cannot serve on the passed socket")?;
+        print_export(&shown)?;
+        let report = broker.run()?;
+        super::run::print_report(&report);
+        return Ok(if report.lost == 0 {
+            0
+        } else {
+            super::EXIT_FAILURE
+        });
+    }
     let mut dir = match &args.socket {
         Some(path) => RunDir::at(path),
         None => RunDir::create(),
     }
     .context("cannot prepare the socket directory")?;
-    let config = Config {
-        jobs: args.jobs,
-        handle_signals: true,
-    };
     let broker = Broker::bind(dir.socket(), config)?;
     dir.set_bound();
-    let mut out = std::io::stdout().lock();
-    writeln!(
-        out,
-        "export HERDLESS_SOCKET={}",
-        shell_quote(&dir.socket().to_string_lossy())
-    )?;
-    out.flush()?;
-    drop(out);
+    print_export(dir.socket())?;
     let report = broker.run()?;
     super::run::print_report(&report);
     drop(dir);
@@ -39,6 +62,18 @@ pub fn serve(args: ServeArgs) -> Result<u8> {
     } else {
         super::EXIT_FAILURE
     })
+}
+
+/// The line a shell evaluates to reach this broker.
+fn print_export(socket: &Path) -> Result<()> {
+    let mut out = std::io::stdout().lock();
+    writeln!(
+        out,
+        "export HERDLESS_SOCKET={}",
+        shell_quote(&socket.to_string_lossy())
+    )?;
+    out.flush()?;
+    Ok(())
 }
 
 /// Quotes `s` for a POSIX shell when it needs quoting.

@@ -14,11 +14,19 @@ pub fn status(args: StatusArgs) -> Result<u8> {
         .or_else(socket_from_env)
         .ok_or_else(|| anyhow!("no broker named: pass --socket or set HERDLESS_SOCKET"))?;
     let json = Client::observe(&path)?.json()?;
-    if args.json {
+    let format = args
+        .format
+        .as_deref()
+        .unwrap_or(if args.json { "json" } else { "table" });
+    if format == "json" {
         println!("{json}");
         return Ok(0);
     }
     let s: Status = serde_json::from_str(&json).context("the broker's status is not valid")?;
+    if format == "openmetrics" {
+        print!("{}", s.to_openmetrics());
+        return Ok(0);
+    }
     println!(
         "broker    pid {}, -j {} ({} shared tokens)",
         s.pid, s.jobs, s.capacity
@@ -41,6 +49,37 @@ pub fn status(args: StatusArgs) -> Result<u8> {
         "wait      p50 {:.0} µs, p99 {:.0} µs",
         s.wait_p50_us, s.wait_p99_us
     );
+    if let Some(c) = &s.controls {
+        let mut limits = Vec::new();
+        if let Some(l) = c.max_load {
+            limits.push(format!("load ≤ {l}"));
+        }
+        if let Some(m) = c.min_free_memory {
+            limits.push(format!("free memory ≥ {m} bytes"));
+        }
+        if !limits.is_empty() {
+            let state = if c.admission == "open" {
+                "open".to_string()
+            } else {
+                format!("held ({})", c.admission)
+            };
+            println!(
+                "admission {state}; limits {}, at least {} job(s) whatever they say; held {} time(s)",
+                limits.join(", "),
+                c.min_jobs,
+                c.held_back
+            );
+        }
+        if c.retiring > 0 {
+            println!("shrink    {} tokens still to come back", c.retiring);
+        }
+        for cap in &c.caps {
+            println!(
+                "cap       pid {} and its children: at most {} ({} held)",
+                cap.pid, cap.max, cap.held
+            );
+        }
+    }
     println!("clients   {}", s.clients.len());
     if !s.clients.is_empty() {
         println!("  {:>8}  {:>4}  {:>7}  kind", "pid", "held", "waiting");

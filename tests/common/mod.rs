@@ -415,3 +415,50 @@ pub fn stat(stderr: &str, key: &str) -> String {
         .trim()
         .to_string()
 }
+
+/// Panics with the command that installs `tool` when it is not in PATH.
+pub fn require(tool: &str) {
+    let found = std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default())
+        .any(|dir| dir.join(tool).is_file());
+    assert!(
+        found,
+        "{tool} is not installed: `bash ci/test` installs it (ci/install-tools.sh)"
+    );
+}
+
+/// The venv that ci/install-python-tools.sh fills (ninja,
+/// prometheus_client): `HERDLESS_TOOLS_VENV`, or `target/tools/venv`.
+pub fn tools_venv() -> PathBuf {
+    std::env::var_os("HERDLESS_TOOLS_VENV")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("target/tools/venv"))
+}
+
+/// A program of the tools venv; panics, naming the install command, when
+/// it is missing.
+pub fn venv_bin(name: &str) -> PathBuf {
+    let path = tools_venv().join("bin").join(name);
+    assert!(
+        path.is_file(),
+        "{} not found: `bash ci/test` installs it (ci/install-python-tools.sh)",
+        path.display()
+    );
+    path
+}
+
+/// `herdless run ARGS…` in `dir` with no outer jobserver, bounded in time.
+pub fn run_in(dir: &Path, args: &[&str]) -> std::process::Output {
+    output_within(
+        Command::new(BIN)
+            .arg("run")
+            .args(args)
+            .current_dir(dir)
+            .env("PATH", path_with_bin())
+            .env_remove("MAKEFLAGS")
+            .env_remove("MFLAGS")
+            .env_remove("CARGO_MAKEFLAGS")
+            .env_remove("MAKELEVEL")
+            .env_remove("HERDLESS_SOCKET"),
+        PATIENCE * 4,
+    )
+}

@@ -489,7 +489,10 @@ impl Bridge {
             // Nobody native is waiting: the whole free pool goes to the pipe.
             self.offer = None;
             while pool.free() > 0 && !self.queued {
-                if pool.try_acquire(id).is_err() {
+                // A denial (a load limit or a cap holds the token back)
+                // leaves the token free: stop rather than ask again.
+                let free = pool.free();
+                if pool.try_acquire(id).is_err() || pool.free() == free {
                     break;
                 }
             }

@@ -38,9 +38,13 @@ use crate::log;
 use crate::log::Level;
 use crate::pool::{ClientId, ClientInfo, Effect, Pool};
 use crate::protocol::{
-    FrameBuffer, HelloFlags, ProtocolError, Reply, Request, MAX_REPLY_PAYLOAD, PROTOCOL_VERSION,
+    FrameBuffer, HelloFlags, ProtocolError, Reply, Request, CONTROL_VERSION, MAX_REPLY_PAYLOAD,
+    PROTOCOL_VERSION,
 };
 use crate::status::{ClientStatus, Status};
+
+mod control;
+pub use control::{Admission, SYSTEM_HOOK_ENV};
 
 const LISTENER: Token = Token(0);
 const WAKER: Token = Token(1);
@@ -68,6 +72,8 @@ pub struct Config {
     /// Stop cleanly on SIGINT and SIGTERM (for `herdless serve`). A broker
     /// embedded in `herdless run` leaves signals to its host.
     pub handle_signals: bool,
+    /// Load and memory limits on granting shared tokens.
+    pub admission: Admission,
 }
 
 impl Config {
@@ -76,6 +82,7 @@ impl Config {
         Config {
             jobs,
             handle_signals: false,
+            admission: Admission::default(),
         }
     }
 }
@@ -107,6 +114,10 @@ struct Conn {
     /// Watched for writability: only while replies wait in `tx`, so a
     /// client reading its grant does not wake the broker again.
     watching_writes: bool,
+    /// The protocol version agreed in the handshake.
+    version: u16,
+    /// The parent pid the client gave in its hello.
+    ppid: u32,
 }
 
 /// The broker. Build it with [`Broker::bind`], run it with [`Broker::run`].
@@ -130,6 +141,8 @@ pub struct Broker {
     /// Grants that woke a waiting native client: one process each.
     native_wakeups: u64,
     max_in_use: u32,
+    /// Admission by load and memory, caps: see `broker/control.rs`.
+    controls: control::State,
 }
 
 fn ns_to_us(ns: u64) -> f64 {
@@ -164,12 +177,32 @@ impl Broker {
             // A socket nobody listens on: left by a broker that died.
             std::fs::remove_file(socket)?;
         }
-        let mut listener = UnixListener::bind(socket).map_err(|e| {
+        let listener = UnixListener::bind(socket).map_err(|e| {
             io::Error::new(
                 e.kind(),
                 format!("cannot listen on {}: {e}", socket.display()),
             )
         })?;
+        Broker::on_listener(listener, config)
+    }
+
+    /// Serves on a socket already listening, such as one a service manager
+    /// passed (socket activation, [`herdless_platform::listen_fds`]).
+    pub fn from_listener(
+        listener: std::os::unix::net::UnixListener,
+        config: Config,
+    ) -> io::Result<Broker> {
+        if config.jobs == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "-j must be at least 1",
+            ));
+        }
+        listener.set_nonblocking(true)?;
+        Broker::on_listener(UnixListener::from_std(listener), config)
+    }
+
+    fn on_listener(mut listener: UnixListener, config: Config) -> io::Result<Broker> {
         let poll = Poll::new()?;
         poll.registry()
             .register(&mut listener, LISTENER, Interest::READABLE)?;
@@ -190,7 +223,8 @@ impl Broker {
         } else {
             None
         };
-        Ok(Broker {
+        let controls = control::State::new(&config.admission);
+        let mut broker = Broker {
             poll,
             listener,
             conns: HashMap::new(),
@@ -209,7 +243,10 @@ impl Broker {
             native_grants: 0,
             native_wakeups: 0,
             max_in_use: 0,
-        })
+            controls,
+        };
+        broker.check_admission(true);
+        Ok(broker)
     }
 
     /// Serves classic jobserver clients from the same pool through
@@ -243,6 +280,7 @@ impl Broker {
             bridge.balance(&mut self.pool, self.native_grants, now);
             self.apply_effects();
         }
+        self.retire_from_pipe();
         self.note_in_use();
     }
 
@@ -260,12 +298,17 @@ impl Broker {
     pub fn run(mut self) -> io::Result<Status> {
         let mut events = Events::with_capacity(256);
         while !self.stop.load(Ordering::SeqCst) {
-            if let Err(e) = self.poll.poll(&mut events, None) {
+            // No timeout, except while waiters are held back only by a load
+            // or memory limit: then one slow re-check (see control.rs).
+            if let Err(e) = self.poll.poll(&mut events, self.admission_timeout()) {
                 if e.kind() == io::ErrorKind::Interrupted {
                     continue;
                 }
                 return Err(e);
             }
+            // A timeout (no events) is the slow re-check: sample now.
+            self.check_admission(events.is_empty());
+            self.flush_dirty();
             for event in events.iter() {
                 match event.token() {
                     LISTENER => self.accept_all(),
@@ -409,6 +452,8 @@ impl Broker {
                 client: None,
                 pid,
                 watching_writes: false,
+                version: PROTOCOL_VERSION,
+                ppid: 0,
             },
         );
         // The client may have written its hello already; with
@@ -494,11 +539,14 @@ impl Broker {
             else {
                 return Err(format!("expected a hello frame first, got {req}"));
             };
-            if version != PROTOCOL_VERSION {
+            if !(PROTOCOL_VERSION..=CONTROL_VERSION).contains(&version) {
                 return Err(format!(
-                    "unsupported protocol version {version} (broker speaks {PROTOCOL_VERSION})"
+                    "unsupported protocol version {version} (broker speaks \
+                     {PROTOCOL_VERSION} to {CONTROL_VERSION})"
                 ));
             }
+            conn.version = version;
+            conn.ppid = ppid;
             let pid = *conn.pid.get_or_insert(pid);
             let info = ClientInfo {
                 pid,
@@ -515,10 +563,11 @@ impl Broker {
             let id = self.pool.connect(info);
             conn.client = Some(id);
             self.by_client.insert(id, token);
+            self.note_ancestry(id, pid, ppid);
             self.send(
                 token,
                 &Reply::Welcome {
-                    version: PROTOCOL_VERSION,
+                    version,
                     capacity: self.pool.capacity(),
                     client_id: id.0,
                 },
@@ -530,6 +579,7 @@ impl Broker {
             self.apply_effects();
             return Ok(());
         };
+        let conn_version = conn.version;
         let result = match req {
             Request::Hello { .. } => return Err("second hello on one connection".into()),
             Request::Acquire if self.pool.pending(id) >= MAX_PENDING_ACQUIRES => {
@@ -565,6 +615,17 @@ impl Broker {
                 self.send(token, &Reply::Status { json });
                 Ok(())
             }
+            Request::Control(op) => {
+                if conn_version < CONTROL_VERSION {
+                    return Err(format!(
+                        "control requests need protocol version {CONTROL_VERSION}; \
+                         this connection speaks {conn_version}"
+                    ));
+                }
+                self.control(id, op)?;
+                self.send(token, &Reply::Controlled);
+                Ok(())
+            }
         };
         result.map_err(|e| e.to_string())?;
         self.apply_effects();
@@ -590,8 +651,7 @@ impl Broker {
     /// not in use).
     fn in_use(&self) -> u32 {
         let in_pipe = self.bridge.as_ref().map_or(0, Bridge::in_pipe_estimate);
-        (self.pool.capacity() - self.pool.free() + self.pool.slots_in_use() as u32)
-            .saturating_sub(in_pipe)
+        (self.pool.shared_in_use() + self.pool.slots_in_use() as u32).saturating_sub(in_pipe)
     }
 
     fn note_in_use(&mut self) {
@@ -740,6 +800,8 @@ impl Broker {
             wait_max_us: ns_to_us(stats.wait_ns.max()),
             lost: self.pool.unaccounted(),
             classic: self.bridge.as_ref().map(|b| b.status(&self.pool)),
+            controls: Some(self.controls_status()),
+            wait_histogram: Some(crate::status::WaitHistogram::of(&stats.wait_ns)),
             clients: self
                 .pool
                 .holdings()
@@ -773,7 +835,7 @@ impl Broker {
         report.classic = classic;
         // Every connection is closed and the pipe drained: whatever is not
         // free now is lost (classic tokens that never came back).
-        report.lost = i64::from(self.pool.capacity()) - i64::from(self.pool.free())
+        report.lost = i64::from(self.pool.shared_in_use())
             + report.classic.as_ref().map_or(0, |c| i64::from(c.lost));
         if let Some((_, ids)) = self.signals.take() {
             for id in ids {

@@ -25,6 +25,9 @@ use std::time::Duration;
 use crate::protocol::AbortReason;
 use crate::stats::Histogram;
 
+mod controls;
+pub use controls::Cap;
+
 /// A client's identity inside the pool; never reused during a pool's life.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct ClientId(pub u64);
@@ -181,6 +184,7 @@ pub struct Pool {
     next_id: u64,
     stats: Stats,
     effects: Vec<Effect>,
+    controls: controls::Controls,
 }
 
 impl Pool {
@@ -196,6 +200,7 @@ impl Pool {
             next_id: 1,
             stats: Stats::default(),
             effects: Vec::new(),
+            controls: controls::Controls::default(),
         }
     }
 
@@ -263,7 +268,7 @@ impl Pool {
     /// cannot lose a token, because a closed connection returns all of its.
     pub fn unaccounted(&self) -> i64 {
         let held: u64 = self.clients.values().map(|c| u64::from(c.pool_held)).sum();
-        i64::from(self.capacity) - i64::from(self.free) - held as i64
+        i64::from(self.capacity) + i64::from(self.retiring()) - i64::from(self.free) - held as i64
     }
 
     /// Every non-observer client's holdings, in connection order.
@@ -369,13 +374,18 @@ impl Pool {
         let client = self.client_mut(id)?;
         if client.pool_held > 0 {
             client.pool_held -= 1;
-            self.free += 1;
+            if !self.retire_returned() {
+                self.free += 1;
+            }
             self.dispatch_pool(now);
         } else if client.slot_held {
             client.slot_held = false;
             let ppid = client.info.ppid;
             self.slots.remove(&ppid);
             self.dispatch_slot(ppid, now);
+            // A cap counts parent slots: one given back may let a capped
+            // waiter take a free shared token.
+            self.dispatch_pool(now);
         } else {
             return Err(PoolError::NotHolding(id));
         }
@@ -396,8 +406,13 @@ impl Pool {
                 self.queue.shrink_to_fit();
             }
         }
+        self.forget_controls_of(id);
         let mut reclaimed = client.pool_held;
-        self.free += client.pool_held;
+        for _ in 0..client.pool_held {
+            if !self.retire_returned() {
+                self.free += 1;
+            }
+        }
         if client.slot_held {
             reclaimed += 1;
             self.slots.remove(&client.info.ppid);
@@ -449,10 +464,11 @@ impl Pool {
             self.give(id, Source::ParentSlot, false);
             return true;
         }
-        // A free shared token with waiters queued cannot happen (the
-        // no-idle-while-free invariant); check anyway so FIFO order is kept
-        // even if it ever did.
-        if self.free > 0 && self.queue.is_empty() {
+        // A free shared token with a waiter queued that may take it cannot
+        // happen (the no-idle-while-free invariant); check anyway so FIFO
+        // order is kept even if it ever did. Waiters held back by a cap or
+        // by admission do not keep a client that may take it from a token.
+        if self.free > 0 && self.may_take_shared(id) && self.first_eligible().is_none() {
             self.give(id, Source::Pool, false);
             return true;
         }
@@ -478,7 +494,7 @@ impl Pool {
         } else {
             self.stats.immediate += 1;
         }
-        let in_use = self.capacity - self.free + self.slots.len() as u32;
+        let in_use = self.shared_in_use() + self.slots.len() as u32;
         self.stats.max_in_use = self.stats.max_in_use.max(in_use);
         self.effects.push(Effect::Grant {
             client: id,
@@ -504,8 +520,11 @@ impl Pool {
         if self.aborted.is_some() {
             return;
         }
-        while self.free > 0 && !self.queue.is_empty() {
-            let id = self.dequeue_at(0, now);
+        while self.free > 0 {
+            let Some(pos) = self.first_eligible() else {
+                break;
+            };
+            let id = self.dequeue_at(pos, now);
             self.give(id, Source::Pool, true);
         }
     }
@@ -529,14 +548,22 @@ impl Pool {
     pub fn check_invariants(&self) -> Result<(), String> {
         // 1. Conservation of shared tokens.
         let held: u64 = self.clients.values().map(|c| u64::from(c.pool_held)).sum();
-        if u64::from(self.free) + held != u64::from(self.capacity) {
+        let retiring = self.retiring();
+        if u64::from(self.free) + held != u64::from(self.capacity) + u64::from(retiring) {
             return Err(format!(
-                "conservation: free {} + held {held} != capacity {}",
+                "conservation: free {} + held {held} != capacity {} + retiring {retiring}",
                 self.free, self.capacity
             ));
         }
-        // 3. No idle-while-free.
-        if self.free > 0 && !self.queue.is_empty() {
+        if retiring > 0 && self.free > 0 {
+            return Err(format!(
+                "{} tokens free while a shrink waits for {retiring}",
+                self.free
+            ));
+        }
+        // 3. No idle-while-free: no waiter that may take a shared token
+        // (not held back by a cap or by admission) waits while one is free.
+        if self.free > 0 && self.first_eligible().is_some() {
             return Err(format!(
                 "{} waiters queued while {} tokens are free",
                 self.queue.len(),

@@ -1,4 +1,5 @@
-//! The wire format between native clients and the broker (version 1).
+//! The wire format between native clients and the broker (versions 1 and
+//! 2; version 2 adds [`Request::Control`] and [`Reply::Controlled`]).
 //!
 //! Every message is one frame: a 5-byte header (`len: u32` little-endian, the
 //! payload length, then `kind: u8`) followed by `len` payload bytes. Frames
@@ -21,7 +22,15 @@ use bitflags::bitflags;
 
 /// The protocol version this module speaks, sent in [`Request::Hello`] and
 /// [`Reply::Welcome`].
+///
+/// Clients that only take tokens speak version 1, which every broker
+/// speaks; [`CONTROL_VERSION`] is needed only to change a running pool.
 pub const PROTOCOL_VERSION: u16 = 1;
+
+/// The version that adds [`Request::Control`] and [`Reply::Controlled`].
+/// A broker speaks every version from [`PROTOCOL_VERSION`] to this one and
+/// answers `Welcome` with the version the client asked for.
+pub const CONTROL_VERSION: u16 = 2;
 
 /// The first four payload bytes of [`Request::Hello`].
 pub const MAGIC: [u8; 4] = *b"HRDL";
@@ -40,7 +49,8 @@ pub const MAX_ERROR_MESSAGE: usize = 1024;
 
 /// The `kind` byte of each frame.
 ///
-/// Requests use `0x01..=0x07`, replies `0x81..=0x87`; each decoder knows
+/// Requests use `0x01..=0x08`, replies `0x81..=0x88` (`0x08` and `0x88`
+/// from version 2); each decoder knows
 /// only its own direction's kinds.
 pub mod kind {
     /// [`Request::Hello`](super::Request::Hello).
@@ -57,6 +67,8 @@ pub mod kind {
     pub const ABORT: u8 = 0x06;
     /// [`Request::Status`](super::Request::Status).
     pub const STATUS: u8 = 0x07;
+    /// [`Request::Control`](super::Request::Control) (version 2).
+    pub const CONTROL: u8 = 0x08;
 
     /// [`Reply::Welcome`](super::Reply::Welcome).
     pub const WELCOME: u8 = 0x81;
@@ -72,12 +84,16 @@ pub mod kind {
     pub const STATUS_REPLY: u8 = 0x86;
     /// [`Reply::Error`](super::Reply::Error).
     pub const ERROR: u8 = 0x87;
+    /// [`Reply::Controlled`](super::Reply::Controlled) (version 2).
+    pub const CONTROLLED: u8 = 0x88;
 }
 
 /// Payload length of `Hello`: magic, version, flags, pid, ppid.
 const HELLO_LEN: usize = 4 + 2 + 1 + 4 + 4;
 /// Payload length of `Welcome`: version, capacity, client id.
 const WELCOME_LEN: usize = 2 + 4 + 8;
+/// `Control`: op, pid, value.
+const CONTROL_LEN: usize = 1 + 4 + 4;
 
 bitflags! {
     /// The flags byte of [`Request::Hello`].
@@ -165,6 +181,29 @@ pub enum Request {
     },
     /// Ask for the broker's state; answered by `Status`.
     Status,
+    /// Change the running pool (version 2 only); answered by `Controlled`.
+    Control(ControlOp),
+}
+
+/// What a [`Request::Control`] changes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ControlOp {
+    /// Make the pool `-j jobs`: grow at once, shrink as tokens come back.
+    SetJobs(u32),
+    /// Let the subtree of process `pid` hold at most `max` shared tokens at
+    /// once; `None` lifts the cap.
+    Cap {
+        /// The process whose subtree (itself and every descendant) is capped.
+        pid: u32,
+        /// The most shared tokens, or `None` for no cap.
+        max: Option<u32>,
+    },
+}
+
+impl ControlOp {
+    const SET_JOBS: u8 = 1;
+    const CAP: u8 = 2;
+    const UNCAP: u8 = 3;
 }
 
 /// A frame from broker to client.
@@ -207,6 +246,8 @@ pub enum Reply {
         /// Why, in at most [`MAX_ERROR_MESSAGE`] bytes.
         message: String,
     },
+    /// The answer to `Control`: the change is made (version 2).
+    Controlled,
 }
 
 /// Why bytes are not a valid frame.
@@ -258,6 +299,16 @@ pub enum ProtocolError {
         /// The byte found.
         byte: u8,
     },
+    /// A `Control` whose op byte is unknown, or whose unused field is not 0.
+    #[error("control op {op:#04x} with pid {pid} and value {value} is not defined")]
+    BadControl {
+        /// The op byte.
+        op: u8,
+        /// The pid field.
+        pid: u32,
+        /// The value field.
+        value: u32,
+    },
     /// A string payload that is not UTF-8.
     #[error("frame of kind {kind:#04x} has a payload that is not valid utf-8")]
     BadUtf8 {
@@ -277,6 +328,7 @@ impl Request {
             Request::Release => kind::RELEASE,
             Request::Abort { .. } => kind::ABORT,
             Request::Status => kind::STATUS,
+            Request::Control(_) => kind::CONTROL,
         }
     }
 
@@ -290,6 +342,7 @@ impl Request {
             Request::Release => "Release",
             Request::Abort { .. } => "Abort",
             Request::Status => "Status",
+            Request::Control(_) => "Control",
         }
     }
 
@@ -322,6 +375,20 @@ impl Request {
                 put_header(out, self.kind(), 1);
                 out.push(reason.byte());
             }
+            Request::Control(op) => {
+                let (code, pid, value) = match *op {
+                    ControlOp::SetJobs(jobs) => (ControlOp::SET_JOBS, 0, jobs),
+                    ControlOp::Cap {
+                        pid,
+                        max: Some(max),
+                    } => (ControlOp::CAP, pid, max),
+                    ControlOp::Cap { pid, max: None } => (ControlOp::UNCAP, pid, 0),
+                };
+                put_header(out, self.kind(), CONTROL_LEN);
+                out.push(code);
+                out.extend_from_slice(&pid.to_le_bytes());
+                out.extend_from_slice(&value.to_le_bytes());
+            }
         }
     }
 }
@@ -343,6 +410,7 @@ impl Reply {
             Reply::Aborted { .. } => kind::ABORTED,
             Reply::Status { .. } => kind::STATUS_REPLY,
             Reply::Error { .. } => kind::ERROR,
+            Reply::Controlled => kind::CONTROLLED,
         }
     }
 
@@ -356,6 +424,7 @@ impl Reply {
             Reply::Aborted { .. } => "Aborted",
             Reply::Status { .. } => "Status",
             Reply::Error { .. } => "Error",
+            Reply::Controlled => "Controlled",
         }
     }
 
@@ -379,7 +448,7 @@ impl Reply {
                 out.extend_from_slice(&capacity.to_le_bytes());
                 out.extend_from_slice(&client_id.to_le_bytes());
             }
-            Reply::Grant | Reply::Denied => put_header(out, self.kind(), 0),
+            Reply::Grant | Reply::Denied | Reply::Controlled => put_header(out, self.kind(), 0),
             Reply::Cancelled { cancelled } => {
                 put_header(out, self.kind(), 1);
                 out.push(u8::from(*cancelled));
@@ -444,6 +513,7 @@ fn request_payload_len(kind: u8) -> Option<usize> {
         kind::HELLO => Some(HELLO_LEN),
         kind::ACQUIRE | kind::TRY_ACQUIRE | kind::CANCEL | kind::RELEASE | kind::STATUS => Some(0),
         kind::ABORT => Some(1),
+        kind::CONTROL => Some(CONTROL_LEN),
         _ => None,
     }
 }
@@ -457,7 +527,7 @@ enum ReplyLen {
 fn reply_payload_len(kind: u8) -> Option<ReplyLen> {
     match kind {
         kind::WELCOME => Some(ReplyLen::Exact(WELCOME_LEN)),
-        kind::GRANT | kind::DENIED => Some(ReplyLen::Exact(0)),
+        kind::GRANT | kind::DENIED | kind::CONTROLLED => Some(ReplyLen::Exact(0)),
         kind::CANCELLED | kind::ABORTED => Some(ReplyLen::Exact(1)),
         kind::STATUS_REPLY => Some(ReplyLen::AtMost(MAX_REPLY_PAYLOAD)),
         kind::ERROR => Some(ReplyLen::AtMost(MAX_ERROR_MESSAGE)),
@@ -553,6 +623,20 @@ pub fn decode_request(buf: &[u8]) -> Result<Option<(Request, usize)>, ProtocolEr
             }
         }
         kind::STATUS => Request::Status,
+        kind::CONTROL => {
+            let p = fixed::<CONTROL_LEN>(kind, payload)?;
+            let pid = u32::from_le_bytes([p[1], p[2], p[3], p[4]]);
+            let value = u32::from_le_bytes([p[5], p[6], p[7], p[8]]);
+            Request::Control(match p[0] {
+                ControlOp::SET_JOBS if pid == 0 => ControlOp::SetJobs(value),
+                ControlOp::CAP => ControlOp::Cap {
+                    pid,
+                    max: Some(value),
+                },
+                ControlOp::UNCAP if value == 0 => ControlOp::Cap { pid, max: None },
+                op => return Err(ProtocolError::BadControl { op, pid, value }),
+            })
+        }
         _ => return Err(ProtocolError::UnknownKind(kind)),
     };
     Ok(Some((request, end)))
@@ -610,6 +694,7 @@ pub fn decode_reply(buf: &[u8]) -> Result<Option<(Reply, usize)>, ProtocolError>
             }
         }
         kind::GRANT => Reply::Grant,
+        kind::CONTROLLED => Reply::Controlled,
         kind::DENIED => Reply::Denied,
         kind::CANCELLED => {
             let [byte] = *fixed::<1>(kind, payload)?;
@@ -1003,13 +1088,13 @@ mod tests {
 
     #[test]
     fn unknown_kinds_are_rejected_from_the_header() {
-        for kind in [0x00, 0x08, 0x7f, 0x80, 0x81, 0x87, 0xff] {
+        for kind in [0x00, 0x09, 0x7f, 0x80, 0x81, 0x87, 0x88, 0xff] {
             assert_eq!(
                 decode_request(&[0, 0, 0, 0, kind]),
                 Err(ProtocolError::UnknownKind(kind))
             );
         }
-        for kind in [0x00, 0x01, 0x07, 0x80, 0x88, 0xff] {
+        for kind in [0x00, 0x01, 0x08, 0x80, 0x89, 0xff] {
             assert_eq!(
                 decode_reply(&[0, 0, 0, 0, kind]),
                 Err(ProtocolError::UnknownKind(kind))

@@ -85,6 +85,32 @@ impl Histogram {
         self.total
     }
 
+    /// The sum of every value recorded.
+    pub fn sum(&self) -> u128 {
+        self.sum
+    }
+
+    /// How many values recorded are at most `v`, counting whole buckets
+    /// only: a bucket that also holds values above `v` is left out, so the
+    /// count is exact whenever `v + 1` starts a bucket (every value below
+    /// 16 times a power of two does) and otherwise errs low by at most one
+    /// bucket (1/16 of `v`).
+    pub fn count_at_most(&self, v: u64) -> u64 {
+        let mut n = 0;
+        for (i, &c) in self.counts.iter().enumerate() {
+            let whole = if i + 1 < BUCKETS {
+                lower_bound(i + 1) - 1 <= v
+            } else {
+                v == u64::MAX
+            };
+            if !whole {
+                break;
+            }
+            n += c;
+        }
+        n
+    }
+
     /// The largest value recorded (0 when empty).
     pub fn max(&self) -> u64 {
         self.max
@@ -151,5 +177,11 @@ mod tests {
         let mut g = Histogram::default();
         g.merge(&h);
         assert_eq!(g, h);
+        assert_eq!(h.count_at_most(0), 0);
+        assert_eq!(h.count_at_most(15), 15);
+        assert_eq!(h.count_at_most(1023), 1000);
+        assert_eq!(h.count_at_most(u64::MAX), 1000);
+        assert!((900..=1000).contains(&h.count_at_most(999)));
+        assert_eq!(h.sum(), 500_500);
     }
 }

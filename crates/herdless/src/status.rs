@@ -9,6 +9,8 @@
 
 use std::fmt::Write;
 
+mod openmetrics;
+
 /// One client's line in a status report.
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
@@ -101,6 +103,93 @@ pub struct Status {
     /// The classic bridge, when there is one.
     #[cfg_attr(feature = "serde", serde(default))]
     pub classic: Option<ClassicStatus>,
+    /// Admission limits, caps and a pending shrink (`None` from a broker
+    /// that predates them).
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub controls: Option<ControlsStatus>,
+    /// The waits of native grants, bucketed (`None` from a broker that
+    /// predates it).
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub wait_histogram: Option<WaitHistogram>,
+}
+
+/// What the operator controls: admission by load and memory, caps per
+/// process subtree, and a shrink still waiting for tokens.
+#[derive(Clone, Debug, Default, PartialEq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+pub struct ControlsStatus {
+    /// `open`, or why grants are held back (`load 5.20 above 4`).
+    pub admission: String,
+    /// `--max-load`, when set.
+    pub max_load: Option<f64>,
+    /// The 1-minute load average last sampled (when a load limit is set).
+    pub load: Option<f64>,
+    /// `--min-free-memory` in bytes, when set.
+    pub min_free_memory: Option<u64>,
+    /// Memory available last sampled, in bytes (when a memory limit is set).
+    pub free_memory: Option<u64>,
+    /// `--min-jobs`: jobs that may run whatever the limits say.
+    pub min_jobs: u32,
+    /// How many times admission closed.
+    pub held_back: u64,
+    /// Shared tokens a shrink still waits for.
+    pub retiring: u32,
+    /// Caps in force.
+    pub caps: Vec<CapStatus>,
+}
+
+/// One cap: the subtree of `pid` holds at most `max` shared tokens.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+pub struct CapStatus {
+    /// The process whose subtree is capped.
+    pub pid: u32,
+    /// The most shared tokens at once.
+    pub max: u32,
+    /// Shared tokens the subtree holds now.
+    pub held: u32,
+}
+
+/// Waits of native grants by upper bound, cumulative (as an OpenMetrics
+/// histogram has them).
+#[derive(Clone, Debug, Default, PartialEq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+pub struct WaitHistogram {
+    /// Upper bounds in microseconds, ascending; the last bucket (`+Inf`)
+    /// is `count`.
+    pub le_us: Vec<f64>,
+    /// Waits at most each bound.
+    pub cumulative: Vec<u64>,
+    /// Waits in all.
+    pub count: u64,
+    /// The sum of every wait, in microseconds.
+    pub sum_us: f64,
+}
+
+impl WaitHistogram {
+    /// Upper bounds, in nanoseconds: 10 µs to 10 s by powers of ten.
+    const BOUNDS_NS: [u64; 7] = [
+        10_000,
+        100_000,
+        1_000_000,
+        10_000_000,
+        100_000_000,
+        1_000_000_000,
+        10_000_000_000,
+    ];
+
+    /// The buckets of a histogram of nanoseconds.
+    pub fn of(h: &crate::stats::Histogram) -> WaitHistogram {
+        WaitHistogram {
+            le_us: Self::BOUNDS_NS.iter().map(|&b| b as f64 / 1000.0).collect(),
+            cumulative: Self::BOUNDS_NS
+                .iter()
+                .map(|&b| h.count_at_most(b))
+                .collect(),
+            count: h.count(),
+            sum_us: h.sum() as f64 / 1000.0,
+        }
+    }
 }
 
 impl Status {
@@ -136,6 +225,54 @@ impl Status {
             Some(c) => o.raw("classic", &c.to_json()),
             None => o.raw("classic", "null"),
         }
+        match &self.controls {
+            Some(c) => o.raw("controls", &c.to_json()),
+            None => o.raw("controls", "null"),
+        }
+        match &self.wait_histogram {
+            Some(h) => o.raw("wait_histogram", &h.to_json()),
+            None => o.raw("wait_histogram", "null"),
+        }
+        o.finish()
+    }
+}
+
+impl ControlsStatus {
+    fn to_json(&self) -> String {
+        let mut o = Object::new();
+        o.str("admission", &self.admission);
+        o.opt_float("max_load", self.max_load);
+        o.opt_float("load", self.load);
+        o.opt_num("min_free_memory", self.min_free_memory);
+        o.opt_num("free_memory", self.free_memory);
+        o.num("min_jobs", self.min_jobs);
+        o.num("held_back", self.held_back);
+        o.num("retiring", self.retiring);
+        let caps: Vec<String> = self
+            .caps
+            .iter()
+            .map(|c| {
+                let mut o = Object::new();
+                o.num("pid", c.pid);
+                o.num("max", c.max);
+                o.num("held", c.held);
+                o.finish()
+            })
+            .collect();
+        o.raw("caps", &format!("[{}]", caps.join(",")));
+        o.finish()
+    }
+}
+
+impl WaitHistogram {
+    fn to_json(&self) -> String {
+        let mut o = Object::new();
+        let le: Vec<String> = self.le_us.iter().map(|v| format!("{v:?}")).collect();
+        o.raw("le_us", &format!("[{}]", le.join(",")));
+        let c: Vec<String> = self.cumulative.iter().map(u64::to_string).collect();
+        o.raw("cumulative", &format!("[{}]", c.join(",")));
+        o.num("count", self.count);
+        o.float("sum_us", self.sum_us);
         o.finish()
     }
 }
@@ -206,6 +343,20 @@ impl Object {
             let _ = write!(self.out, "{value:?}");
         } else {
             self.out.push_str("null");
+        }
+    }
+
+    fn opt_float(&mut self, key: &str, value: Option<f64>) {
+        match value {
+            Some(v) => self.float(key, v),
+            None => self.raw(key, "null"),
+        }
+    }
+
+    fn opt_num(&mut self, key: &str, value: Option<u64>) {
+        match value {
+            Some(v) => self.num(key, v),
+            None => self.raw(key, "null"),
         }
     }
 
@@ -282,6 +433,27 @@ mod tests {
                 returned: 3,
                 taken_back: 1,
                 lost: 0,
+            }),
+            controls: classic.then(|| ControlsStatus {
+                admission: "load 5.5 above 4".into(),
+                max_load: Some(4.0),
+                load: Some(5.5),
+                min_free_memory: None,
+                free_memory: None,
+                min_jobs: 1,
+                held_back: 2,
+                retiring: 1,
+                caps: vec![CapStatus {
+                    pid: 7,
+                    max: 2,
+                    held: 1,
+                }],
+            }),
+            wait_histogram: classic.then(|| WaitHistogram {
+                le_us: vec![10.0, 100.0],
+                cumulative: vec![1, 3],
+                count: 4,
+                sum_us: 12.5,
             }),
         }
     }

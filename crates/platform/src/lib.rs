@@ -72,6 +72,7 @@ mod pipe;
 mod process;
 mod shared_word;
 mod signal;
+mod system;
 mod usage;
 pub mod wait;
 
@@ -86,6 +87,9 @@ pub use process::{
 };
 pub use shared_word::SharedWord;
 pub use signal::{sent_by_kernel, signal_ignored};
+pub use system::{
+    available_memory, listen_fds, load_average, parent_of, parse_meminfo, parse_stat_ppid,
+};
 pub use usage::{
     children_rusage, process_ctx_switches, process_ctx_switches_all_threads, self_rusage,
     CtxSwitches, Usage,

@@ -237,6 +237,17 @@ impl Client {
         Ok(Observer { native })
     }
 
+    /// Connects as an observer that may change the running pool (protocol
+    /// version 2: a broker that speaks only version 1 refuses it).
+    pub fn control(path: impl AsRef<Path>) -> Result<Control> {
+        let native = Native::connect_version(
+            path.as_ref(),
+            HelloFlags::OBSERVER,
+            crate::protocol::CONTROL_VERSION,
+        )?;
+        Ok(Control { native })
+    }
+
     /// The number of shared tokens (`-j` minus one): the broker's, or for a
     /// classic jobserver the `-j` that came with it, when it gave a number.
     pub fn capacity(&self) -> Option<u32> {
@@ -504,6 +515,42 @@ pub struct Observer {
 }
 
 impl Observer {
+    /// The broker's status report as JSON.
+    pub fn json(&self) -> Result<String> {
+        self.native.status()
+    }
+}
+
+/// A connection that changes a running pool (from [`Client::control`]).
+/// Each call returns once the broker has made the change.
+pub struct Control {
+    native: Native,
+}
+
+impl Control {
+    /// Makes the pool `-j jobs` (at least 1): grows at once; shrinks at
+    /// once by the free tokens and by the others as they are given back.
+    /// No running job loses its token.
+    pub fn set_jobs(&self, jobs: u32) -> Result<()> {
+        self.native
+            .control(crate::protocol::ControlOp::SetJobs(jobs))
+    }
+
+    /// Lets the subtree of process `pid` (itself and its descendants) hold
+    /// at most `max` shared tokens at once; `None` lifts the cap.
+    pub fn cap(&self, pid: u32, max: Option<u32>) -> Result<()> {
+        self.native
+            .control(crate::protocol::ControlOp::Cap { pid, max })
+    }
+
+    /// Aborts the tree: every client is told, bmakes find the abort byte.
+    pub fn abort(&self, reason: AbortReason) -> Result<()> {
+        self.native.abort(reason)?;
+        // The abort has no reply to an observer; a status round trip shows
+        // the broker has read it.
+        self.native.status().map(drop)
+    }
+
     /// The broker's status report as JSON.
     pub fn json(&self) -> Result<String> {
         self.native.status()

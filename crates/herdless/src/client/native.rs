@@ -18,7 +18,9 @@ use nix::poll::{PollFd, PollFlags, PollTimeout};
 
 use super::Wait;
 use crate::error::{Error, ErrorKind, Result};
-use crate::protocol::{AbortReason, FrameBuffer, HelloFlags, Reply, Request, PROTOCOL_VERSION};
+use crate::protocol::{
+    AbortReason, ControlOp, FrameBuffer, HelloFlags, Reply, Request, PROTOCOL_VERSION,
+};
 use crate::sync::lock;
 
 /// How long a broker may take to answer the handshake. This is not in the
@@ -54,6 +56,8 @@ struct State {
     dead: Option<(ErrorKind, String)>,
     /// Status replies not yet taken, in arrival order.
     statuses: std::collections::VecDeque<String>,
+    /// `Controlled` replies not yet taken.
+    controlled: u32,
 }
 
 pub(crate) struct Native {
@@ -64,6 +68,7 @@ pub(crate) struct Native {
     write_lock: Mutex<()>,
     capacity: u32,
     client_id: u64,
+    version: u16,
 }
 
 /// Waits until `fd` is readable or writable. `Ok(false)` on timeout.
@@ -104,6 +109,11 @@ fn take_spare(st: &mut State) -> bool {
 impl Native {
     /// Connects, checks the broker is this user's, and shakes hands.
     pub(crate) fn connect(path: &Path, flags: HelloFlags) -> Result<Native> {
+        Native::connect_version(path, flags, PROTOCOL_VERSION)
+    }
+
+    /// Connects speaking protocol `version` (the broker must speak it).
+    pub(crate) fn connect_version(path: &Path, flags: HelloFlags, version: u16) -> Result<Native> {
         if let Err(e) = std::os::unix::net::SocketAddr::from_pathname(path) {
             return Err(Error::io(
                 ErrorKind::Connect,
@@ -163,9 +173,10 @@ impl Native {
             write_lock: Mutex::new(()),
             capacity: 0,
             client_id: 0,
+            version,
         };
         native.send(&Request::Hello {
-            version: PROTOCOL_VERSION,
+            version,
             flags,
             pid: std::process::id(),
             ppid: std::os::unix::process::parent_id(),
@@ -184,11 +195,12 @@ impl Native {
                     capacity,
                     client_id,
                 })) => {
-                    if version != PROTOCOL_VERSION {
+                    if version != self.version {
                         return Err(Error::new(
                             ErrorKind::Protocol,
                             format!(
-                                "broker speaks protocol {version}, this client {PROTOCOL_VERSION}"
+                                "broker speaks protocol {version}, this client {}",
+                                self.version
                             ),
                         ));
                     }
@@ -429,6 +441,7 @@ impl Native {
                 st.owed_releases = 0;
             }
             Reply::Status { json } => st.statuses.push_back(json),
+            Reply::Controlled => st.controlled += 1,
             Reply::Error { message } => {
                 st.dead = Some((
                     ErrorKind::Refused,
@@ -728,6 +741,22 @@ impl Native {
             self.drain(&mut st);
         }
         st.aborted
+    }
+
+    /// Sends a control request and waits for the broker's `Controlled`.
+    pub(crate) fn control(&self, op: ControlOp) -> Result<()> {
+        let st = lock(&self.state);
+        self.send(&Request::Control(op))?;
+        let (mut st, r) = self.wait_until(st, NO_DEADLINE, |s| s.controlled > 0);
+        r?;
+        if st.controlled > 0 {
+            st.controlled -= 1;
+            return Ok(());
+        }
+        if let Some((kind, msg)) = &st.dead {
+            return Err(Error::new(*kind, msg.clone()));
+        }
+        Err(Error::new(ErrorKind::Protocol, "no answer from the broker"))
     }
 
     /// The broker's status report, as JSON.
