@@ -264,3 +264,114 @@ fn sigint_stops_the_tree_and_leaves_nothing_behind() {
     assert_eq!(t.counts().0, 0);
     assert_no_leftovers(&t);
 }
+
+/// Debian's bmake 20200710 with herdless inside.
+fn herdless_bmake() -> PathBuf {
+    repo_file(
+        "target/embed/bmake/bin/bmake",
+        "HERDLESS_EMBED_BMAKE",
+        "bash embed/bmake/build.sh",
+    )
+}
+
+/// The bmake tree: six branches of eight jobs. Branches 1 to 3 are
+/// herdless sub-makes (`${MAKE}`), branch 1 with a nested herdless
+/// sub-make; branches 4 and 5 are Debian's stock bmake on the broker's
+/// classic pipe (`.MAKE` hands them `-J R,W`); branch 6 is a herdless
+/// sub-make whose own sub-make is stock.
+fn bmake_tree(t: &Tree) -> usize {
+    let per = 8;
+    for b in 1..=6 {
+        t.flat_makefile(&format!("sub{b}.mk"), &format!("b{b}j"), per);
+    }
+    t.flat_makefile("nested1.mk", "n1j", per);
+    t.flat_makefile("nested6.mk", "n6j", per);
+    let d = t.dir.display();
+    let append = |file: &str, text: String| {
+        let path = t.path(file);
+        let mut mk = fs::read_to_string(&path).unwrap();
+        mk = mk.replacen("all:", "all: nested", 1);
+        mk += &text;
+        fs::write(path, mk).unwrap();
+    };
+    append(
+        "sub1.mk",
+        format!("nested:\n\t@${{MAKE}} -f {d}/nested1.mk\n"),
+    );
+    append(
+        "sub6.mk",
+        format!("nested: .MAKE\n\t@/usr/bin/bmake -f {d}/nested6.mk\n"),
+    );
+    let mut top = String::from("all: branch1 branch2 branch3 branch4 branch5 branch6\n");
+    for b in [1, 2, 3, 6] {
+        top += &format!("branch{b}:\n\t@${{MAKE}} -f {d}/sub{b}.mk\n");
+    }
+    for b in [4, 5] {
+        top += &format!("branch{b}: .MAKE\n\t@/usr/bin/bmake -f {d}/sub{b}.mk\n");
+    }
+    fs::write(t.path("Makefile"), top).unwrap();
+    8 * per
+}
+
+#[test]
+fn herdless_bmake_runs_a_recursive_tree_at_j_1_4_16() {
+    let bmake = herdless_bmake();
+    for n in [1u32, 4, 16] {
+        let t = Tree::new(&format!("real-bmake-j{n}"));
+        let total = bmake_tree(&t);
+        let mut cmd = make_cmd(&t, &bmake);
+        cmd.arg(format!("-j{n}"));
+        let out = run(cmd);
+        let report = text(&out);
+        assert!(out.status.success(), "-j{n}: {report}");
+        let (done, most) = t.counts();
+        assert_eq!(done, total, "-j{n}: {report}");
+        assert!(most <= n, "-j{n}: {most} jobs at once\n{report}");
+        assert_eq!(most, n, "-j{n}: never {n} jobs at once\n{report}");
+        // bmake runs a job server at any -j: one broker, the top make's.
+        let brokers = broker_lines(&t);
+        assert_eq!(brokers.len(), 1, "-j{n}: {brokers:?}\n{report}");
+        let b = &brokers[0];
+        assert_eq!(figure(b, "jobs"), i64::from(n));
+        assert_eq!(figure(b, "lost"), 0, "-j{n}: {b:?}");
+        if n > 1 {
+            assert!(figure(b, "native_grants") > 0, "-j{n}: {b:?}");
+        }
+        assert_no_leftovers(&t);
+    }
+}
+
+/// A job fails in one branch: the abort reaches every branch, herdless
+/// bmakes by the broker's message, stock bmakes by the `E` token the
+/// bridge writes into their pipe, and the tree stops without starting
+/// the rest.
+fn bmake_abort(failing_branch: u32) {
+    let t = Tree::new(&format!("real-bmake-fail{failing_branch}"));
+    let total = bmake_tree(&t);
+    let file = format!("sub{failing_branch}.mk");
+    let mut mk = fs::read_to_string(t.path(&file)).unwrap();
+    mk = mk.replacen("all:", "all: fail", 1);
+    mk += "fail:\n\t@false\n";
+    fs::write(t.path(&file), mk).unwrap();
+    let mut cmd = make_cmd(&t, &herdless_bmake());
+    cmd.arg("-j4").env("JOB_SLEEP", "0.3");
+    let out = run(cmd);
+    let report = text(&out);
+    assert!(!out.status.success(), "{report}");
+    let (done, _) = t.counts();
+    assert!(done < total, "every job ran despite the failure\n{report}");
+    let brokers = broker_lines(&t);
+    assert_eq!(brokers.len(), 1, "{brokers:?}");
+    assert_eq!(figure(&brokers[0], "lost"), 0, "{brokers:?}");
+    assert_no_leftovers(&t);
+}
+
+#[test]
+fn a_failing_job_in_a_herdless_bmake_stops_the_tree() {
+    bmake_abort(2);
+}
+
+#[test]
+fn a_failing_job_in_a_stock_bmake_stops_the_tree() {
+    bmake_abort(4);
+}

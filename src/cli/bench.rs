@@ -27,7 +27,8 @@ enum BenchCommand {
     Build(BuildArgs),
     /// One recursive tree run by real makes, side by side: stock GNU make
     /// 4.4.1, the same under `herdless run`'s classic bridge, GNU make with
-    /// herdless inside, and bmake variants when built.
+    /// herdless inside, Debian's bmake, bmake polling its pipe and bmake
+    /// with herdless inside (those built are included).
     Make(MakeArgs),
     /// A waiter or make process of a benchmark (internal).
     #[command(hide = true)]
@@ -128,6 +129,14 @@ struct MakeArgs {
     /// Debian's bmake; left out when missing.
     #[arg(long, default_value = "/usr/bin/bmake")]
     bmake: PathBuf,
+    /// bmake polling its token pipe (embed/bmake/build.sh); left out when
+    /// missing.
+    #[arg(long, default_value = "target/embed/bmake-polling/bin/bmake")]
+    polling_bmake: PathBuf,
+    /// bmake with herdless inside (embed/bmake/build.sh); left out when
+    /// missing.
+    #[arg(long, default_value = "target/embed/bmake/bin/bmake")]
+    herdless_bmake: PathBuf,
     /// Print a JSON list, one object per variant.
     #[arg(long)]
     json: bool,
@@ -289,10 +298,16 @@ fn bench_make(args: MakeArgs) -> Result<u8> {
         variant("GNU make (stock) in run", &args.stock_make, true, &[]),
         variant("GNU make (herdless)", &args.herdless_make, false, &[]),
     ];
-    if args.bmake.exists() {
-        variants.push(variant("bmake (Debian)", &args.bmake, false, &[]));
-    } else {
-        eprintln!("herdless: no bmake at {}: left out", args.bmake.display());
+    for (name, path) in [
+        ("bmake (Debian)", &args.bmake),
+        ("bmake (polling)", &args.polling_bmake),
+        ("bmake (herdless)", &args.herdless_bmake),
+    ] {
+        if path.exists() {
+            variants.push(variant(name, path, false, &[]));
+        } else {
+            eprintln!("herdless: no {name} at {}: left out", path.display());
+        }
     }
     let cfg = MakeConfig {
         exe: this_exe()?,
