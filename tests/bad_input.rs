@@ -42,7 +42,7 @@ fn hello(version: u16) -> Vec<u8> {
         version,
         flags: HelloFlags::empty(),
         pid: std::process::id(),
-        ppid: 1,
+        slot: 0,
     }
     .encode(&mut v);
     v
@@ -71,12 +71,23 @@ fn bad_peers_are_cut_off_and_the_rest_go_on() {
     // A wrong protocol version.
     let r = send_raw(&serve, &hello(9), false);
     assert!(
-        error_of(&r).contains("unsupported protocol version 9 (broker speaks 1 to 2)"),
+        error_of(&r).contains("unsupported protocol version 9 (broker speaks 3)"),
+        "{r:?}"
+    );
+
+    // A version 1 client (its hello is 4 bytes shorter): refused by its
+    // version, with a message that says so, not as a malformed frame.
+    let v1 = [
+        0x0f, 0, 0, 0, 0x01, b'H', b'R', b'D', b'L', 1, 0, 0x01, 0x92, 0x10, 0, 0, 0xa0, 0x0f, 0, 0,
+    ];
+    let r = send_raw(&serve, &v1, false);
+    assert!(
+        error_of(&r).contains("unsupported protocol version 1 (broker speaks 3)"),
         "{r:?}"
     );
 
     // A 1 MiB frame, after a valid hello: refused from its header alone.
-    let mut big = hello(1);
+    let mut big = hello(herdless::protocol::PROTOCOL_VERSION);
     big.extend_from_slice(&(1u32 << 20).to_le_bytes());
     big.push(0x02);
     big.extend(std::iter::repeat_n(0u8, 1 << 20));
@@ -91,17 +102,17 @@ fn bad_peers_are_cut_off_and_the_rest_go_on() {
     assert!(error_of(&r).contains("expected a hello"), "{r:?}");
 
     // Half a hello, then hang up.
-    let h = hello(1);
+    let h = hello(herdless::protocol::PROTOCOL_VERSION);
     send_raw(&serve, &h[..7], true);
 
     // A client releasing a token it does not hold.
-    let mut misuse = hello(1);
+    let mut misuse = hello(herdless::protocol::PROTOCOL_VERSION);
     Request::Release.encode(&mut misuse);
     let r = send_raw(&serve, &misuse, false);
     assert!(error_of(&r).contains("does not hold"), "{r:?}");
 
     // A flood of acquires on one connection.
-    let mut flood = hello(1);
+    let mut flood = hello(herdless::protocol::PROTOCOL_VERSION);
     for _ in 0..=herdless::broker::MAX_PENDING_ACQUIRES {
         Request::Acquire.encode(&mut flood);
     }

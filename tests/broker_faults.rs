@@ -171,10 +171,10 @@ fn replies_a_client_is_slow_to_read_all_arrive() {
     let mut s = std::os::unix::net::UnixStream::connect(&serve.socket).unwrap();
     let mut out = Vec::new();
     Request::Hello {
-        version: 1,
+        version: herdless::protocol::PROTOCOL_VERSION,
         flags: HelloFlags::empty(),
         pid: std::process::id(),
-        ppid: 1,
+        slot: 0,
     }
     .encode(&mut out);
     // Far more status replies than a socket buffer holds, asked for before

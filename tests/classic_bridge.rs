@@ -327,8 +327,11 @@ fn native_and_classic_jobs_share_one_limit() {
 
 #[test]
 fn helper_process() {
-    if std::env::var("HERDLESS_TEST_ROLE").as_deref() == Ok("starve-driver") {
-        starve_driver();
+    match std::env::var("HERDLESS_TEST_ROLE").as_deref() {
+        Ok("starve-driver") => starve_driver(),
+        Ok("hog-driver") => hog_driver(),
+        Ok("classic-hog") => classic_hog(),
+        _ => {}
     }
     common::helper_main();
 }
@@ -393,6 +396,118 @@ fn starve_driver() -> ! {
             .open(format!("/proc/self/fd/{fd}"))
             .unwrap()
     }
+}
+
+/// A classic client that takes one token from the inherited pipe, says
+/// `held`, and keeps it until killed or until stdin closes.
+fn classic_hog() -> ! {
+    use std::io::{BufRead, Read};
+    let flags = std::env::var("MAKEFLAGS").unwrap();
+    let auth = flags.rsplit("--jobserver-auth=").next().unwrap();
+    let (r, _) = auth.split_once(',').unwrap();
+    let mut rf = std::fs::File::open(format!("/proc/self/fd/{}", r.trim())).unwrap();
+    let mut byte = [0u8; 1];
+    rf.read_exact(&mut byte).unwrap();
+    println!("held");
+    let mut line = String::new();
+    let _ = std::io::stdin().lock().read_line(&mut line);
+    std::process::exit(0);
+}
+
+/// Runs as the command of `herdless run -j 3`: a classic client (another
+/// process) takes one token and keeps it, or is killed with -9 holding it
+/// (`HERDLESS_TEST_KILL_HOG=1`); then three native clients, none of them a
+/// job of anyone, each take and give back a token 100 times, holding it 5
+/// ms. Prints how many of the 300 jobs ran.
+fn hog_driver() -> ! {
+    use herdless::client::{Client, Options};
+    use std::io::BufRead;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::Arc;
+
+    let mut hog = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "helper_process", "--nocapture"])
+        .env("HERDLESS_TEST_ROLE", "classic-hog")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = std::io::BufReader::new(hog.stdout.take().unwrap());
+    loop {
+        let mut line = String::new();
+        assert!(out.read_line(&mut line).unwrap() > 0, "the hog ended");
+        if line.trim() == "held" {
+            break;
+        }
+    }
+    if std::env::var_os("HERDLESS_TEST_KILL_HOG").is_some() {
+        hog.kill().unwrap();
+        hog.wait().unwrap();
+    }
+    let done = Arc::new(AtomicU64::new(0));
+    let socket = std::env::var("HERDLESS_SOCKET").unwrap();
+    let natives: Vec<_> = (0..3)
+        .map(|_| {
+            let (done, socket) = (done.clone(), socket.clone());
+            std::thread::spawn(move || {
+                let c = Client::connect_with(&socket, Options::default().implicit_token(false))
+                    .unwrap();
+                for _ in 0..100 {
+                    let t = c.acquire().unwrap();
+                    std::thread::sleep(std::time::Duration::from_millis(5));
+                    drop(t);
+                    done.fetch_add(1, Ordering::SeqCst);
+                }
+            })
+        })
+        .collect();
+    for n in natives {
+        n.join().unwrap();
+    }
+    println!("role: {} jobs done", done.load(Ordering::SeqCst));
+    drop(hog.stdin.take());
+    let _ = hog.wait();
+    std::process::exit(0);
+}
+
+#[cfg(target_os = "linux")]
+fn hog_scenario(kill_hog: bool) {
+    let mut cmd = Command::new(BIN);
+    cmd.args(["run", "-j", "3", "--stats", "--"])
+        .arg(std::env::current_exe().unwrap())
+        .args(["--exact", "helper_process", "--nocapture"])
+        .env("HERDLESS_TEST_ROLE", "hog-driver")
+        .env_remove("MAKEFLAGS")
+        .env_remove("HERDLESS_SOCKET");
+    if kill_hog {
+        cmd.env("HERDLESS_TEST_KILL_HOG", "1");
+    }
+    // A stall (a token left unread in the pipe while the natives wait)
+    // never ends; the bound is far above the 0.5 s of work.
+    let out = common::output_within(&mut cmd, common::PATIENCE);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stdout}{stderr}");
+    assert!(stdout.contains("role: 300 jobs done"), "{stdout}\n{stderr}");
+    let max: u32 = stat(&stderr, "max in use").parse().unwrap();
+    assert!(max <= 3, "{stderr}");
+}
+
+/// Liveness of the bridge: a classic client that keeps a token does not
+/// make the bridge leave another one unread in the pipe while natives wait.
+#[cfg(target_os = "linux")]
+#[test]
+fn a_classic_holder_does_not_idle_a_token_natives_wait_for() {
+    hog_scenario(false);
+}
+
+/// The same, with the classic holder killed holding its token: the token is
+/// lost (the classic protocol cannot take it back), the natives go on with
+/// the rest.
+#[cfg(target_os = "linux")]
+#[test]
+fn a_dead_classic_holder_does_not_stall_the_natives() {
+    hog_scenario(true);
 }
 
 #[cfg(target_os = "linux")]

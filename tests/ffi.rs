@@ -108,6 +108,7 @@ fn header_declares_the_api() {
         "int herdless_aborted(const herdless_client *c);",
         "void herdless_client_free(herdless_client *c);",
         "const char *herdless_strerror(int code);",
+        "const char *herdless_slot_env(const herdless_client *c);",
     ] {
         assert!(
             header.contains(f),
@@ -538,6 +539,9 @@ impl Serve {
             .trim()
             .strip_prefix("export HERDLESS_SOCKET=")
             .unwrap_or_else(|| panic!("herdless serve said {line:?}"))
+            .split(' ')
+            .next()
+            .unwrap()
             .trim_matches('\'')
             .to_string();
         Serve { child, socket }
@@ -620,6 +624,149 @@ fn killed_client_tokens_are_reclaimed() {
     assert!(status.success(), "{status}\n{report}");
     assert_eq!(stat(&report, "taken back"), 3, "{report}");
     assert_eq!(stat(&report, "tokens lost"), 0, "{report}");
+}
+
+/// Kills the processes it names when dropped, so that a failed check
+/// leaves no process holding the test's output open.
+struct KillOnDrop(Vec<i32>);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        for &pid in &self.0 {
+            let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
+        }
+    }
+}
+
+/// Polls `serve`'s status until `pred` holds; panics after a bound.
+fn status_until(serve: &Serve, what: &str, pred: impl Fn(&serde_json::Value) -> bool) {
+    let start = Instant::now();
+    loop {
+        let s = serve.status();
+        if pred(&s) {
+            return;
+        }
+        assert!(start.elapsed() < Duration::from_secs(30), "{what}: {s}");
+        thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// A handle and the two tokens it holds, in a process that forks: the
+/// fork cannot use the handle (-EPERM, nothing sent); the tokens stay the
+/// parent's while it lives, even if the fork frees its copy; and they come
+/// back when the parent is killed, even while the fork keeps the socket
+/// open (Linux: the broker watches the holder's pidfd).
+#[test]
+fn a_fork_cannot_use_or_keep_its_parent_s_tokens() {
+    let program = build_c("fork_holder");
+    for free_in_child in [false, true] {
+        let serve = Serve::start(3);
+        let mut parent = clean(Command::new(&program))
+            .args(if free_in_child {
+                &["free"][..]
+            } else {
+                &[][..]
+            })
+            .env("HERDLESS_SOCKET", &serve.socket)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("fork_holder");
+        let mut guard = KillOnDrop(vec![parent.id() as i32]);
+        let mut out = BufReader::new(parent.stdout.take().unwrap());
+        let mut lines = Vec::new();
+        while lines.len() < 2 {
+            let mut line = String::new();
+            assert!(out.read_line(&mut line).unwrap() > 0, "{lines:?}");
+            lines.push(line.trim().to_string());
+        }
+        lines.sort();
+        assert_eq!(lines[0], "child: ok", "{lines:?}");
+        let child: i32 = lines[1]
+            .strip_prefix("parent: child ")
+            .unwrap_or_else(|| panic!("{lines:?}"))
+            .parse()
+            .unwrap();
+        guard.0.push(child);
+        // The fork's calls (and its free) changed nothing: two held.
+        let s = serve.status();
+        assert_eq!(
+            (s["in_use"].as_u64(), s["free"].as_u64()),
+            (Some(2), Some(0)),
+            "{s}"
+        );
+        kill(Pid::from_raw(parent.id() as i32), Signal::SIGKILL).unwrap();
+        let _ = parent.wait();
+        if cfg!(target_os = "linux") {
+            status_until(&serve, "the dead parent's tokens come back", |s| {
+                s["free"].as_u64() == Some(2)
+            });
+            assert!(
+                kill(Pid::from_raw(child), None).is_ok(),
+                "the fork still lives, holding the socket"
+            );
+        }
+        kill(Pid::from_raw(child), Signal::SIGKILL).unwrap();
+        status_until(&serve, "all free", |s| s["free"].as_u64() == Some(2));
+        let (status, report) = serve.stop();
+        assert!(status.success(), "{report}");
+    }
+}
+
+/// A process dies with a request queued while a fork keeps its socket:
+/// the grant that later reaches the connection finds the process gone,
+/// and the token comes back at once instead of staying with the fork.
+#[cfg(target_os = "linux")]
+#[test]
+fn a_grant_for_a_dead_process_is_not_kept_by_its_fork() {
+    let program = build_c("fork_holder");
+    let holder = build_c("holder");
+    let serve = Serve::start(2);
+    let (mut held, _) = hold(&serve, &holder, 1);
+    let mut parent = clean(Command::new(&program))
+        .arg("queue")
+        .env("HERDLESS_SOCKET", &serve.socket)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("fork_holder");
+    let mut guard = KillOnDrop(vec![parent.id() as i32]);
+    let mut out = BufReader::new(parent.stdout.take().unwrap());
+    let mut lines = Vec::new();
+    while lines.len() < 2 {
+        let mut line = String::new();
+        assert!(out.read_line(&mut line).unwrap() > 0, "{lines:?}");
+        lines.push(line.trim().to_string());
+    }
+    lines.sort();
+    assert_eq!(lines[0], "child: ok", "{lines:?}");
+    let child: i32 = lines[1]
+        .strip_prefix("parent: child ")
+        .unwrap_or_else(|| panic!("{lines:?}"))
+        .parse()
+        .unwrap();
+    guard.0.push(child);
+    status_until(&serve, "the parent's request queued", |s| {
+        s["waiting"].as_u64() == Some(1)
+    });
+    kill(Pid::from_raw(parent.id() as i32), Signal::SIGKILL).unwrap();
+    let _ = parent.wait();
+    // The holder lets go: the token goes to the dead parent's connection,
+    // which the fork keeps open, and comes straight back.
+    drop(held.stdin.take());
+    let _ = held.wait();
+    status_until(&serve, "the token back, the dead connection closed", |s| {
+        s["free"].as_u64() == Some(1) && s["clients"].as_array().is_some_and(|c| c.is_empty())
+    });
+    assert!(
+        kill(Pid::from_raw(child), None).is_ok(),
+        "the fork still lives"
+    );
+    kill(Pid::from_raw(child), Signal::SIGKILL).unwrap();
+    let (status, report) = serve.stop();
+    assert!(status.success(), "{report}");
 }
 
 #[test]

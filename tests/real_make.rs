@@ -375,3 +375,42 @@ fn a_failing_job_in_a_herdless_bmake_stops_the_tree() {
 fn a_failing_job_in_a_stock_bmake_stops_the_tree() {
     bmake_abort(4);
 }
+
+/// Every recipe is a `herdless exec` job: the make is a job runner, its
+/// recipes' jobs borrow its slot (`HERDLESS_SLOT`), so nothing deadlocks
+/// at `-j1` (bmake, which runs a job server at any `-j`) and `-j2`, and
+/// never more than N jobs run. (GNU make at `-j1` runs no jobserver, stock
+/// or herdless, so `exec` has none to join.)
+#[test]
+fn recipes_that_exec_borrow_the_make_slot() {
+    for (name, make, js) in [
+        ("gnu", herdless_make(), &[2u32, 4][..]),
+        ("bmake", herdless_bmake(), &[1u32, 2, 4][..]),
+    ] {
+        for &n in js {
+            let t = Tree::new(&format!("real-make-exec-{name}-j{n}"));
+            let d = t.dir.display();
+            let mut mk = String::from("all:");
+            for i in 1..=12 {
+                mk += &format!(" e{i}");
+            }
+            mk.push('\n');
+            for i in 1..=12 {
+                mk += &format!("e{i}:\n\t@{BIN} exec -- sh {d}/job.sh {d}\n");
+            }
+            fs::write(t.path("Makefile"), mk).unwrap();
+            let mut cmd = make_cmd(&t, &make);
+            cmd.arg(format!("-j{n}")).arg("-f").arg(t.path("Makefile"));
+            let out = run(cmd);
+            let report = text(&out);
+            assert!(out.status.success(), "{name} -j{n}: {report}");
+            let (done, most) = t.counts();
+            assert_eq!(done, 12, "{name} -j{n}: {report}");
+            assert!(most <= n, "{name} -j{n}: {most} at once\n{report}");
+            let brokers = broker_lines(&t);
+            assert_eq!(brokers.len(), 1, "{name} -j{n}: {brokers:?}");
+            assert_eq!(figure(&brokers[0], "lost"), 0, "{brokers:?}");
+            assert_no_leftovers(&t);
+        }
+    }
+}

@@ -24,11 +24,13 @@
  * this make started, or the one this make was given), and their tokens
  * come from the same pool.
  *
- * The implicit token stays make's own: GNU make never asks for a token
+ * The implicit token stays make's own (a make is a job runner): GNU make
+ * never asks for a token
  * while no job of its runs (jobserver_tokens == 0), and gives one back
  * only when the job that ends is not its last. That maps one to one onto
  * herdless_request_grant / herdless_release, which deal in shared tokens
- * only.
+ * only. Its jobs get HERDLESS_SLOT (herdless_slot_env), so that a
+ * `herdless exec` in a recipe borrows this make's slot.
  *
  * HERDLESS_MAKE_STATS=FILE: a make that started a broker appends one line
  * to FILE when it stops it: "jobs J native_grants G classic_offered C
@@ -100,6 +102,18 @@ export_variable (const char *name, const char *value)
                                                o_env, 0, NILF);
   if (v)
     v->export = v_export;
+}
+
+/* This make is a job runner: its jobs may borrow its implicit token (a
+   `herdless exec` in a recipe runs in this make's slot), named for them in
+   HERDLESS_SLOT. */
+static void
+export_slot (void)
+{
+  const char *slot = herdless_slot_env (hl);
+  const char *eq = slot ? strchr (slot, '=') : NULL;
+  if (eq)
+    export_variable ("HERDLESS_SLOT", eq + 1);
 }
 
 static void
@@ -185,6 +199,7 @@ __wrap_jobserver_setup (int slots, const char *style)
       return __real_jobserver_setup (slots, style);
     }
   hl = c;
+  export_slot ();
   auth = herdless_broker_classic_auth (broker);
   doomed_socket = xstrdup (herdless_broker_socket (broker));
   doomed_fifo = xstrdup (auth + CSTRLEN ("fifo:"));
@@ -224,6 +239,7 @@ __wrap_jobserver_parse_auth (const char *auth)
       return classic;
     }
   hl = c;
+  export_slot ();
   DB (DB_JOBS, ("herdless: tokens from the broker at %s\n",
                 getenv ("HERDLESS_SOCKET")));
   return 1;

@@ -76,15 +76,18 @@ impl Outcome {
 /// Spawns `argv` with `env` added, passes SIGINT, SIGTERM and SIGHUP on
 /// to it while it runs, and waits for it.
 pub fn run(argv: &[OsString], env: &[(&str, OsString)]) -> Result<Outcome> {
-    run_inheriting(argv, env, Vec::new())
+    run_inheriting(argv, env, Vec::new(), || {})
 }
 
 /// [`run`], with `inherit`: descriptors (without close-on-exec) that the
-/// command inherits and that this process closes once it is spawned.
+/// command inherits and that this process closes once it is spawned; and
+/// `on_signal`, called for each forwarded signal herdless receives, before
+/// it is passed on.
 pub fn run_inheriting(
     argv: &[OsString],
     env: &[(&str, OsString)],
     inherit: Vec<OwnedFd>,
+    on_signal: impl Fn() + Send + 'static,
 ) -> Result<Outcome> {
     let (program, args) = argv
         .split_first()
@@ -123,6 +126,7 @@ pub fn run_inheriting(
         std::thread::spawn(move || {
             for info in signals.forever() {
                 received.store(info.si_signo, Ordering::SeqCst);
+                on_signal();
                 // The terminal signals the whole process group itself.
                 if herdless_platform::sent_by_kernel(info.si_code) {
                     continue;

@@ -79,6 +79,11 @@ struct RunArgs {
     /// Export no classic jobserver: only native clients take tokens.
     #[arg(long)]
     no_classic: bool,
+    /// Start a pool of its own even under another herdless broker
+    /// (HERDLESS_SOCKET): the outer -j then no longer bounds this subtree
+    /// (a warning says so, as make's "-jN forced in submake" does).
+    #[arg(long)]
+    new_pool: bool,
     #[command(flatten)]
     admission: admission::AdmissionArgs,
     /// The command to run, and its arguments.

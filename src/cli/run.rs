@@ -7,7 +7,7 @@ use std::os::fd::AsRawFd;
 use herdless::bridge::Bridge;
 use herdless::broker::{Broker, Config};
 use herdless::classic::{Flavor, Program};
-use herdless::client::SOCKET_ENV;
+use herdless::client::{slot_env_value, socket_from_env, Client, Options, SLOT_ENV, SOCKET_ENV};
 use herdless::rundir::RunDir;
 use herdless::status::Status;
 
@@ -17,18 +17,50 @@ use super::RunArgs;
 /// Starts a broker in this process for `-j N`, runs the command with
 /// `HERDLESS_SOCKET` exported, and exits with the command's status.
 ///
-/// The pool holds N − 1 tokens; the N-th is the command's implicit token.
-/// A command that is a make uses it for its first job; a command that
-/// runs its jobs through `herdless exec` lends it to one of them (the
-/// broker gives each exec the implicit slot of its parent process when no
-/// sibling holds it). Either way, at most N jobs run at once.
+/// The pool holds N − 1 tokens; the N-th is the command's implicit token,
+/// the broker's top slot, named to the command in `HERDLESS_SLOT`. A
+/// command that is a make uses it for its first job; a command that runs
+/// its jobs through `herdless exec` lends it to one of them at a time,
+/// however many processes lie between. Either way, at most N jobs run at
+/// once.
+///
+/// A stop signal (SIGINT, SIGTERM, SIGHUP) stops the granting at once,
+/// before it is passed on: waiting jobs are refused (`exec` exits 125), so
+/// none starts after it. When the command ends, the broker stops for good.
+///
+/// Under another herdless broker (`HERDLESS_SOCKET` set) it starts no pool
+/// of its own unless `--new-pool` says so: see [`run_joined`].
 pub fn run(args: RunArgs) -> Result<u8> {
+    if let Some(outer) = socket_from_env() {
+        if !args.new_pool {
+            return run_joined(args, &outer);
+        }
+        eprintln!(
+            "herdless: warning: --new-pool: -j{} forced in a pool of its own; the pool at {} \
+             no longer bounds this subtree",
+            args.jobs,
+            outer.display()
+        );
+    } else if herdless::classic::Jobserver::from_env()
+        .ok()
+        .flatten()
+        .is_some_and(|js| !matches!(js.auth(), herdless::classic::Auth::Disabled))
+    {
+        eprintln!(
+            "herdless: warning: -j{} forced: under a classic jobserver, herdless run starts a \
+             pool of its own, and the outer make's -j no longer bounds this subtree",
+            args.jobs
+        );
+    }
     let mut dir = RunDir::create().context("cannot prepare the socket directory")?;
     let mut config = Config::new(args.jobs);
     config.admission = args.admission.admission()?;
     let mut broker = Broker::bind(dir.socket(), config)?;
     dir.set_bound();
-    let mut env = vec![(SOCKET_ENV, dir.socket().as_os_str().to_owned())];
+    let mut env = vec![
+        (SOCKET_ENV, dir.socket().as_os_str().to_owned()),
+        (SLOT_ENV, slot_env_value(broker.top_slot()).into()),
+    ];
     // Scripts can call `"$HERDLESS" exec …` without herdless on PATH.
     if let Ok(me) = std::env::current_exe() {
         env.push(("HERDLESS", me.into_os_string()));
@@ -56,7 +88,8 @@ pub fn run(args: RunArgs) -> Result<u8> {
         .name("herdless-broker".into())
         .spawn(move || broker.run())
         .context("cannot start the broker thread")?;
-    let outcome = child::run_inheriting(&args.command, &env, inherit);
+    let halter = stopper.clone();
+    let outcome = child::run_inheriting(&args.command, &env, inherit, move || halter.halt());
     stopper.stop();
     let report = thread
         .join()
@@ -68,6 +101,52 @@ pub fn run(args: RunArgs) -> Result<u8> {
     }
     if report.lost != 0 {
         eprintln!("herdless: {} token(s) lost", report.lost);
+    }
+    Ok(child::end(outcome.exit()))
+}
+
+/// `herdless run` under another herdless broker: the command becomes a job
+/// runner of that pool, as a sub-make is of its make's. It takes one token
+/// from the outer pool for its command (borrowing the slot of the runner
+/// above when it is free, as `exec` does), exports the slot minted for it
+/// in `HERDLESS_SLOT`, and caps its own process subtree at `-j N` (the
+/// broker's `Cap`, which follows process ancestry: Linux only), so the
+/// outer `-j` bounds everything and its own `-j` bounds its subtree.
+fn run_joined(args: RunArgs, outer: &std::path::Path) -> Result<u8> {
+    let client = Client::connect_with(outer, Options::default().job_of_parent(true))
+        .with_context(|| format!("cannot join the herdless pool at {}", outer.display()))?;
+    let token = client
+        .acquire()
+        .context("cannot take a job token from the outer pool")?;
+    // The cap counts this process's own token and the job in its slot, one
+    // real job between them: N + 1 of them is N jobs.
+    let me = std::process::id();
+    let control = Client::control(outer).context("cannot reach the outer pool's controls")?;
+    control
+        .cap(me, Some(args.jobs.saturating_add(1)))
+        .context("cannot cap this subtree in the outer pool")?;
+    let mut env: Vec<(&str, std::ffi::OsString)> = client
+        .job_env()
+        .map(|(k, v)| (k, v.into()))
+        .into_iter()
+        .collect();
+    if let Ok(me) = std::env::current_exe() {
+        env.push(("HERDLESS", me.into_os_string()));
+    }
+    let outcome = child::run(&args.command, &env);
+    let uncapped = control.cap(me, None);
+    drop(token);
+    drop(client);
+    let outcome = outcome?;
+    if let Err(e) = uncapped {
+        eprintln!("herdless: cannot lift this subtree's cap: {e}");
+    }
+    if args.stats {
+        eprintln!(
+            "herdless: joined the pool at {}; -j {} capped this subtree",
+            outer.display(),
+            args.jobs
+        );
     }
     Ok(child::end(outcome.exit()))
 }
@@ -115,6 +194,10 @@ pub fn print_report(r: &Status) {
             r.reclaimed
         ),
         format!("tokens lost   {}", r.lost),
+        format!(
+            "stop          {} acquire(s) refused after it, {} token(s) held at shutdown",
+            r.refused_after_stop, r.held_at_shutdown
+        ),
     ];
     let classic = r.classic.as_ref().map(|c| {
         format!(

@@ -7,6 +7,7 @@ use std::path::Path;
 use anyhow::{anyhow, bail, Context, Result};
 
 use herdless::broker::{Broker, Config};
+use herdless::client::{slot_env_value, SLOT_ENV};
 use herdless::rundir::RunDir;
 
 use super::ServeArgs;
@@ -37,7 +38,7 @@ pub fn serve(args: ServeArgs) -> Result<u8> {
         };
         let broker =
             Broker::from_listener(listener, config).context("cannot serve on the passed socket")?;
-        print_export(&shown)?;
+        print_export(&shown, broker.top_slot())?;
         let report = broker.run()?;
         super::run::print_report(&report);
         return Ok(if report.lost == 0 {
@@ -53,7 +54,7 @@ pub fn serve(args: ServeArgs) -> Result<u8> {
     .context("cannot prepare the socket directory")?;
     let broker = Broker::bind(dir.socket(), config)?;
     dir.set_bound();
-    print_export(dir.socket())?;
+    print_export(dir.socket(), broker.top_slot())?;
     let report = broker.run()?;
     super::run::print_report(&report);
     drop(dir);
@@ -64,13 +65,15 @@ pub fn serve(args: ServeArgs) -> Result<u8> {
     })
 }
 
-/// The line a shell evaluates to reach this broker.
-fn print_export(socket: &Path) -> Result<()> {
+/// The line a shell evaluates to reach this broker: its socket, and the
+/// slot of the shell at the top (the N-th token of `-jN`).
+fn print_export(socket: &Path, top_slot: u64) -> Result<()> {
     let mut out = std::io::stdout().lock();
     writeln!(
         out,
-        "export HERDLESS_SOCKET={}",
-        shell_quote(&socket.to_string_lossy())
+        "export HERDLESS_SOCKET={} {SLOT_ENV}={}",
+        shell_quote(&socket.to_string_lossy()),
+        shell_quote(&slot_env_value(top_slot))
     )?;
     out.flush()?;
     Ok(())

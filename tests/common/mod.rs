@@ -60,6 +60,9 @@ impl Serve {
             .trim()
             .strip_prefix("export HERDLESS_SOCKET=")
             .unwrap_or_else(|| panic!("unexpected first line from serve: {line:?}"))
+            .split(' ')
+            .next()
+            .unwrap()
             .trim_matches('\'')
             .into();
         let mut err = child.stderr.take().unwrap();
@@ -275,7 +278,7 @@ pub fn helper_main() {
             version: herdless::protocol::PROTOCOL_VERSION,
             flags: herdless::protocol::HelloFlags::empty(),
             pid: std::process::id(),
-            ppid: 1,
+            slot: 0,
         }
         .encode(&mut hello);
         // The broker may refuse and close before the hello is written.

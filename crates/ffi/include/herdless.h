@@ -87,8 +87,12 @@ typedef struct herdless_broker herdless_broker;
  * exactly one of the callers. `herdless_client_free` must be the last
  * call on a handle, with no other call in progress.
  *
- * fork: a child must not use its parent's handle (the connection and its
- * tokens belong to the parent). The socket is close-on-exec.
+ * fork: the connection and its tokens belong to the process that opened
+ * the handle. In a fork every call on it fails with `-EPERM` and sends
+ * nothing (`herdless_aborted` says 0); `herdless_client_free` there frees
+ * the fork's copy only, giving nothing back. A broker on Linux takes the
+ * tokens back when the opening process dies, even while a fork keeps the
+ * socket open. The socket is close-on-exec.
  */
 typedef struct herdless_client herdless_client;
 
@@ -413,6 +417,26 @@ int herdless_aborted(const herdless_client *c);
  * or follows: after this call the pointer dangles.
  */
 void herdless_client_free(herdless_client *c);
+
+/**
+ * The variable a make puts into the environment of each job it starts,
+ * `HERDLESS_SLOT=…`: it names the slot the broker minted for this handle's
+ * own job, so that a `herdless exec` in one of the make's jobs runs in the
+ * make's slot (one such exec at a time; the others wait for shared
+ * tokens) instead of taking the slot of the runner above the make, which
+ * the make itself runs a job on. A make that sets `MAKELEVEL` for its jobs
+ * (GNU make and bmake do) needs it less: a changed `MAKELEVEL` already
+ * makes `exec` use its recipe's slot.
+ *
+ * Returns a NUL-terminated string owned by the handle, valid until
+ * `herdless_client_free`, or NULL for a NULL handle and on a classic
+ * jobserver (which has no broker to lend a slot).
+ *
+ * # Safety
+ *
+ * `c` is NULL or a live handle.
+ */
+const char *herdless_slot_env(const herdless_client *c);
 
 /**
  * A static, NUL-terminated English description of `code` (negative, as

@@ -69,13 +69,19 @@ const SUN_PATH_LEN: usize =
 /// exactly one of the callers. `herdless_client_free` must be the last
 /// call on a handle, with no other call in progress.
 ///
-/// fork: a child must not use its parent's handle (the connection and its
-/// tokens belong to the parent). The socket is close-on-exec.
+/// fork: the connection and its tokens belong to the process that opened
+/// the handle. In a fork every call on it fails with `-EPERM` and sends
+/// nothing (`herdless_aborted` says 0); `herdless_client_free` there frees
+/// the fork's copy only, giving nothing back. A broker on Linux takes the
+/// tokens back when the opening process dies, even while a fork keeps the
+/// socket open. The socket is close-on-exec.
 #[allow(non_camel_case_types)]
 pub struct herdless_client {
     client: Client,
     /// Tokens taken through this handle and not yet released.
     held: AtomicU32,
+    /// `HERDLESS_SLOT=…` for the make's jobs (see `herdless_slot_env`).
+    slot_env: Option<CString>,
 }
 
 impl herdless_client {
@@ -106,10 +112,14 @@ fn guard(f: impl FnOnce() -> c_int) -> c_int {
 fn into_handle(made: std::thread::Result<Result<Client, c_int>>) -> *mut herdless_client {
     let errno = match made {
         Ok(Ok(client)) => {
+            let slot_env = client
+                .job_env()
+                .and_then(|(k, v)| CString::new(format!("{k}={v}")).ok());
             return Box::into_raw(Box::new(herdless_client {
                 client,
                 held: AtomicU32::new(0),
-            }))
+                slot_env,
+            }));
         }
         Ok(Err(errno)) => errno,
         Err(_) => -PANICKED,
@@ -605,6 +615,31 @@ pub unsafe extern "C" fn herdless_client_free(c: *mut herdless_client) {
     }));
 }
 
+/// The variable a make puts into the environment of each job it starts,
+/// `HERDLESS_SLOT=…`: it names the slot the broker minted for this handle's
+/// own job, so that a `herdless exec` in one of the make's jobs runs in the
+/// make's slot (one such exec at a time; the others wait for shared
+/// tokens) instead of taking the slot of the runner above the make, which
+/// the make itself runs a job on. A make that sets `MAKELEVEL` for its jobs
+/// (GNU make and bmake do) needs it less: a changed `MAKELEVEL` already
+/// makes `exec` use its recipe's slot.
+///
+/// Returns a NUL-terminated string owned by the handle, valid until
+/// `herdless_client_free`, or NULL for a NULL handle and on a classic
+/// jobserver (which has no broker to lend a slot).
+///
+/// # Safety
+///
+/// `c` is NULL or a live handle.
+#[no_mangle]
+pub unsafe extern "C" fn herdless_slot_env(c: *const herdless_client) -> *const c_char {
+    // SAFETY: this function's contract is `handle`'s.
+    let Some(c) = (unsafe { handle(c) }) else {
+        return ptr::null();
+    };
+    c.slot_env.as_ref().map_or(ptr::null(), |s| s.as_ptr())
+}
+
 /// A static, NUL-terminated English description of `code` (negative, as
 /// the functions return it, or a positive `errno`). Never NULL; the
 /// string must not be freed. Safe from any thread.
@@ -629,6 +664,7 @@ fn describe(code: c_int) -> &'static CStr {
         libc::EBADF => c"the jobserver named in the environment is unusable",
         libc::ENAMETOOLONG => c"the socket path is too long for a Unix socket",
         libc::ENOTSUP => c"this jobserver cannot do that (an abort on a GNU make pipe)",
+        libc::EPERM => c"this handle was opened by another process (this one is a fork of it)",
         libc::EACCES => c"permission denied",
         libc::ENOTRECOVERABLE => c"internal error in herdless (a bug)",
         libc::EIO => c"input/output error",

@@ -43,6 +43,19 @@
 //!   Every figure here counts grants, never time: nothing in the bridge
 //!   sleeps or uses a timer.
 //!
+//! # Liveness
+//!
+//! While a native client waits, no token stays free, in the pool or unread
+//! in the pipe, for longer than a bounded number of broker events: a free
+//! pool token goes to the first waiter at once (the pool's own invariant),
+//! and the one offer in the pipe stays there only while some native client
+//! holds a token without waiting for another — so a broker event, its
+//! release, is still to come — and for at most one round of native grants.
+//! When no such native holder is left, the offer is taken back in the same
+//! event. What the classic side holds never keeps an offer in the pipe: a
+//! classic job may run for a long time, or its holder may have died with
+//! the token, and the classic protocol tells the broker neither.
+//!
 //! What the classic protocol cannot do: a classic client killed while
 //! holding tokens takes them with it (no connection to close), and every
 //! classic reader blocked on the pipe may be woken by each write (the herd
@@ -262,8 +275,7 @@ impl Bridge {
     pub fn attach(&mut self, pool: &mut Pool) {
         let id = pool.connect(ClientInfo {
             pid: std::process::id(),
-            ppid: 0,
-            job_of_parent: false,
+            borrows: None,
             observer: false,
             label: "classic",
             internal: true,
@@ -472,7 +484,7 @@ impl Bridge {
         let Some(id) = self.client else {
             return;
         };
-        if self.aborted.is_some() || pool.aborted().is_some() {
+        if self.aborted.is_some() || pool.aborted().is_some() || pool.stopped() {
             return;
         }
         // Fewer tokens in the pipe than put there: classic clients took some.
@@ -499,15 +511,17 @@ impl Bridge {
             return;
         }
         // Natives wait: keep at most the current offer in the pipe.
-        let classic_holding = tokens.saturating_sub(in_pipe);
         let keep = match &self.offer {
             Some(o) if in_pipe > 0 => {
                 let ignored = native_grants.saturating_sub(o.native_grants_at) >= o.patience;
-                // Nobody can give a token back without being granted one
-                // first (every native holder is itself waiting): keeping
-                // the offer would stall the natives for good.
-                let deadlock = pool.holders_not_waiting(id) == 0 && classic_holding == 0;
-                if ignored || deadlock {
+                // Liveness: the offer may wait for a classic reader only
+                // while some native client holds a token without waiting
+                // for another, so that its release, a broker event, is
+                // still to come. What the classic side holds never counts:
+                // the classic protocol cannot promise it comes back (a long
+                // job, or a holder that died with it).
+                let no_event_to_come = pool.holders_not_waiting(id) == 0;
+                if ignored || no_event_to_come {
                     // Nobody read it: back off before the next offer.
                     self.backoff = (self.backoff + 1).min(MAX_BACKOFF);
                     let round = round(pool, natives_waiting as u64);
@@ -551,6 +565,16 @@ impl Bridge {
                 "abort ({reason}): GNU make has no abort token; classic clients are not told"
             );
         }
+    }
+
+    /// The broker stopped granting: the tokens unread in the pipe come
+    /// back, so no classic client starts a job after the stop.
+    pub fn on_stop(&mut self, pool: &mut Pool, now: std::time::Duration) {
+        self.queued = false;
+        self.offer = None;
+        self.refresh();
+        let n = self.in_pipe();
+        self.take_back(pool, n, now);
     }
 
     fn write_stopper(&self, reason: AbortReason) {

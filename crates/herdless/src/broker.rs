@@ -36,7 +36,7 @@ use mio::{Events, Interest, Poll, Token, Waker};
 use crate::bridge::Bridge;
 use crate::log;
 use crate::log::Level;
-use crate::pool::{ClientId, ClientInfo, Effect, Pool};
+use crate::pool::{ClientId, ClientInfo, Effect, Pool, SlotKey};
 use crate::protocol::{
     FrameBuffer, HelloFlags, ProtocolError, Reply, Request, CONTROL_VERSION, MAX_REPLY_PAYLOAD,
     PROTOCOL_VERSION,
@@ -52,6 +52,9 @@ const SIGNALS: Token = Token(2);
 const CLASSIC_OFFERS: Token = Token(3);
 const CLASSIC_RETURNS: Token = Token(4);
 const FIRST_CONN: usize = 16;
+/// Set in the token of a connection's process-exit descriptor (its pidfd):
+/// the rest of the bits are the connection's own token.
+const EXIT_BIT: usize = 1 << (usize::BITS - 2);
 
 /// A client whose unsent replies pile up past this is not reading them;
 /// it is disconnected rather than allowed to grow the broker's memory.
@@ -92,16 +95,41 @@ impl Config {
 pub struct Stopper {
     waker: Arc<Waker>,
     flag: Arc<AtomicBool>,
+    halt: Arc<AtomicBool>,
 }
 
 impl Stopper {
     /// Asks the broker to shut down; `Broker::run` then returns its report.
+    /// No token is granted from the moment the broker sees the request.
     pub fn stop(&self) {
+        self.halt.store(true, Ordering::SeqCst);
         self.flag.store(true, Ordering::SeqCst);
+        self.wake();
+    }
+
+    /// Asks the broker to stop granting but keep serving: every waiting
+    /// client is told at once that no token will come (`herdless exec`
+    /// exits 125), later acquires are refused, tokens coming back are
+    /// counted. `herdless run` calls this when a stop signal arrives, while
+    /// its command may still be winding down.
+    pub fn halt(&self) {
+        self.halt.store(true, Ordering::SeqCst);
+        self.wake();
+    }
+
+    fn wake(&self) {
         if let Err(e) = self.waker.wake() {
             log!(Level::Error, "cannot wake the broker to stop it: {e}");
         }
     }
+}
+
+/// A fresh, unguessable slot id: 64 bits from the standard library's
+/// randomly keyed hasher (seeded by the OS), never 0.
+fn random_slot_id(counter: u64) -> u64 {
+    use std::hash::BuildHasher;
+    let id = std::collections::hash_map::RandomState::new().hash_one(counter);
+    id.max(1)
 }
 
 struct Conn {
@@ -116,8 +144,11 @@ struct Conn {
     watching_writes: bool,
     /// The protocol version agreed in the handshake.
     version: u16,
-    /// The parent pid the client gave in its hello.
-    ppid: u32,
+    /// Readable once the process that opened the connection has exited
+    /// (a pidfd, Linux): its tokens come back then, even if a fork of it
+    /// keeps the socket open. Held only while the connection holds tokens,
+    /// so the broker spends one more descriptor per holder, not per client.
+    exit_fd: Option<std::os::fd::OwnedFd>,
 }
 
 /// The broker. Build it with [`Broker::bind`], run it with [`Broker::run`].
@@ -132,6 +163,14 @@ pub struct Broker {
     epoch: Instant,
     waker: Arc<Waker>,
     stop: Arc<AtomicBool>,
+    halt: Arc<AtomicBool>,
+    /// The slot of the command at the top: the N-th token of `-jN`.
+    top_slot: u64,
+    minted: u64,
+    /// Connections told of the stop, closed once the effects are applied.
+    closing: Vec<Token>,
+    /// Connections granted a token whose process had already exited.
+    dead: Vec<Token>,
     signals: Option<(UnixStream, Vec<signal_hook::SigId>)>,
     reserve: Option<File>,
     uid: u32,
@@ -224,17 +263,25 @@ impl Broker {
             None
         };
         let controls = control::State::new(&config.admission);
+        let mut pool = Pool::new(config.jobs - 1);
+        let top_slot = random_slot_id(0);
+        pool.add_slot(SlotKey::Minted(top_slot), None, true);
         let mut broker = Broker {
             poll,
             listener,
             conns: HashMap::new(),
             by_client: HashMap::new(),
             next_token: FIRST_CONN,
-            pool: Pool::new(config.jobs - 1),
+            pool,
             config,
             epoch: Instant::now(),
             waker,
             stop: Arc::new(AtomicBool::new(false)),
+            halt: Arc::new(AtomicBool::new(false)),
+            top_slot,
+            minted: 1,
+            closing: Vec::new(),
+            dead: Vec::new(),
             signals,
             reserve: File::open("/dev/null").ok(),
             uid: nix::unistd::geteuid().as_raw(),
@@ -289,7 +336,44 @@ impl Broker {
         Stopper {
             waker: self.waker.clone(),
             flag: self.stop.clone(),
+            halt: self.halt.clone(),
         }
+    }
+
+    /// The id of the top command's slot: the N-th token of `-jN`. Whoever
+    /// starts the command at the top exports it as `HERDLESS_SLOT` (see
+    /// [`crate::client::slot_env_value`]); every job below that names it
+    /// may run in it, one at a time.
+    pub fn top_slot(&self) -> u64 {
+        self.top_slot
+    }
+
+    /// Mints a slot for `owner`'s own job, under a fresh unguessable id.
+    fn mint_slot(&mut self, owner: ClientId) -> u64 {
+        loop {
+            self.minted += 1;
+            let id = random_slot_id(self.minted);
+            if self.pool.add_slot(SlotKey::Minted(id), Some(owner), false) {
+                return id;
+            }
+            if !self.by_client.contains_key(&owner) && self.pool.held_by(owner).is_none() {
+                return 0;
+            }
+        }
+    }
+
+    /// Stops granting: waiters are told and closed, the classic pipe is
+    /// emptied of unread tokens, later acquires are refused.
+    fn stop_granting(&mut self) {
+        if !self.pool.stop() {
+            return;
+        }
+        log!(Level::Info, "stopping: no more tokens are granted");
+        let now = self.now();
+        if let Some(bridge) = self.bridge.as_mut() {
+            bridge.on_stop(&mut self.pool, now);
+        }
+        self.apply_effects();
     }
 
     /// Serves until stopped (by a [`Stopper`], or by SIGINT/SIGTERM when
@@ -298,6 +382,10 @@ impl Broker {
     pub fn run(mut self) -> io::Result<Status> {
         let mut events = Events::with_capacity(256);
         while !self.stop.load(Ordering::SeqCst) {
+            if self.halt.load(Ordering::SeqCst) {
+                self.stop_granting();
+                self.flush_dirty();
+            }
             // No timeout, except while waiters are held back only by a load
             // or memory limit: then one slow re-check (see control.rs).
             if let Err(e) = self.poll.poll(&mut events, self.admission_timeout()) {
@@ -310,6 +398,11 @@ impl Broker {
             self.check_admission(events.is_empty());
             self.flush_dirty();
             for event in events.iter() {
+                // A stop that came in during this batch (a signal, a
+                // stopper) takes effect before the next event is handled.
+                if self.halt.load(Ordering::SeqCst) && !self.pool.stopped() {
+                    self.stop_granting();
+                }
                 match event.token() {
                     LISTENER => self.accept_all(),
                     WAKER => {}
@@ -327,6 +420,9 @@ impl Broker {
                             bridge.on_returns(&mut self.pool, now);
                         }
                         self.apply_effects();
+                    }
+                    token if token.0 & EXIT_BIT != 0 => {
+                        self.process_exited(Token(token.0 & !EXIT_BIT));
                     }
                     token => self.conn_event(token, event.is_readable(), event.is_writable()),
                 }
@@ -352,6 +448,7 @@ impl Broker {
                 Ok(_) => {
                     log!(Level::Info, "signal received; shutting down");
                     self.stop.store(true, Ordering::SeqCst);
+                    self.halt.store(true, Ordering::SeqCst);
                 }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(_) => break,
@@ -453,13 +550,74 @@ impl Broker {
                 pid,
                 watching_writes: false,
                 version: PROTOCOL_VERSION,
-                ppid: 0,
+                exit_fd: None,
             },
         );
         // The client may have written its hello already; with
         // edge-triggered readiness the registration reports it, but reading
         // now saves a trip through the loop.
         self.conn_event(token, true, false);
+    }
+
+    /// The connection of `token` now holds a token: watch for the exit of
+    /// the process that opened it. Where the OS has no process descriptors
+    /// (the BSDs, macOS, Linux before 5.3), or none is left, the
+    /// connection's end is its socket's. A process already gone (a fork
+    /// kept the socket, and a queued grant just reached it) is closed.
+    fn watch_holder(&mut self, token: Token) {
+        use std::os::fd::AsRawFd;
+        let Some(conn) = self.conns.get_mut(&token) else {
+            return;
+        };
+        let (None, Some(pid)) = (&conn.exit_fd, conn.pid) else {
+            return;
+        };
+        match herdless_platform::process_exit_fd(pid) {
+            Ok(fd) => {
+                let registered = self.poll.registry().register(
+                    &mut mio::unix::SourceFd(&fd.as_raw_fd()),
+                    Token(token.0 | EXIT_BIT),
+                    Interest::READABLE,
+                );
+                if registered.is_ok() {
+                    conn.exit_fd = Some(fd);
+                }
+            }
+            Err(e) if e.raw_os_error() == Some(libc::ESRCH) => self.dead.push(token),
+            Err(_) => {}
+        }
+    }
+
+    /// The connection of `token` holds no token any more: stop watching
+    /// its process.
+    fn unwatch_holder(&mut self, token: Token) {
+        use std::os::fd::AsRawFd;
+        if let Some(fd) = self.conns.get_mut(&token).and_then(|c| c.exit_fd.take()) {
+            let _ = self
+                .poll
+                .registry()
+                .deregister(&mut mio::unix::SourceFd(&fd.as_raw_fd()));
+        }
+    }
+
+    /// The process that opened a connection has exited, while the socket
+    /// stays open (a fork of it inherited it): the connection is its, so
+    /// it closes now and its tokens come back.
+    fn process_exited(&mut self, token: Token) {
+        // What it wrote before it died comes first (a release, say); that
+        // read also closes a connection whose socket has ended.
+        self.conn_event(token, true, false);
+        let Some(conn) = self.conns.get(&token) else {
+            return;
+        };
+        log!(
+            Level::Info,
+            "the process (pid {}) of connection {} exited, and a fork of it keeps the \
+             socket open; closing the connection",
+            conn.pid.unwrap_or(0),
+            token.0
+        );
+        self.close(token, None);
     }
 
     fn conn_event(&mut self, token: Token, readable: bool, writable: bool) {
@@ -534,47 +692,71 @@ impl Broker {
                 version,
                 flags,
                 pid,
-                ppid,
+                slot,
             } = req
             else {
                 return Err(format!("expected a hello frame first, got {req}"));
             };
             if !(PROTOCOL_VERSION..=CONTROL_VERSION).contains(&version) {
                 return Err(format!(
-                    "unsupported protocol version {version} (broker speaks \
-                     {PROTOCOL_VERSION} to {CONTROL_VERSION})"
+                    "unsupported protocol version {version} (broker speaks {PROTOCOL_VERSION}); \
+                     versions before 3 named a job's parent by process id, which this broker \
+                     no longer trusts: use a herdless of the same version"
                 ));
             }
             conn.version = version;
-            conn.ppid = ppid;
+            let observer = flags.contains(HelloFlags::OBSERVER);
+            let borrows = match (
+                flags.contains(HelloFlags::JOB),
+                flags.contains(HelloFlags::RECIPE_JOB),
+            ) {
+                (true, true) => {
+                    return Err("hello flags JOB and RECIPE_JOB exclude each other".into())
+                }
+                // A job that names no runner is a job of the top.
+                (true, false) if slot == 0 => Some(SlotKey::Minted(self.top_slot)),
+                (true, false) => Some(SlotKey::Minted(slot)),
+                (false, true) => match u32::try_from(slot) {
+                    Ok(root) if root > 1 => Some(SlotKey::Recipe(root)),
+                    _ => return Err(format!("hello names recipe root {slot}, not a process id")),
+                },
+                (false, false) => None,
+            };
             let pid = *conn.pid.get_or_insert(pid);
             let info = ClientInfo {
                 pid,
-                ppid,
-                job_of_parent: flags.contains(HelloFlags::JOB_OF_PARENT),
-                observer: flags.contains(HelloFlags::OBSERVER),
-                label: if flags.contains(HelloFlags::OBSERVER) {
-                    "observer"
-                } else {
-                    "native"
-                },
+                borrows,
+                observer,
+                label: if observer { "observer" } else { "native" },
                 internal: false,
             };
             let id = self.pool.connect(info);
             conn.client = Some(id);
             self.by_client.insert(id, token);
-            self.note_ancestry(id, pid, ppid);
+            if borrows.is_some() && self.pool.borrows(id).is_none() {
+                log!(
+                    Level::Debug,
+                    "client {id} (pid {pid}) names a slot that is gone; it waits for shared tokens"
+                );
+            }
+            let own = if observer { 0 } else { self.mint_slot(id) };
+            self.note_ancestry(id, pid, 0);
             self.send(
                 token,
                 &Reply::Welcome {
                     version,
                     capacity: self.pool.capacity(),
                     client_id: id.0,
+                    slot: own,
                 },
             );
             log!(
                 Level::Debug,
-                "client {id} (pid {pid}, parent {ppid}) connected"
+                "client {id} (pid {pid}) connected{}",
+                match self.pool.borrows(id) {
+                    Some(key) => format!(", may borrow {key}"),
+                    None => String::new(),
+                }
             );
             self.apply_effects();
             return Ok(());
@@ -589,7 +771,7 @@ impl Broker {
             }
             Request::Acquire => self.pool.acquire(id, now),
             Request::TryAcquire => {
-                // Only when nobody queues ahead and no parent slot would
+                // Only when nobody queues ahead and no slot would
                 // serve: otherwise the token would go elsewhere and the
                 // classic side would just lose its offer.
                 if self.pool.free() == 0 && self.pool.waiting() == 0 && !self.pool.slot_free_for(id)
@@ -602,7 +784,13 @@ impl Broker {
                 self.pool.try_acquire(id)
             }
             Request::Cancel => self.pool.cancel(id),
-            Request::Release => self.pool.release(id, now),
+            Request::Release => {
+                let released = self.pool.release(id, now);
+                if self.pool.held_by(id) == Some(0) {
+                    self.unwatch_holder(token);
+                }
+                released
+            }
             Request::Abort { reason } => {
                 if self.pool.abort(reason) {
                     log!(Level::Info, "client {id} aborted the tree ({reason})");
@@ -637,12 +825,21 @@ impl Broker {
         loop {
             let effects = self.pool.take_effects();
             if effects.is_empty() {
-                return;
+                break;
             }
             for effect in effects {
                 self.apply(effect);
             }
             self.note_in_use();
+        }
+        // Clients told of the stop: their connections close now, after
+        // the loop above, so no token freed by one reaches another.
+        while let Some(token) = self.closing.pop() {
+            self.close_at_stop(token);
+        }
+        // Holders whose process is gone while a fork keeps the socket.
+        while let Some(token) = self.dead.pop() {
+            self.process_exited(token);
         }
     }
 
@@ -670,14 +867,32 @@ impl Broker {
                 bridge.on_abort(&mut self.pool, *reason, now);
                 return;
             }
-            (Effect::Denied { client } | Effect::Cancelled { client, .. }, _)
-                if Some(*client) == bridge_id =>
-            {
+            (
+                Effect::Denied { client }
+                | Effect::Cancelled { client, .. }
+                | Effect::Stopped { client },
+                _,
+            ) if Some(*client) == bridge_id => {
                 return;
             }
-            (Effect::Grant { waited, .. }, _) => {
+            (Effect::Stopped { client }, _) => {
+                if let Some(&token) = self.by_client.get(client) {
+                    self.send(
+                        token,
+                        &Reply::Error {
+                            message: crate::protocol::STOPPING_MESSAGE.into(),
+                        },
+                    );
+                    self.closing.push(token);
+                }
+                return;
+            }
+            (Effect::Grant { client, waited, .. }, _) => {
                 self.native_grants += 1;
                 self.native_wakeups += u64::from(*waited);
+                if let Some(&token) = self.by_client.get(client) {
+                    self.watch_holder(token);
+                }
             }
             _ => {}
         }
@@ -687,6 +902,7 @@ impl Broker {
                 Effect::Denied { client } => (client, Reply::Denied),
                 Effect::Cancelled { client, cancelled } => (client, Reply::Cancelled { cancelled }),
                 Effect::Aborted { client, reason } => (client, Reply::Aborted { reason }),
+                Effect::Stopped { .. } => unreachable!("handled above"),
             };
             if let Some(&token) = self.by_client.get(&client) {
                 self.send(token, &reply);
@@ -743,6 +959,17 @@ impl Broker {
     /// Closes a connection and returns its tokens to the pool. With a
     /// reason, the client is told why and the reason is logged.
     fn close(&mut self, token: Token, reason: Option<String>) {
+        self.close_as(token, reason, false);
+    }
+
+    /// Closes a connection the broker ends itself because it stops: the
+    /// tokens it held count as held at shutdown, not as taken back from a
+    /// client that died.
+    fn close_at_stop(&mut self, token: Token) {
+        self.close_as(token, None, true);
+    }
+
+    fn close_as(&mut self, token: Token, reason: Option<String>, at_stop: bool) {
         let Some(mut conn) = self.conns.remove(&token) else {
             return;
         };
@@ -762,10 +989,22 @@ impl Broker {
         // before the connection does, as far as the socket takes them.
         let _ = flush(&mut conn);
         let _ = self.poll.registry().deregister(&mut conn.stream);
+        if let Some(fd) = conn.exit_fd.take() {
+            use std::os::fd::AsRawFd;
+            let _ = self
+                .poll
+                .registry()
+                .deregister(&mut mio::unix::SourceFd(&fd.as_raw_fd()));
+        }
         if let Some(id) = conn.client {
             self.by_client.remove(&id);
-            let reclaimed = self.pool.disconnect(id, self.now());
-            if reclaimed > 0 {
+            let now = self.now();
+            let reclaimed = if at_stop {
+                self.pool.close_at_shutdown(id, now)
+            } else {
+                self.pool.disconnect(id, now)
+            };
+            if reclaimed > 0 && !at_stop {
                 log!(
                     Level::Info,
                     "{who} closed holding {reclaimed} token(s); taken back"
@@ -794,6 +1033,10 @@ impl Broker {
             cancelled: stats.cancelled,
             reclaimed: stats.reclaimed,
             connections: stats.connections,
+            stopped: self.pool.stopped(),
+            refused_after_stop: stats.refused_after_stop,
+            held_at_shutdown: stats.held_at_shutdown,
+            slots: self.pool.slot_count() as u32,
             max_in_use: self.max_in_use,
             wait_p50_us: ns_to_us(stats.wait_ns.quantile(0.5)),
             wait_p99_us: ns_to_us(stats.wait_ns.quantile(0.99)),
@@ -820,9 +1063,12 @@ impl Broker {
     /// Closes every connection, takes every token back and reports. `lost`
     /// counts shared tokens that are not free once nobody holds any.
     fn shut_down(mut self) -> Status {
+        // Stop first: no token freed by a closing connection may reach a
+        // waiter that is about to be closed too.
+        self.stop_granting();
         let tokens: Vec<Token> = self.conns.keys().copied().collect();
         for token in tokens {
-            self.close(token, None);
+            self.close_at_stop(token);
         }
         let now = self.now();
         let mut classic = None;

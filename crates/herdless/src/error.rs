@@ -38,6 +38,10 @@ pub enum ErrorKind {
     Unsupported,
     /// Another I/O error.
     Io,
+    /// The handle was opened by another process (this one is a fork of
+    /// it): the connection and its tokens belong to that process, so this
+    /// one may not use them. It must open a handle of its own.
+    Forked,
 }
 
 /// An error from the herdless client. Messages are lowercase and name the
@@ -90,6 +94,7 @@ impl Error {
             ErrorKind::NotHolding => libc::EINVAL,
             ErrorKind::BadJobserver => libc::EBADF,
             ErrorKind::Unsupported => libc::ENOTSUP,
+            ErrorKind::Forked => libc::EPERM,
             ErrorKind::Io => self
                 .source
                 .as_ref()

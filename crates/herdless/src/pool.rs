@@ -11,12 +11,22 @@
 //! # Tokens
 //!
 //! - **Pool tokens**: the shared `capacity` (N − 1 for `-jN`, the N-th being
-//!   the implicit token of the process at the top of the tree).
-//! - **Parent slots**: every process owns one implicit token that never goes
-//!   to the broker. A client that says it is a *job of its parent* (what
-//!   `herdless exec` is) may run in its parent's implicit slot when no
-//!   sibling holds it; slots are counted apart from the pool, one per parent
-//!   process id, so nested jobs progress with zero spare tokens.
+//!   the implicit token of the command at the top of the tree).
+//! - **Slots**: every job runner (the command at the top, each job that runs
+//!   jobs of its own, each make recipe) owns one implicit token, which never
+//!   goes to the broker. The broker keeps one [`Slot`] per runner, named by
+//!   a [`SlotKey`] that is handed down to the runner's subtree, never
+//!   guessed from process ids. A client that names a slot when it connects
+//!   (what `herdless exec` does) may run in it when nobody else holds it:
+//!   the slot is lent to at most one borrower at a time, however many
+//!   processes lie between the runner and its jobs. Slots are counted apart
+//!   from the pool, so nested jobs progress with zero spare tokens.
+//!
+//! # Stopping
+//!
+//! [`Pool::stop`] ends the pool's service: every waiter is told
+//! ([`Effect::Stopped`]) and no token is granted after it, so closing the
+//! connections one by one cannot hand a freed token to the next waiter.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::fmt;
@@ -38,16 +48,36 @@ impl fmt::Display for ClientId {
     }
 }
 
+/// The name of a slot: the implicit token of one job runner.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum SlotKey {
+    /// A slot the broker minted for a job runner (the command of `run`, of
+    /// `serve`'s shell, of each `exec`), named by an unguessable id that the
+    /// runner's subtree inherits in `HERDLESS_SLOT`.
+    Minted(u64),
+    /// The slot of a make recipe, named by the process id of the recipe's
+    /// root (the process its make started); made when the first of its
+    /// jobs connects, gone when the last one leaves.
+    Recipe(u32),
+}
+
+impl fmt::Display for SlotKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            SlotKey::Minted(id) => write!(f, "slot {id:016x}"),
+            SlotKey::Recipe(pid) => write!(f, "recipe slot of pid {pid}"),
+        }
+    }
+}
+
 /// What a client says about itself when it connects.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ClientInfo {
     /// Process id of the client (from the kernel where it offers one).
     pub pid: u32,
-    /// Process id of the client's parent.
-    pub ppid: u32,
-    /// The client is a job of its parent process and may run in the
-    /// parent's implicit slot.
-    pub job_of_parent: bool,
+    /// The slot this client may borrow: the implicit token of the job runner
+    /// it is a job of. `None` for a client that is no one's job.
+    pub borrows: Option<SlotKey>,
     /// The client only asks for status; it never holds or waits for tokens.
     pub observer: bool,
     /// A short label for status output (`"native"`, `"classic"`).
@@ -62,8 +92,8 @@ pub struct ClientInfo {
 pub enum Source {
     /// One of the shared tokens.
     Pool,
-    /// The implicit token of the client's parent process.
-    ParentSlot,
+    /// The implicit token of the slot the client borrows.
+    Slot,
 }
 
 /// What the broker must do after a call into the pool.
@@ -74,9 +104,9 @@ pub enum Effect {
     Grant {
         /// Who gets the token.
         client: ClientId,
-        /// Where the token comes from.
+        /// Which kind of token it is.
         source: Source,
-        /// Whether the client had been queued.
+        /// Whether the client had been waiting for it.
         waited: bool,
     },
     /// Answer a try-acquire: no token is free.
@@ -88,16 +118,21 @@ pub enum Effect {
     Cancelled {
         /// Who asked.
         client: ClientId,
-        /// True when an acquire was waiting and is withdrawn; false when
-        /// none was (its grant, if any, is already on its way).
+        /// Whether an acquire was pending.
         cancelled: bool,
     },
     /// Tell `client` that the tree is aborting.
     Aborted {
         /// Who is told.
         client: ClientId,
-        /// Why the tree stops: an error or an interrupt.
+        /// Why the tree aborts.
         reason: AbortReason,
+    },
+    /// Tell `client`, which waits or asks for a token, that the pool has
+    /// stopped: no token will come.
+    Stopped {
+        /// Who is told.
+        client: ClientId,
     },
 }
 
@@ -105,13 +140,13 @@ pub enum Effect {
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum PoolError {
-    /// The client is not (or no longer) connected.
+    /// The client id is not (or no longer) connected.
     #[error("client {0} is not connected")]
     UnknownClient(ClientId),
-    /// A release without a token held.
+    /// A release with nothing held.
     #[error("client {0} released a token it does not hold")]
     NotHolding(ClientId),
-    /// An acquire, try-acquire or release from a status-only client.
+    /// An observer asked for a token.
     #[error("client {0} is an observer and cannot take tokens")]
     Observer(ClientId),
 }
@@ -122,6 +157,34 @@ struct ClientState {
     pool_held: u32,
     slot_held: bool,
     waiting: u32,
+    /// Slots minted for this client's own job (its command's subtree).
+    owns: Vec<SlotKey>,
+}
+
+/// One job runner's implicit token.
+#[derive(Clone, Debug)]
+struct Slot {
+    /// The client whose job this slot is (an `exec`); `None` for the
+    /// command at the top and for make recipes.
+    owner: Option<ClientId>,
+    /// The one client the slot is lent to, if any.
+    borrower: Option<ClientId>,
+    /// Lending it puts one more token to work: true for the top's implicit
+    /// token (the N-th), false for a slot whose runner already runs on a
+    /// token counted elsewhere (an `exec`'s, a recipe's).
+    counts: bool,
+    /// Connected clients that name this slot.
+    users: u32,
+    /// Removed once nobody names it any more (recipe slots).
+    ephemeral: bool,
+    /// Its owner left: removed once its borrower gives it back.
+    orphaned: bool,
+}
+
+impl Slot {
+    fn removable(&self) -> bool {
+        self.borrower.is_none() && (self.orphaned || (self.ephemeral && self.users == 0))
+    }
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -133,7 +196,7 @@ struct Waiter {
 /// Statistics kept by the pool; times are those the broker passed in.
 #[derive(Clone, Debug, Default)]
 pub struct Stats {
-    /// Tokens granted (pool and parent slots).
+    /// Tokens granted (pool and slots).
     pub grants: u64,
     /// Grants answered at once, without waiting.
     pub immediate: u64,
@@ -141,7 +204,7 @@ pub struct Stats {
     pub waits: u64,
     /// Grants that woke a waiting client: one message to one process each.
     pub wakeups: u64,
-    /// Grants that came from a parent's implicit slot.
+    /// Grants that lent a slot.
     pub slot_grants: u64,
     /// Try-acquires answered "no token free".
     pub denied: u64,
@@ -149,9 +212,15 @@ pub struct Stats {
     pub cancelled: u64,
     /// Tokens taken back from clients that disconnected holding them.
     pub reclaimed: u64,
+    /// Acquires refused because the pool had stopped (the waiters told at
+    /// the stop, and those that asked after it).
+    pub refused_after_stop: u64,
+    /// Tokens still held by clients when the pool's owner closed them at
+    /// shutdown (not counted as reclaimed: those clients did not die).
+    pub held_at_shutdown: u64,
     /// Clients that connected.
     pub connections: u64,
-    /// The most tokens (pool and parent slots) in use at once.
+    /// The most tokens (pool and the top's implicit token) in use at once.
     pub max_in_use: u32,
     /// How long granted waiters waited, in nanoseconds.
     pub wait_ns: Histogram,
@@ -164,9 +233,9 @@ pub struct Holding {
     pub client: ClientId,
     /// Its process id.
     pub pid: u32,
-    /// Its kind, as `status` shows it.
+    /// Its label (`native`, `classic`).
     pub label: &'static str,
-    /// Tokens it holds, a borrowed parent slot included.
+    /// Tokens it holds, a borrowed slot included.
     pub held: u32,
     /// Acquires it has waiting.
     pub waiting: u32,
@@ -179,8 +248,9 @@ pub struct Pool {
     free: u32,
     clients: BTreeMap<ClientId, ClientState>,
     queue: VecDeque<Waiter>,
-    slots: HashMap<u32, ClientId>,
+    slots: HashMap<SlotKey, Slot>,
     aborted: Option<AbortReason>,
+    stopped: bool,
     next_id: u64,
     stats: Stats,
     effects: Vec<Effect>,
@@ -197,6 +267,7 @@ impl Pool {
             queue: VecDeque::new(),
             slots: HashMap::new(),
             aborted: None,
+            stopped: false,
             next_id: 1,
             stats: Stats::default(),
             effects: Vec::new(),
@@ -219,9 +290,23 @@ impl Pool {
         self.queue.len()
     }
 
-    /// Parent slots currently lent to a job.
+    /// Slots lent now whose token counts as one more in use (the top's
+    /// implicit token).
     pub fn slots_in_use(&self) -> usize {
+        self.slots
+            .values()
+            .filter(|s| s.counts && s.borrower.is_some())
+            .count()
+    }
+
+    /// Slots the pool knows, lent or not.
+    pub fn slot_count(&self) -> usize {
         self.slots.len()
+    }
+
+    /// Whether a slot of this key exists.
+    pub fn has_slot(&self, key: SlotKey) -> bool {
+        self.slots.contains_key(&key)
     }
 
     /// The abort posted to the tree, if any.
@@ -229,12 +314,17 @@ impl Pool {
         self.aborted
     }
 
+    /// Whether [`Pool::stop`] was called.
+    pub fn stopped(&self) -> bool {
+        self.stopped
+    }
+
     /// Statistics so far.
     pub fn stats(&self) -> &Stats {
         &self.stats
     }
 
-    /// Shared tokens held by `client`, plus one if it holds a parent slot.
+    /// Shared tokens held by `client`, plus one if it holds a slot.
     pub fn held_by(&self, client: ClientId) -> Option<u32> {
         self.clients
             .get(&client)
@@ -246,11 +336,19 @@ impl Pool {
         self.clients.get(&client).map_or(0, |c| c.waiting)
     }
 
-    /// Whether `client` would be granted its parent's implicit slot now.
+    /// Whether `client` would be lent its slot now.
     pub fn slot_free_for(&self, client: ClientId) -> bool {
-        self.clients.get(&client).is_some_and(|c| {
-            c.info.job_of_parent && !c.slot_held && !self.slots.contains_key(&c.info.ppid)
-        })
+        self.clients
+            .get(&client)
+            .is_some_and(|c| self.may_borrow(c))
+    }
+
+    fn may_borrow(&self, c: &ClientState) -> bool {
+        !c.slot_held
+            && c.info
+                .borrows
+                .and_then(|k| self.slots.get(&k))
+                .is_some_and(|s| s.borrower.is_none())
     }
 
     /// Clients other than `except` that hold shared tokens and are not
@@ -291,12 +389,64 @@ impl Pool {
         std::mem::take(&mut self.effects)
     }
 
-    /// Registers a client. If the tree has already aborted, the client is
+    /// Adds a slot: the implicit token of a job runner. `owner` is the
+    /// client whose job the runner is (its slot goes when it does); `None`
+    /// for the command at the top, whose token is the N-th of `-jN` and so
+    /// `counts` as one more token in use when lent. Returns false, changing
+    /// nothing, when the key is taken or the owner is not connected.
+    pub fn add_slot(&mut self, key: SlotKey, owner: Option<ClientId>, counts: bool) -> bool {
+        if self.slots.contains_key(&key) {
+            return false;
+        }
+        if let Some(owner) = owner {
+            let Some(c) = self.clients.get_mut(&owner) else {
+                return false;
+            };
+            c.owns.push(key);
+        }
+        self.slots.insert(
+            key,
+            Slot {
+                owner,
+                borrower: None,
+                counts,
+                users: 0,
+                ephemeral: false,
+                orphaned: false,
+            },
+        );
+        true
+    }
+
+    /// Registers a client. A recipe slot it names is made if it is new; a
+    /// minted slot it names must exist (otherwise the client borrows none).
+    /// If the tree has already aborted or the pool stopped, the client is
     /// told at once.
-    pub fn connect(&mut self, info: ClientInfo) -> ClientId {
+    pub fn connect(&mut self, mut info: ClientInfo) -> ClientId {
         let id = ClientId(self.next_id);
         self.next_id += 1;
         self.stats.connections += 1;
+        if info.observer {
+            info.borrows = None;
+        }
+        match info.borrows {
+            Some(key @ SlotKey::Recipe(_)) => {
+                let slot = self.slots.entry(key).or_insert(Slot {
+                    owner: None,
+                    borrower: None,
+                    counts: false,
+                    users: 0,
+                    ephemeral: true,
+                    orphaned: false,
+                });
+                slot.users += 1;
+            }
+            Some(key @ SlotKey::Minted(_)) => match self.slots.get_mut(&key) {
+                Some(slot) if !slot.orphaned => slot.users += 1,
+                _ => info.borrows = None,
+            },
+            None => {}
+        }
         let observer = info.observer;
         self.clients.insert(
             id,
@@ -305,6 +455,7 @@ impl Pool {
                 pool_held: 0,
                 slot_held: false,
                 waiting: 0,
+                owns: Vec::new(),
             },
         );
         if let (Some(reason), false) = (self.aborted, observer) {
@@ -313,12 +464,17 @@ impl Pool {
         id
     }
 
+    /// The slot a client names, if it exists.
+    pub fn borrows(&self, id: ClientId) -> Option<SlotKey> {
+        self.clients.get(&id).and_then(|c| c.info.borrows)
+    }
+
     /// Asks for one token: granted at once when one is free, otherwise the
-    /// client waits in FIFO order. After an abort the answer is `Aborted`.
+    /// client waits in FIFO order. After an abort the answer is `Aborted`,
+    /// after a stop `Stopped`.
     pub fn acquire(&mut self, id: ClientId, now: Duration) -> Result<(), PoolError> {
         self.check_taker(id)?;
-        if let Some(reason) = self.aborted {
-            self.effects.push(Effect::Aborted { client: id, reason });
+        if self.refuse(id) {
             return Ok(());
         }
         if !self.grant_now(id) {
@@ -335,8 +491,7 @@ impl Pool {
     /// Asks for one token without waiting: a grant or a denial.
     pub fn try_acquire(&mut self, id: ClientId) -> Result<(), PoolError> {
         self.check_taker(id)?;
-        if let Some(reason) = self.aborted {
-            self.effects.push(Effect::Aborted { client: id, reason });
+        if self.refuse(id) {
             return Ok(());
         }
         if !self.grant_now(id) {
@@ -344,6 +499,20 @@ impl Pool {
             self.effects.push(Effect::Denied { client: id });
         }
         Ok(())
+    }
+
+    /// After an abort or a stop, answers an acquire at once.
+    fn refuse(&mut self, id: ClientId) -> bool {
+        if let Some(reason) = self.aborted {
+            self.effects.push(Effect::Aborted { client: id, reason });
+            return true;
+        }
+        if self.stopped {
+            self.stats.refused_after_stop += 1;
+            self.effects.push(Effect::Stopped { client: id });
+            return true;
+        }
+        false
     }
 
     /// Withdraws the client's most recent pending acquire, if it has one.
@@ -368,8 +537,8 @@ impl Pool {
     }
 
     /// Gives back one token held by the client: a shared token if it holds
-    /// one, otherwise its parent slot. The token goes to the first waiter
-    /// that may take it.
+    /// one, otherwise its slot. The token goes to the first waiter that may
+    /// take it.
     pub fn release(&mut self, id: ClientId, now: Duration) -> Result<(), PoolError> {
         let client = self.client_mut(id)?;
         if client.pool_held > 0 {
@@ -380,11 +549,10 @@ impl Pool {
             self.dispatch_pool(now);
         } else if client.slot_held {
             client.slot_held = false;
-            let ppid = client.info.ppid;
-            self.slots.remove(&ppid);
-            self.dispatch_slot(ppid, now);
-            // A cap counts parent slots: one given back may let a capped
-            // waiter take a free shared token.
+            let key = client.info.borrows.expect("a slot holder names its slot");
+            self.give_back_slot(key, now);
+            // A cap counts slots: one given back may let a capped waiter
+            // take a free shared token.
             self.dispatch_pool(now);
         } else {
             return Err(PoolError::NotHolding(id));
@@ -392,10 +560,39 @@ impl Pool {
         Ok(())
     }
 
+    /// The borrower of `key` gave it back (or left): lend it to the next
+    /// waiter that names it, or remove it if it is done with.
+    fn give_back_slot(&mut self, key: SlotKey, now: Duration) {
+        let Some(slot) = self.slots.get_mut(&key) else {
+            return;
+        };
+        slot.borrower = None;
+        if slot.removable() {
+            self.slots.remove(&key);
+        } else {
+            self.dispatch_slot(key, now);
+        }
+    }
+
     /// Removes a client however its connection ended: its pending acquires
     /// are dropped and every token it held returns to the pool. Returns the
-    /// number of tokens reclaimed.
+    /// number of tokens reclaimed (counted in [`Stats::reclaimed`]).
     pub fn disconnect(&mut self, id: ClientId, now: Duration) -> u32 {
+        let reclaimed = self.remove_client(id, now);
+        self.stats.reclaimed += u64::from(reclaimed);
+        reclaimed
+    }
+
+    /// Removes a client that the pool's owner closes at shutdown, after
+    /// [`Pool::stop`]: like [`Pool::disconnect`], but the tokens it held
+    /// count as held at shutdown, not as taken back from a dead client.
+    pub fn close_at_shutdown(&mut self, id: ClientId, now: Duration) -> u32 {
+        let held = self.remove_client(id, now);
+        self.stats.held_at_shutdown += u64::from(held);
+        held
+    }
+
+    fn remove_client(&mut self, id: ClientId, now: Duration) -> u32 {
         let Some(client) = self.clients.remove(&id) else {
             return 0;
         };
@@ -413,12 +610,27 @@ impl Pool {
                 self.free += 1;
             }
         }
-        if client.slot_held {
-            reclaimed += 1;
-            self.slots.remove(&client.info.ppid);
-            self.dispatch_slot(client.info.ppid, now);
+        // Its own job's slots go with it; one still lent goes when it is
+        // given back.
+        for key in &client.owns {
+            if let Some(slot) = self.slots.get_mut(key) {
+                slot.orphaned = true;
+                if slot.removable() {
+                    self.slots.remove(key);
+                }
+            }
         }
-        self.stats.reclaimed += u64::from(reclaimed);
+        if let Some(key) = client.info.borrows {
+            if let Some(slot) = self.slots.get_mut(&key) {
+                slot.users = slot.users.saturating_sub(1);
+            }
+            if client.slot_held {
+                reclaimed += 1;
+                self.give_back_slot(key, now);
+            } else if self.slots.get(&key).is_some_and(Slot::removable) {
+                self.slots.remove(&key);
+            }
+        }
         self.dispatch_pool(now);
         reclaimed
     }
@@ -441,6 +653,32 @@ impl Pool {
         true
     }
 
+    /// Stops the pool: every waiting client is told (one `Stopped` each),
+    /// the queue empties, and no token is granted from now on; later
+    /// acquires are answered `Stopped`. Releases and disconnects still
+    /// count, so the statistics stay true. Returns false when already
+    /// stopped.
+    pub fn stop(&mut self) -> bool {
+        if self.stopped {
+            return false;
+        }
+        self.stopped = true;
+        let mut told = Vec::new();
+        for w in self.queue.drain(..) {
+            if !told.contains(&w.client) {
+                told.push(w.client);
+            }
+        }
+        for client in told {
+            if let Some(c) = self.clients.get_mut(&client) {
+                self.stats.refused_after_stop += u64::from(c.waiting);
+                c.waiting = 0;
+            }
+            self.effects.push(Effect::Stopped { client });
+        }
+        true
+    }
+
     fn check_taker(&self, id: ClientId) -> Result<(), PoolError> {
         match self.clients.get(&id) {
             None => Err(PoolError::UnknownClient(id)),
@@ -455,13 +693,11 @@ impl Pool {
             .ok_or(PoolError::UnknownClient(id))
     }
 
-    /// Grants at once if the client's parent slot or a shared token is free
-    /// (and no earlier waiter is owed the shared token).
+    /// Grants at once if the client's slot or a shared token is free (and
+    /// no earlier waiter is owed the shared token).
     fn grant_now(&mut self, id: ClientId) -> bool {
-        let client = &self.clients[&id];
-        let ppid = client.info.ppid;
-        if client.info.job_of_parent && !client.slot_held && !self.slots.contains_key(&ppid) {
-            self.give(id, Source::ParentSlot, false);
+        if self.may_borrow(&self.clients[&id]) {
+            self.give(id, Source::Slot, false);
             return true;
         }
         // A free shared token with a waiter queued that may take it cannot
@@ -482,9 +718,13 @@ impl Pool {
                 self.free -= 1;
                 client.pool_held += 1;
             }
-            Source::ParentSlot => {
+            Source::Slot => {
                 client.slot_held = true;
-                self.slots.insert(client.info.ppid, id);
+                let key = client.info.borrows.expect("a borrower names its slot");
+                self.slots
+                    .get_mut(&key)
+                    .expect("a lent slot exists")
+                    .borrower = Some(id);
                 self.stats.slot_grants += 1;
             }
         }
@@ -494,7 +734,7 @@ impl Pool {
         } else {
             self.stats.immediate += 1;
         }
-        let in_use = self.shared_in_use() + self.slots.len() as u32;
+        let in_use = self.shared_in_use() + self.slots_in_use() as u32;
         self.stats.max_in_use = self.stats.max_in_use.max(in_use);
         self.effects.push(Effect::Grant {
             client: id,
@@ -517,7 +757,7 @@ impl Pool {
     }
 
     fn dispatch_pool(&mut self, now: Duration) {
-        if self.aborted.is_some() {
+        if self.aborted.is_some() || self.stopped {
             return;
         }
         while self.free > 0 {
@@ -529,17 +769,20 @@ impl Pool {
         }
     }
 
-    fn dispatch_slot(&mut self, ppid: u32, now: Duration) {
-        if self.aborted.is_some() || self.slots.contains_key(&ppid) {
+    fn dispatch_slot(&mut self, key: SlotKey, now: Duration) {
+        if self.aborted.is_some() || self.stopped {
+            return;
+        }
+        if !self.slots.get(&key).is_some_and(|s| s.borrower.is_none()) {
             return;
         }
         let pos = self.queue.iter().position(|w| {
             let c = &self.clients[&w.client];
-            c.info.job_of_parent && c.info.ppid == ppid && !c.slot_held
+            c.info.borrows == Some(key) && !c.slot_held
         });
         if let Some(pos) = pos {
             let id = self.dequeue_at(pos, now);
-            self.give(id, Source::ParentSlot, true);
+            self.give(id, Source::Slot, true);
         }
     }
 
@@ -572,26 +815,55 @@ impl Pool {
         }
         for w in &self.queue {
             let c = &self.clients[&w.client];
-            if c.info.job_of_parent && !c.slot_held && !self.slots.contains_key(&c.info.ppid) {
+            if self.may_borrow(c) {
                 return Err(format!(
-                    "{} waits while its parent's slot {} is free",
-                    w.client, c.info.ppid
+                    "{} waits while its {} is free",
+                    w.client,
+                    c.info.borrows.expect("a borrower names its slot")
                 ));
             }
         }
-        // 5. One job per parent slot, and slot holders agree with the map.
-        for (&ppid, &holder) in &self.slots {
-            let c = self
+        // 5. One borrower per slot, and borrowers agree with the slots.
+        for (key, slot) in &self.slots {
+            if let Some(holder) = slot.borrower {
+                let c = self
+                    .clients
+                    .get(&holder)
+                    .ok_or_else(|| format!("{key} lent to a gone client"))?;
+                if !c.slot_held || c.info.borrows != Some(*key) {
+                    return Err(format!("{key} disagrees with its borrower {holder}"));
+                }
+            }
+            if let Some(owner) = slot.owner {
+                if !slot.orphaned && !self.clients.contains_key(&owner) {
+                    return Err(format!("{key} outlived its owner {owner}"));
+                }
+            }
+            if slot.removable() {
+                return Err(format!("{key} should have been removed"));
+            }
+            let users = self
                 .clients
-                .get(&holder)
-                .ok_or_else(|| format!("slot {ppid} held by a gone client"))?;
-            if !c.slot_held || c.info.ppid != ppid {
-                return Err(format!("slot {ppid} map disagrees with {holder}"));
+                .values()
+                .filter(|c| c.info.borrows == Some(*key))
+                .count();
+            if users != slot.users as usize {
+                return Err(format!(
+                    "{key} counts {} users, {users} name it",
+                    slot.users
+                ));
             }
         }
-        let slot_holders = self.clients.values().filter(|c| c.slot_held).count();
-        if slot_holders != self.slots.len() {
-            return Err("a client holds a slot the map does not know".into());
+        for (id, c) in &self.clients {
+            if c.slot_held {
+                let key = c
+                    .info
+                    .borrows
+                    .ok_or(format!("{id} holds a slot it never named"))?;
+                if self.slots.get(&key).and_then(|s| s.borrower) != Some(*id) {
+                    return Err(format!("{id} holds {key}, which is not lent to it"));
+                }
+            }
         }
         // Waiting counters agree with the queue.
         for (&id, c) in &self.clients {
@@ -605,6 +877,10 @@ impl Pool {
         }
         if self.aborted.is_some() && !self.queue.is_empty() {
             return Err("waiters queued after an abort".into());
+        }
+        // 10. A stop is a stop.
+        if self.stopped && !self.queue.is_empty() {
+            return Err("waiters queued after the stop".into());
         }
         Ok(())
     }

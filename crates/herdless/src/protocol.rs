@@ -23,14 +23,22 @@ use bitflags::bitflags;
 /// The protocol version this module speaks, sent in [`Request::Hello`] and
 /// [`Reply::Welcome`].
 ///
-/// Clients that only take tokens speak version 1, which every broker
-/// speaks; [`CONTROL_VERSION`] is needed only to change a running pool.
-pub const PROTOCOL_VERSION: u16 = 1;
+/// Version 3 names the slot a job may borrow (`HERDLESS_SLOT`) in `Hello`
+/// and the slot minted for the client's own job in `Welcome`. Versions 1
+/// and 2 named the client's parent by process id, which the broker no
+/// longer trusts; their `Hello` is decoded only to be refused by version.
+pub const PROTOCOL_VERSION: u16 = 3;
 
-/// The version that adds [`Request::Control`] and [`Reply::Controlled`].
-/// A broker speaks every version from [`PROTOCOL_VERSION`] to this one and
-/// answers `Welcome` with the version the client asked for.
-pub const CONTROL_VERSION: u16 = 2;
+/// The lowest version with [`Request::Control`] and [`Reply::Controlled`]
+/// (they came with version 2). A broker speaks every version from
+/// [`PROTOCOL_VERSION`] to this one and answers `Welcome` with the version
+/// the client asked for; today that is version 3 alone.
+pub const CONTROL_VERSION: u16 = 3;
+
+/// The message of the `Error` a broker sends, before it closes the
+/// connection, to a client that waits or asks for a token after the broker
+/// stopped granting. A client reports it as the broker going away.
+pub const STOPPING_MESSAGE: &str = "the broker is shutting down: no more job tokens are granted";
 
 /// The first four payload bytes of [`Request::Hello`].
 pub const MAGIC: [u8; 4] = *b"HRDL";
@@ -88,10 +96,13 @@ pub mod kind {
     pub const CONTROLLED: u8 = 0x88;
 }
 
-/// Payload length of `Hello`: magic, version, flags, pid, ppid.
-const HELLO_LEN: usize = 4 + 2 + 1 + 4 + 4;
-/// Payload length of `Welcome`: version, capacity, client id.
-const WELCOME_LEN: usize = 2 + 4 + 8;
+/// Payload length of `Hello`: magic, version, flags, pid, slot.
+const HELLO_LEN: usize = 4 + 2 + 1 + 4 + 8;
+/// Payload length of a version 1 or 2 `Hello` (magic, version, flags, pid,
+/// ppid): decoded only so that the broker can refuse it by its version.
+const HELLO_OLD_LEN: usize = 4 + 2 + 1 + 4 + 4;
+/// Payload length of `Welcome`: version, capacity, client id, slot.
+const WELCOME_LEN: usize = 2 + 4 + 8 + 8;
 /// `Control`: op, pid, value.
 const CONTROL_LEN: usize = 1 + 4 + 4;
 
@@ -102,11 +113,16 @@ bitflags! {
     /// ([`ProtocolError::UnknownFlags`]).
     #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
     pub struct HelloFlags: u8 {
-        /// The client is a job of its parent process and may be granted the
-        /// parent's implicit token when no sibling holds it.
-        const JOB_OF_PARENT = 0x01;
+        /// The client is a job of the runner whose slot the `slot` field
+        /// names (an id from `HERDLESS_SLOT`), and may be lent that slot's
+        /// implicit token when no other job holds it.
+        const JOB = 0x01;
         /// The client only asks for status and never holds tokens.
         const OBSERVER = 0x02;
+        /// The client is a job of a make recipe: the `slot` field holds the
+        /// process id of the recipe's root process, whose slot all the
+        /// recipe's jobs share.
+        const RECIPE_JOB = 0x04;
     }
 }
 
@@ -163,8 +179,11 @@ pub enum Request {
         flags: HelloFlags,
         /// The client's process id.
         pid: u32,
-        /// The client's parent process id.
-        ppid: u32,
+        /// The slot the client may borrow: a minted id with
+        /// [`HelloFlags::JOB`], a recipe root's pid with
+        /// [`HelloFlags::RECIPE_JOB`], otherwise 0. A version 1 `Hello`
+        /// decodes with 0 here.
+        slot: u64,
     },
     /// Wait in the FIFO queue for one token; answered by one `Grant`.
     Acquire,
@@ -220,6 +239,9 @@ pub enum Reply {
         capacity: u32,
         /// This connection's id, unique for the broker's lifetime.
         client_id: u64,
+        /// The slot minted for this client's own job: a job runner exports
+        /// it to its command as `HERDLESS_SLOT`. 0 for an observer.
+        slot: u64,
     },
     /// One token now belongs to the client.
     Grant,
@@ -357,14 +379,14 @@ impl Request {
                 version,
                 flags,
                 pid,
-                ppid,
+                slot,
             } => {
                 put_header(out, self.kind(), HELLO_LEN);
                 out.extend_from_slice(&MAGIC);
                 out.extend_from_slice(&version.to_le_bytes());
                 out.push(flags.intersection(HelloFlags::all()).bits());
                 out.extend_from_slice(&pid.to_le_bytes());
-                out.extend_from_slice(&ppid.to_le_bytes());
+                out.extend_from_slice(&slot.to_le_bytes());
             }
             Request::Acquire
             | Request::TryAcquire
@@ -442,11 +464,13 @@ impl Reply {
                 version,
                 capacity,
                 client_id,
+                slot,
             } => {
                 put_header(out, self.kind(), WELCOME_LEN);
                 out.extend_from_slice(&version.to_le_bytes());
                 out.extend_from_slice(&capacity.to_le_bytes());
                 out.extend_from_slice(&client_id.to_le_bytes());
+                out.extend_from_slice(&slot.to_le_bytes());
             }
             Reply::Grant | Reply::Denied | Reply::Controlled => put_header(out, self.kind(), 0),
             Reply::Cancelled { cancelled } => {
@@ -584,7 +608,9 @@ pub fn decode_request(buf: &[u8]) -> Result<Option<(Request, usize)>, ProtocolEr
         });
     }
     let expected = request_payload_len(kind).ok_or(ProtocolError::UnknownKind(kind))?;
-    if len != expected {
+    // A version 1 hello is read far enough to be refused by its version.
+    let hello_old = kind == kind::HELLO && len == HELLO_OLD_LEN;
+    if len != expected && !hello_old {
         return Err(ProtocolError::BadLength {
             kind,
             len,
@@ -596,6 +622,19 @@ pub fn decode_request(buf: &[u8]) -> Result<Option<(Request, usize)>, ProtocolEr
         return Ok(None);
     };
     let request = match kind {
+        kind::HELLO if hello_old => {
+            let p = fixed::<HELLO_OLD_LEN>(kind, payload)?;
+            let magic = [p[0], p[1], p[2], p[3]];
+            if magic != MAGIC {
+                return Err(ProtocolError::BadMagic(magic));
+            }
+            Request::Hello {
+                version: u16::from_le_bytes([p[4], p[5]]),
+                flags: HelloFlags::from_bits_truncate(p[6] & 0x02),
+                pid: u32::from_le_bytes([p[7], p[8], p[9], p[10]]),
+                slot: 0,
+            }
+        }
         kind::HELLO => {
             let p = fixed::<HELLO_LEN>(kind, payload)?;
             let magic = [p[0], p[1], p[2], p[3]];
@@ -609,7 +648,7 @@ pub fn decode_request(buf: &[u8]) -> Result<Option<(Request, usize)>, ProtocolEr
                 version: u16::from_le_bytes([p[4], p[5]]),
                 flags,
                 pid: u32::from_le_bytes([p[7], p[8], p[9], p[10]]),
-                ppid: u32::from_le_bytes([p[11], p[12], p[13], p[14]]),
+                slot: u64::from_le_bytes([p[11], p[12], p[13], p[14], p[15], p[16], p[17], p[18]]),
             }
         }
         kind::ACQUIRE => Request::Acquire,
@@ -691,6 +730,7 @@ pub fn decode_reply(buf: &[u8]) -> Result<Option<(Reply, usize)>, ProtocolError>
                 version: u16::from_le_bytes([p[0], p[1]]),
                 capacity: u32::from_le_bytes([p[2], p[3], p[4], p[5]]),
                 client_id: u64::from_le_bytes([p[6], p[7], p[8], p[9], p[10], p[11], p[12], p[13]]),
+                slot: u64::from_le_bytes([p[14], p[15], p[16], p[17], p[18], p[19], p[20], p[21]]),
             }
         }
         kind::GRANT => Reply::Grant,
@@ -818,13 +858,13 @@ mod tests {
                 version: PROTOCOL_VERSION,
                 flags: HelloFlags::empty(),
                 pid: 4242,
-                ppid: 1,
+                slot: 0,
             },
             Request::Hello {
                 version: 0xbeef,
-                flags: HelloFlags::JOB_OF_PARENT | HelloFlags::OBSERVER,
+                flags: HelloFlags::JOB | HelloFlags::OBSERVER | HelloFlags::RECIPE_JOB,
                 pid: u32::MAX,
-                ppid: 0x0102_0304,
+                slot: 0x0102_0304_0506_0708,
             },
             Request::Acquire,
             Request::TryAcquire,
@@ -846,6 +886,7 @@ mod tests {
                 version: PROTOCOL_VERSION,
                 capacity: 16,
                 client_id: 0x0102_0304_0506_0708,
+                slot: u64::MAX,
             },
             Reply::Grant,
             Reply::Denied,
@@ -893,72 +934,94 @@ mod tests {
 
     fn hello_payload(magic: &[u8; 4], flags: u8) -> Vec<u8> {
         let mut p = magic.to_vec();
-        p.extend_from_slice(&1u16.to_le_bytes());
+        p.extend_from_slice(&2u16.to_le_bytes());
         p.push(flags);
         p.extend_from_slice(&7u32.to_le_bytes());
-        p.extend_from_slice(&8u32.to_le_bytes());
+        p.extend_from_slice(&8u64.to_le_bytes());
         p
     }
 
     #[test]
     fn hello_has_the_documented_layout() {
         let bytes = request_bytes(&Request::Hello {
-            version: 1,
-            flags: HelloFlags::JOB_OF_PARENT,
+            version: 2,
+            flags: HelloFlags::JOB,
             pid: 0x0a0b_0c0d,
-            ppid: 2,
+            slot: 0x0102_0304_0506_0708,
         });
         assert_eq!(
             bytes,
             [
-                15, 0, 0, 0, 0x01, b'H', b'R', b'D', b'L', 1, 0, 0x01, 0x0d, 0x0c, 0x0b, 0x0a, 2,
-                0, 0, 0
+                19, 0, 0, 0, 0x01, b'H', b'R', b'D', b'L', 2, 0, 0x01, 0x0d, 0x0c, 0x0b, 0x0a, 8,
+                7, 6, 5, 4, 3, 2, 1
             ]
+        );
+    }
+
+    #[test]
+    fn a_version_1_hello_decodes_for_its_refusal() {
+        let v1 = [
+            0x0f, 0, 0, 0, 0x01, 0x48, 0x52, 0x44, 0x4c, 0x01, 0, 0x01, 0x92, 0x10, 0, 0, 0xa0,
+            0x0f, 0, 0,
+        ];
+        assert_eq!(
+            decode_request(&v1),
+            Ok(Some((
+                Request::Hello {
+                    version: 1,
+                    flags: HelloFlags::empty(),
+                    pid: 4242,
+                    slot: 0,
+                },
+                v1.len()
+            )))
         );
     }
 
     #[test]
     fn welcome_has_the_documented_layout() {
         let bytes = reply_bytes(&Reply::Welcome {
-            version: 1,
+            version: 2,
             capacity: 8,
             client_id: 3,
+            slot: 0x0102_0304_0506_0708,
         });
         assert_eq!(
             bytes,
-            [14, 0, 0, 0, 0x81, 1, 0, 8, 0, 0, 0, 3, 0, 0, 0, 0, 0, 0, 0]
+            [22, 0, 0, 0, 0x81, 2, 0, 8, 0, 0, 0, 3, 0, 0, 0, 0, 0, 0, 0, 8, 7, 6, 5, 4, 3, 2, 1]
         );
     }
 
     #[test]
     fn the_documented_example_decodes() {
         let client = [
-            0x0f, 0, 0, 0, 0x01, 0x48, 0x52, 0x44, 0x4c, 0x01, 0, 0x01, 0x92, 0x10, 0, 0, 0xa0,
-            0x0f, 0, 0, 0, 0, 0, 0, 0x02,
+            0x13, 0, 0, 0, 0x01, 0x48, 0x52, 0x44, 0x4c, 0x02, 0, 0x01, 0x92, 0x10, 0, 0, 0x88,
+            0x77, 0x66, 0x55, 0x44, 0x33, 0x22, 0x11, 0, 0, 0, 0, 0x02,
         ];
         let mut fb = FrameBuffer::new();
         fb.extend(&client);
         assert_eq!(
             fb.next_request(),
             Ok(Some(Request::Hello {
-                version: 1,
-                flags: HelloFlags::JOB_OF_PARENT,
+                version: 2,
+                flags: HelloFlags::JOB,
                 pid: 4242,
-                ppid: 4000,
+                slot: 0x1122_3344_5566_7788,
             }))
         );
         assert_eq!(fb.next_request(), Ok(Some(Request::Acquire)));
         let broker = [
-            0x0e, 0, 0, 0, 0x81, 0x01, 0, 0x07, 0, 0, 0, 0x03, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
-            0x82,
+            0x16, 0, 0, 0, 0x81, 0x02, 0, 0x07, 0, 0, 0, 0x03, 0, 0, 0, 0, 0, 0, 0, 0xf0, 0xde,
+            0xbc, 0x9a, 0x78, 0x56, 0x34, 0x12, 0, 0, 0, 0, 0x82,
         ];
         fb.extend(&broker);
         assert_eq!(
             fb.next_reply(),
             Ok(Some(Reply::Welcome {
-                version: 1,
+                version: 2,
                 capacity: 7,
                 client_id: 3,
+                slot: 0x1234_5678_9abc_def0,
             }))
         );
         assert_eq!(fb.next_reply(), Ok(Some(Reply::Grant)));
@@ -1119,7 +1182,7 @@ mod tests {
         ];
         for (kind, expected) in fixed {
             for len in 0..=MAX_REQUEST_PAYLOAD {
-                if len == expected {
+                if len == expected || (kind == kind::HELLO && len == HELLO_OLD_LEN) {
                     continue;
                 }
                 let header = [len as u8, 0, 0, 0, kind];
@@ -1137,7 +1200,7 @@ mod tests {
             decode_request(&[16, 0, 0, 0, kind::HELLO])
                 .unwrap_err()
                 .to_string(),
-            "frame of kind 0x01 has a 16-byte payload; expected 15"
+            "frame of kind 0x01 has a 16-byte payload; expected 19"
         );
     }
 
@@ -1190,7 +1253,7 @@ mod tests {
             let mut payload = hello_payload(&MAGIC, 0);
             payload[4..6].copy_from_slice(&version.to_le_bytes());
             let bytes = frame(kind::HELLO, &payload);
-            let Ok(Some((Request::Hello { version: v, .. }, 20))) = decode_request(&bytes) else {
+            let Ok(Some((Request::Hello { version: v, .. }, 24))) = decode_request(&bytes) else {
                 panic!("version {version} rejected");
             };
             assert_eq!(v, version);
@@ -1199,11 +1262,11 @@ mod tests {
 
     #[test]
     fn unknown_flags_are_rejected() {
-        for flags in 0x04..=0xff_u8 {
+        for flags in 0x08..=0xff_u8 {
             let bytes = frame(kind::HELLO, &hello_payload(&MAGIC, flags));
             assert_eq!(
                 decode_request(&bytes),
-                Err(ProtocolError::UnknownFlags(flags & !0x03)),
+                Err(ProtocolError::UnknownFlags(flags & !0x07)),
             );
         }
         assert_eq!(
@@ -1218,13 +1281,13 @@ mod tests {
             version: 1,
             flags: HelloFlags::from_bits_retain(0xf1),
             pid: 1,
-            ppid: 1,
+            slot: 1,
         };
         let Ok(Some((Request::Hello { flags, .. }, _))) = decode_request(&request_bytes(&request))
         else {
             panic!("hello with retained bits did not decode");
         };
-        assert_eq!(flags, HelloFlags::JOB_OF_PARENT);
+        assert_eq!(flags, HelloFlags::JOB);
     }
 
     #[test]
@@ -1407,12 +1470,12 @@ mod tests {
 
     fn any_request() -> impl Strategy<Value = Request> {
         prop_oneof![
-            (any::<u16>(), any::<u8>(), any::<u32>(), any::<u32>()).prop_map(
-                |(version, flags, pid, ppid)| Request::Hello {
+            (any::<u16>(), any::<u8>(), any::<u32>(), any::<u64>()).prop_map(
+                |(version, flags, pid, slot)| Request::Hello {
                     version,
                     flags: HelloFlags::from_bits_truncate(flags),
                     pid,
-                    ppid,
+                    slot,
                 }
             ),
             Just(Request::Acquire),
@@ -1426,11 +1489,12 @@ mod tests {
 
     fn any_reply() -> impl Strategy<Value = Reply> {
         prop_oneof![
-            (any::<u16>(), any::<u32>(), any::<u64>()).prop_map(
-                |(version, capacity, client_id)| Reply::Welcome {
+            (any::<u16>(), any::<u32>(), any::<u64>(), any::<u64>()).prop_map(
+                |(version, capacity, client_id, slot)| Reply::Welcome {
                     version,
                     capacity,
                     client_id,
+                    slot,
                 }
             ),
             Just(Reply::Grant),

@@ -22,7 +22,7 @@ pub struct ClientStatus {
     /// What kind of client: `native`, `job` (a job of its parent, such as
     /// `herdless exec`) or `classic` (the bridge's side of the pool).
     pub kind: String,
-    /// Shared tokens the client holds now (a borrowed parent slot counts).
+    /// Shared tokens the client holds now (a borrowed slot counts).
     pub held: u32,
     /// Acquires the client has waiting in the queue.
     pub waiting: u32,
@@ -65,7 +65,7 @@ pub struct Status {
     pub capacity: u32,
     /// Shared tokens nobody holds.
     pub free: u32,
-    /// Tokens in use now, parent slots included.
+    /// Tokens in use now, the top slot included.
     pub in_use: u32,
     /// Acquires waiting in the queue.
     pub waiting: u32,
@@ -87,7 +87,20 @@ pub struct Status {
     pub reclaimed: u64,
     /// Connections that completed the handshake, in all.
     pub connections: u64,
-    /// The most tokens in use at once (parent slots included).
+    /// Whether the broker has stopped granting (its command ended, or a
+    /// stop signal came).
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub stopped: bool,
+    /// Acquires refused because the broker had stopped.
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub refused_after_stop: u64,
+    /// Tokens clients still held when the broker closed them at shutdown.
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub held_at_shutdown: u64,
+    /// Slots (implicit tokens of job runners) the broker knows now.
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub slots: u32,
+    /// The most tokens in use at once (the top slot included).
     pub max_in_use: u32,
     /// Median wait of the grants that waited, in microseconds.
     pub wait_p50_us: f64,
@@ -214,6 +227,10 @@ impl Status {
         o.num("cancelled", self.cancelled);
         o.num("reclaimed", self.reclaimed);
         o.num("connections", self.connections);
+        o.raw("stopped", if self.stopped { "true" } else { "false" });
+        o.num("refused_after_stop", self.refused_after_stop);
+        o.num("held_at_shutdown", self.held_at_shutdown);
+        o.num("slots", self.slots);
         o.num("max_in_use", self.max_in_use);
         o.float("wait_p50_us", self.wait_p50_us);
         o.float("wait_p99_us", self.wait_p99_us);
@@ -411,6 +428,10 @@ mod tests {
             cancelled: 0,
             reclaimed: 2,
             connections: 7,
+            stopped: true,
+            refused_after_stop: 3,
+            held_at_shutdown: 1,
+            slots: 2,
             max_in_use: 4,
             wait_p50_us: 251.7,
             wait_p99_us: 0.0,

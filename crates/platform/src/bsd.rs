@@ -388,3 +388,14 @@ mod futex {
 }
 
 pub(crate) use futex::{futex_support, futex_wait, futex_wake_one};
+
+/// Not here: the BSDs and macOS tell a process's exit through kqueue's
+/// `EVFILT_PROC` with `NOTE_EXIT`, which is not a descriptor a mio loop can
+/// register; a broker there learns of a client's end when its last
+/// descriptor of the connection closes.
+pub(crate) fn process_exit_fd(_pid: u32) -> io::Result<OwnedFd> {
+    Err(io::Error::new(
+        io::ErrorKind::Unsupported,
+        "no process descriptors on this OS (kqueue EVFILT_PROC is not a descriptor)",
+    ))
+}

@@ -82,8 +82,8 @@ pub use cred::{peer_cred, PeerCred};
 pub use kernel::{kernel, parse_release, Kernel};
 pub use pipe::{access_mode, bytes_readable, fd_path, is_nonblocking, pipe_cloexec};
 pub use process::{
-    current_tid, die_with_parent, parse_stat, process_state, sched_count, thread_cpu_ns,
-    ProcessTable, SchedCount,
+    current_tid, die_with_parent, parse_stat, process_exit_fd, process_state, sched_count,
+    thread_cpu_ns, ProcessTable, SchedCount,
 };
 pub use shared_word::SharedWord;
 pub use signal::{sent_by_kernel, signal_ignored};

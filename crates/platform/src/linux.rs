@@ -195,3 +195,20 @@ impl Poller {
         Ok(())
     }
 }
+
+/// A descriptor that turns readable once process `pid` has exited: a pidfd
+/// (`pidfd_open`, Linux 5.3), close-on-exec.
+pub(crate) fn process_exit_fd(pid: u32) -> io::Result<OwnedFd> {
+    use std::os::fd::FromRawFd;
+    let pid = libc::pid_t::try_from(pid).map_err(|_| io::Error::from_raw_os_error(libc::ESRCH))?;
+    // SAFETY: pidfd_open takes a pid and a flags word and passes no memory;
+    // it returns a new descriptor or -1 with errno set.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let fd = i32::try_from(fd).map_err(|_| io::Error::from_raw_os_error(libc::EBADF))?;
+    // SAFETY: `fd` is a descriptor the kernel just made for this process,
+    // owned by nothing else.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}

@@ -167,6 +167,13 @@ pub fn die_with_parent() -> io::Result<()> {
     }
 }
 
+/// A descriptor that turns readable once process `pid` has exited, for an
+/// event loop to watch: a pidfd on Linux (5.3 and later). Elsewhere an
+/// `Unsupported` error: see the BSD backend.
+pub fn process_exit_fd(pid: u32) -> io::Result<std::os::fd::OwnedFd> {
+    crate::sys::process_exit_fd(pid)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

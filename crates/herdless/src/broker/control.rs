@@ -220,7 +220,7 @@ impl Broker {
         let known: Vec<(ClientId, u32, u32)> = self
             .conns
             .values()
-            .filter_map(|c| Some((c.client?, c.pid.unwrap_or(0), c.ppid)))
+            .filter_map(|c| Some((c.client?, c.pid.unwrap_or(0), 0)))
             .collect();
         for (id, pid, ppid) in known {
             self.pool.set_ancestry(id, ancestors(pid, ppid));
@@ -266,7 +266,8 @@ impl Broker {
 }
 
 /// A client's ancestors, parent first, as far as the OS tells (on Linux
-/// up to init; elsewhere only the parent the client named).
+/// up to init). `ppid` is used when the OS cannot tell a parent (0: none
+/// known; protocol 3 clients do not name their parent).
 fn ancestors(pid: u32, ppid: u32) -> Vec<u32> {
     let mut chain = Vec::new();
     let mut next = herdless_platform::parent_of(pid).unwrap_or(ppid);

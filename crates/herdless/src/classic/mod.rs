@@ -50,8 +50,10 @@
 //! # A job of its parent
 //!
 //! [`Options::job_of_parent`](crate::client::Options::job_of_parent) (what
-//! `herdless exec` uses) says "this process *is* one job of its parent".
-//! With a broker, the broker lends the parent's implicit slot. A classic
+//! `herdless exec` uses) says "this process *is* one job of the runner
+//! above it". With a broker, the broker lends that runner's slot, named in
+//! `HERDLESS_SLOT` (see [`crate::client`]); a job of a make recipe names the
+//! recipe's slot by the recipe root found as below. A classic
 //! jobserver has no one to lend it, yet a make recipe already runs in a
 //! slot make took for it, and taking a second, pipe, token would deadlock
 //! `make -j2` with two such recipes (make holds the only pipe token). The

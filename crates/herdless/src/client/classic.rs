@@ -34,6 +34,8 @@ pub(crate) struct Classic {
     aborted: Mutex<Option<AbortReason>>,
     slot: Option<ParentSlot>,
     held_slot: Mutex<Option<Held>>,
+    /// The process that opened it; a fork gives nothing back for it.
+    opened_by: u32,
 }
 
 impl Classic {
@@ -65,6 +67,7 @@ impl Classic {
             aborted: Mutex::new(None),
             slot,
             held_slot: Mutex::new(None),
+            opened_by: std::process::id(),
         })
     }
 
@@ -377,6 +380,9 @@ impl Drop for Classic {
     /// closed connection does for a native client: a classic jobserver has
     /// no other way to get them back.
     fn drop(&mut self) {
+        if std::process::id() != self.opened_by {
+            return;
+        }
         while !lock(&self.held).is_empty() {
             if self.release_byte().is_err() {
                 break;

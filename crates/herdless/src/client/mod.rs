@@ -18,12 +18,21 @@
 //! is in use do further acquires go to the broker. That is what keeps nested
 //! tools progressing with zero spare tokens.
 //!
-//! A client made with [`Options::job_of_parent`] is itself a *job* of its
-//! parent process (what `herdless exec` is): it owns no implicit token, but
-//! the broker may lend it its parent's, when no sibling holds it.
+//! A client made with [`Options::job_of_parent`] is itself a *job* of the
+//! job runner above it (what `herdless exec` is): it owns no implicit
+//! token, but the broker may lend it the runner's, when no other job of
+//! that runner holds it. Which runner that is is handed down, never guessed
+//! from process ids: each runner's slot is named in [`SLOT_ENV`]
+//! (`HERDLESS_SLOT`), which `herdless run` sets for its command and
+//! `herdless exec` for its own (see [`Client::job_env`]), so any number of
+//! subshells, `timeout`s or `xargs` between a runner and its jobs share the
+//! one slot. A make does not set it for its recipes; a job that sees a
+//! different `MAKELEVEL` from the one recorded in `HERDLESS_SLOT` is a job
+//! of a make recipe, and shares the recipe's slot (below).
 //!
 //! Under a classic jobserver there is no broker to lend that slot; see
 //! [`crate::classic`] for how a job of a make recipe finds its slot there.
+//! The same rule names a recipe's slot for the broker.
 //!
 //! # Backends
 //!
@@ -69,6 +78,74 @@ use crate::protocol::{AbortReason, HelloFlags};
 /// The environment variable naming the broker's socket.
 pub const SOCKET_ENV: &str = "HERDLESS_SOCKET";
 
+/// The environment variable naming the slot of the job runner above: its
+/// value is [`slot_env_value`].
+pub const SLOT_ENV: &str = "HERDLESS_SLOT";
+
+/// The value of [`SLOT_ENV`] for slot `id`: the id in hex, `/`, and the
+/// `MAKELEVEL` of this environment (empty when unset). A job that sees
+/// another `MAKELEVEL` knows a make lies between it and the runner.
+pub fn slot_env_value(id: u64) -> String {
+    format!("{id:016x}/{}", make_level())
+}
+
+fn make_level() -> String {
+    std::env::var("MAKELEVEL").unwrap_or_default()
+}
+
+/// Which slot a job may borrow, from its environment.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Borrow {
+    /// The runner's slot named in `HERDLESS_SLOT`.
+    Slot(u64),
+    /// The slot of the make recipe whose root is this pid.
+    Recipe(u32),
+    /// This process is a job that a make (or `herdless exec`) started
+    /// directly: the token its starter holds for it is its own.
+    Own,
+    /// No runner named: a job of the command at the top, whose slot the
+    /// broker lends when the hello names none.
+    Nothing,
+    /// A slot variable that is not one: the job borrows no slot at all.
+    Unnamed,
+}
+
+/// Parses `HERDLESS_SLOT`: `(id, MAKELEVEL)`.
+pub(crate) fn parse_slot_env(value: &str) -> Option<(u64, &str)> {
+    let (id, level) = value.split_once('/')?;
+    if id.len() != 16 {
+        return None;
+    }
+    let id = u64::from_str_radix(id, 16).ok()?;
+    (id != 0).then_some((id, level))
+}
+
+pub(crate) fn borrow_from_env() -> Borrow {
+    let level = make_level();
+    if let Some(value) = std::env::var_os(SLOT_ENV) {
+        match value.to_str().and_then(parse_slot_env) {
+            Some((id, at)) if at == level => return Borrow::Slot(id),
+            Some(_) => {}
+            None => {
+                crate::log!(
+                    crate::log::Level::Warn,
+                    "{SLOT_ENV}={value:?} is not a slot (16 hex digits, '/', MAKELEVEL); \
+                     this job borrows none"
+                );
+                return Borrow::Unnamed;
+            }
+        }
+    }
+    if level.is_empty() {
+        return Borrow::Nothing;
+    }
+    // A make lies between the runner and this job: the recipe's slot.
+    match crate::classic::slot::this_slot_owner() {
+        crate::classic::slot::Owner::Own => Borrow::Own,
+        crate::classic::slot::Owner::Shared(root) => Borrow::Recipe(root),
+    }
+}
+
 /// How a client takes part in the tree.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Options {
@@ -94,9 +171,11 @@ impl Options {
         self
     }
 
-    /// Whether this process is a job of its parent: it owns no implicit
-    /// token, and may run in its parent's when no sibling holds it (implies
-    /// `implicit_token(false)`).
+    /// Whether this process is a job of the runner above it: it owns no
+    /// implicit token, and may run in the runner's slot (named by
+    /// `HERDLESS_SLOT`, or its make recipe's) when no other job holds it
+    /// (implies `implicit_token(false)`). A job that a make started directly
+    /// runs in the token its make holds for it, as its implicit token.
     pub fn job_of_parent(mut self, yes: bool) -> Options {
         self.job_of_parent = yes;
         if yes {
@@ -123,6 +202,8 @@ enum Backend {
 struct Inner {
     backend: Backend,
     options: Options,
+    /// The process that opened the handle: the only one that may use it.
+    opened_by: u32,
     implicit_in_use: AtomicBool,
     /// The implicit token was forgotten while in use: the next
     /// `release_raw` gives it back, locally.
@@ -205,11 +286,30 @@ impl Client {
         Ok(Client::with_backend(Backend::Classic(classic), options))
     }
 
+    /// Refuses use from a process other than the one that opened the
+    /// handle (a fork): acting for the parent would take or give back its
+    /// tokens, or read its grants.
+    fn same_process(&self) -> Result<()> {
+        let me = std::process::id();
+        if me == self.inner.opened_by {
+            return Ok(());
+        }
+        Err(Error::new(
+            ErrorKind::Forked,
+            format!(
+                "this jobserver handle was opened by process {}; process {me}, a fork of it, \
+                 must open its own",
+                self.inner.opened_by
+            ),
+        ))
+    }
+
     fn with_backend(backend: Backend, options: Options) -> Client {
         Client {
             inner: Arc::new(Inner {
                 backend,
                 options,
+                opened_by: std::process::id(),
                 implicit_in_use: AtomicBool::new(false),
                 implicit_forgotten: AtomicBool::new(false),
             }),
@@ -222,27 +322,58 @@ impl Client {
     }
 
     /// Connects to the broker listening on `path`.
-    pub fn connect_with(path: impl AsRef<Path>, options: Options) -> Result<Client> {
+    pub fn connect_with(path: impl AsRef<Path>, mut options: Options) -> Result<Client> {
         let mut flags = HelloFlags::empty();
+        let mut slot = 0;
         if options.job_of_parent {
-            flags |= HelloFlags::JOB_OF_PARENT;
+            match borrow_from_env() {
+                Borrow::Slot(id) => {
+                    flags |= HelloFlags::JOB;
+                    slot = id;
+                }
+                Borrow::Recipe(root) => {
+                    flags |= HelloFlags::RECIPE_JOB;
+                    slot = u64::from(root);
+                }
+                Borrow::Own => options.implicit_token = true,
+                // A job of the top (a shell that only exported
+                // HERDLESS_SOCKET, as a service's users do).
+                Borrow::Nothing => flags |= HelloFlags::JOB,
+                Borrow::Unnamed => {}
+            }
         }
-        let native = Native::connect(path.as_ref(), flags)?;
+        let native = Native::connect(path.as_ref(), flags, slot)?;
         Ok(Client::with_backend(Backend::Native(native), options))
+    }
+
+    /// The slot the broker minted for this client's own job; `None` on a
+    /// classic jobserver.
+    pub fn slot(&self) -> Option<u64> {
+        match &self.inner.backend {
+            Backend::Native(n) => Some(n.slot()).filter(|&s| s != 0),
+            Backend::Classic(_) => None,
+        }
+    }
+
+    /// The variable a job runner exports to the command it runs on this
+    /// client's token, so that the command's jobs share this one slot:
+    /// `(HERDLESS_SLOT, value)`. `None` on a classic jobserver.
+    pub fn job_env(&self) -> Option<(&'static str, String)> {
+        self.slot().map(|id| (SLOT_ENV, slot_env_value(id)))
     }
 
     /// Connects as an observer, which may only ask for status.
     pub fn observe(path: impl AsRef<Path>) -> Result<Observer> {
-        let native = Native::connect(path.as_ref(), HelloFlags::OBSERVER)?;
+        let native = Native::connect(path.as_ref(), HelloFlags::OBSERVER, 0)?;
         Ok(Observer { native })
     }
 
-    /// Connects as an observer that may change the running pool (protocol
-    /// version 2: a broker that speaks only version 1 refuses it).
+    /// Connects as an observer that may change the running pool.
     pub fn control(path: impl AsRef<Path>) -> Result<Control> {
         let native = Native::connect_version(
             path.as_ref(),
             HelloFlags::OBSERVER,
+            0,
             crate::protocol::CONTROL_VERSION,
         )?;
         Ok(Control { native })
@@ -324,6 +455,7 @@ impl Client {
 
     /// Takes a token if one is free now (or this client's implicit token).
     pub fn try_acquire(&self) -> Result<Option<Token>> {
+        self.same_process()?;
         if let Some(t) = self.implicit() {
             return Ok(Some(t));
         }
@@ -365,6 +497,7 @@ impl Client {
         deadline: Option<Instant>,
         interruptible: bool,
     ) -> Result<Option<Token>> {
+        self.same_process()?;
         if let Some(t) = self.implicit() {
             return Ok(Some(t));
         }
@@ -390,6 +523,7 @@ impl Client {
     /// in it (every process watching the pipe wakes then; a blocking
     /// acquire wakes just one).
     pub fn take_grant(&self) -> Result<Option<Token>> {
+        self.same_process()?;
         match &self.inner.backend {
             Backend::Native(n) => Ok(self.shared(n.take_grant(true)?)),
             Backend::Classic(c) => Ok(self.got(c.try_acquire()?)),
@@ -414,6 +548,7 @@ impl Client {
     /// interrupted acquire. Returns the token if it had been granted
     /// already. On a classic jobserver there is never one: `Ok(None)`.
     pub fn cancel_pending(&self) -> Result<Option<Token>> {
+        self.same_process()?;
         match &self.inner.backend {
             Backend::Native(n) => Ok(self.shared(n.cancel_pending()?)),
             Backend::Classic(_) => Ok(None),
@@ -455,6 +590,7 @@ impl Client {
     /// no abort token; nothing is changed then. Exit with a failure status
     /// instead: make stops the build.
     pub fn abort(&self, reason: AbortReason) -> Result<()> {
+        self.same_process()?;
         match &self.inner.backend {
             Backend::Native(n) => n.abort(reason),
             Backend::Classic(c) => c.abort(reason),
@@ -464,6 +600,8 @@ impl Client {
     /// The abort that has reached this client, if any. On a classic
     /// jobserver: one this client read from the pipe or posted.
     pub fn aborted(&self) -> Option<AbortReason> {
+        // A fork must not read its parent's connection.
+        self.same_process().ok()?;
         match &self.inner.backend {
             Backend::Native(n) => n.aborted(),
             Backend::Classic(c) => c.aborted(),
@@ -476,6 +614,7 @@ impl Client {
     ///
     /// `Unsupported` on a classic jobserver, which keeps no status.
     pub fn status_json(&self) -> Result<String> {
+        self.same_process()?;
         match &self.inner.backend {
             Backend::Native(n) => n.status(),
             Backend::Classic(c) => Err(Error::new(
@@ -601,6 +740,9 @@ impl Token {
     }
 
     fn give_back(&self) -> Result<()> {
+        // A token copied into a fork is its parent's: only the parent gives
+        // it back.
+        self.client.same_process()?;
         match self.kind {
             TokenKind::Implicit => {
                 self.client
@@ -638,6 +780,7 @@ impl Client {
     /// parent's slot when no byte is held); holding none is a `NotHolding`
     /// error.
     pub fn release_raw(&self) -> Result<()> {
+        self.same_process()?;
         if self.inner.implicit_forgotten.swap(false, Ordering::AcqRel) {
             self.inner.implicit_in_use.store(false, Ordering::Release);
             return Ok(());

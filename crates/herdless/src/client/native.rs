@@ -68,6 +68,8 @@ pub(crate) struct Native {
     write_lock: Mutex<()>,
     capacity: u32,
     client_id: u64,
+    /// The slot the broker minted for this client's own job.
+    slot: u64,
     version: u16,
 }
 
@@ -108,12 +110,18 @@ fn take_spare(st: &mut State) -> bool {
 
 impl Native {
     /// Connects, checks the broker is this user's, and shakes hands.
-    pub(crate) fn connect(path: &Path, flags: HelloFlags) -> Result<Native> {
-        Native::connect_version(path, flags, PROTOCOL_VERSION)
+    pub(crate) fn connect(path: &Path, flags: HelloFlags, slot: u64) -> Result<Native> {
+        Native::connect_version(path, flags, slot, PROTOCOL_VERSION)
     }
 
-    /// Connects speaking protocol `version` (the broker must speak it).
-    pub(crate) fn connect_version(path: &Path, flags: HelloFlags, version: u16) -> Result<Native> {
+    /// Connects speaking protocol `version` (the broker must speak it),
+    /// naming `slot` as the one this client may borrow.
+    pub(crate) fn connect_version(
+        path: &Path,
+        flags: HelloFlags,
+        slot: u64,
+        version: u16,
+    ) -> Result<Native> {
         if let Err(e) = std::os::unix::net::SocketAddr::from_pathname(path) {
             return Err(Error::io(
                 ErrorKind::Connect,
@@ -173,13 +181,14 @@ impl Native {
             write_lock: Mutex::new(()),
             capacity: 0,
             client_id: 0,
+            slot: 0,
             version,
         };
         native.send(&Request::Hello {
             version,
             flags,
             pid: std::process::id(),
-            ppid: std::os::unix::process::parent_id(),
+            slot,
         })?;
         native.handshake()
     }
@@ -194,6 +203,7 @@ impl Native {
                     version,
                     capacity,
                     client_id,
+                    slot,
                 })) => {
                     if version != self.version {
                         return Err(Error::new(
@@ -206,6 +216,7 @@ impl Native {
                     }
                     self.capacity = capacity;
                     self.client_id = client_id;
+                    self.slot = slot;
                     return Ok(self);
                 }
                 Ok(Some(Reply::Error { message })) => {
@@ -273,6 +284,10 @@ impl Native {
                 }
             }
         }
+    }
+
+    pub(crate) fn slot(&self) -> u64 {
+        self.slot
     }
 
     pub(crate) fn capacity(&self) -> u32 {
@@ -442,6 +457,9 @@ impl Native {
             }
             Reply::Status { json } => st.statuses.push_back(json),
             Reply::Controlled => st.controlled += 1,
+            Reply::Error { message } if message == crate::protocol::STOPPING_MESSAGE => {
+                st.dead = Some((ErrorKind::BrokerGone, message));
+            }
             Reply::Error { message } => {
                 st.dead = Some((
                     ErrorKind::Refused,
@@ -727,11 +745,23 @@ impl Native {
     }
 
     pub(crate) fn release(&self) -> Result<()> {
+        self.alive()?;
         self.send(&Request::Release)
     }
 
     pub(crate) fn abort(&self, reason: AbortReason) -> Result<()> {
+        self.alive()?;
         self.send(&Request::Abort { reason })
+    }
+
+    /// Fails once this client has learnt that the broker is gone or has
+    /// stopped: a write to a connection the broker is about to close may
+    /// still succeed, and would report a release that nobody takes.
+    fn alive(&self) -> Result<()> {
+        match &lock(&self.state).dead {
+            Some((kind, msg)) => Err(Error::new(*kind, msg.clone())),
+            None => Ok(()),
+        }
     }
 
     /// The abort posted to the tree, if one has reached this client.

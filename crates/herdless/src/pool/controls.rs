@@ -11,16 +11,16 @@
 //!   once the retired ones are back.
 //! - **Caps.** A cap on a process id limits the tokens held by every
 //!   client whose pid is that one or has it among its ancestors (the broker
-//!   tells the pool each client's ancestry), parent slots included. A
+//!   tells the pool each client's ancestry), slots included. A
 //!   waiter at its subtree's cap is passed over, not dropped: the next
 //!   waiter that may take the token gets it, and the capped one keeps its
-//!   place for later. A parent slot is still never withheld, so a subtree
+//!   place for later. A slot is still never withheld, so a subtree
 //!   capped at 0 still runs one job on it.
 //! - **Admission.** While admission is held (the broker's load or memory
 //!   limit is crossed), no shared token is granted unless fewer than the
 //!   floor (`min_jobs`) are in use, so a build always progresses.
 //!
-//! Parent slots (implicit tokens) are never withheld: they are not drawn
+//! Slots (implicit tokens) are never withheld: they are not drawn
 //! from the pool.
 //!
 //! With no cap and admission open, the pool behaves exactly as without
@@ -66,7 +66,7 @@ pub struct Cap {
     pub pid: u32,
     /// The most shared tokens the subtree may hold.
     pub max: u32,
-    /// Tokens the subtree's clients hold now, parent slots included.
+    /// Tokens the subtree's clients hold now, slots included.
     pub held: u32,
 }
 
@@ -188,7 +188,7 @@ impl Pool {
                 .is_some_and(|a| a.contains(&pid))
     }
 
-    /// Tokens the subtree of `pid` holds: shared ones and parent slots.
+    /// Tokens the subtree of `pid` holds: shared ones and slots.
     fn subtree_held(&self, pid: u32) -> u32 {
         self.clients
             .iter()

@@ -10,21 +10,21 @@ fn t(ms: u64) -> Duration {
 fn native(pid: u32) -> ClientInfo {
     ClientInfo {
         pid,
-        ppid: 1,
         label: "native",
         ..ClientInfo::default()
     }
 }
 
-fn job(pid: u32, ppid: u32) -> ClientInfo {
+fn job(pid: u32, slot: SlotKey) -> ClientInfo {
     ClientInfo {
         pid,
-        ppid,
-        job_of_parent: true,
+        borrows: Some(slot),
         label: "native",
         ..ClientInfo::default()
     }
 }
+
+const TOP: SlotKey = SlotKey::Minted(0x70b);
 
 fn grant(client: ClientId, source: Source, waited: bool) -> Effect {
     Effect::Grant {
@@ -81,27 +81,117 @@ fn disconnect_reclaims_and_hands_on() {
 
 #[test]
 fn jobs_progress_with_zero_spare_tokens() {
-    // -j1: no shared token at all; each job runs in its parent's slot.
+    // -j1: no shared token at all; each job runs in its runner's slot.
     let mut p = Pool::new(0);
-    let a = p.connect(job(20, 5));
-    let nested = p.connect(job(21, 20));
-    let sibling = p.connect(job(22, 5));
+    assert!(p.add_slot(TOP, None, true));
+    let a = p.connect(job(20, TOP));
+    let a_slot = SlotKey::Minted(0xa);
+    assert!(p.add_slot(a_slot, Some(a), false));
+    assert!(!p.add_slot(a_slot, Some(a), false), "a key is never reused");
+    let nested = p.connect(job(21, a_slot));
+    let sibling = p.connect(job(22, TOP));
     p.acquire(a, t(0)).unwrap();
     p.acquire(nested, t(0)).unwrap();
     p.acquire(sibling, t(0)).unwrap();
     assert_eq!(
         p.take_effects(),
         vec![
-            grant(a, Source::ParentSlot, false),
-            grant(nested, Source::ParentSlot, false)
+            grant(a, Source::Slot, false),
+            grant(nested, Source::Slot, false)
         ]
     );
-    // The sibling waits for its parent's slot and gets it on release.
+    // The nested job runs on its runner's token: one token in use.
+    assert_eq!(p.stats().max_in_use, 1);
+    // The sibling waits for the top's slot and gets it on release.
     p.release(a, t(3)).unwrap();
+    assert_eq!(p.take_effects(), vec![grant(sibling, Source::Slot, true)]);
+    // `a` leaves: its slot stays while lent, and goes when given back.
+    p.disconnect(a, t(4));
+    assert!(p.has_slot(a_slot));
+    p.release(nested, t(5)).unwrap();
+    assert!(!p.has_slot(a_slot));
+    p.check_invariants().unwrap();
+}
+
+#[test]
+fn any_number_of_processes_share_one_slot() {
+    // Twenty jobs of one runner, whatever lies between: one at a time in
+    // the slot, the rest on shared tokens.
+    let mut p = Pool::new(1);
+    assert!(p.add_slot(TOP, None, true));
+    let jobs: Vec<ClientId> = (0..20).map(|i| p.connect(job(30 + i, TOP))).collect();
+    for &j in &jobs {
+        p.acquire(j, t(0)).unwrap();
+    }
+    let granted = p.take_effects().len();
+    assert_eq!(granted, 2, "-j2: the slot and one shared token");
+    assert_eq!(p.stats().max_in_use, 2);
+    assert_eq!(p.waiting(), 18);
+    p.check_invariants().unwrap();
+}
+
+#[test]
+fn unknown_minted_slot_is_not_borrowed_and_recipe_slots_come_and_go() {
+    let mut p = Pool::new(0);
+    let stranger = p.connect(job(40, SlotKey::Minted(77)));
+    assert_eq!(p.borrows(stranger), None);
+    let r = SlotKey::Recipe(500);
+    let a = p.connect(job(41, r));
+    let b = p.connect(job(42, r));
+    assert!(p.has_slot(r));
+    p.acquire(a, t(0)).unwrap();
+    p.acquire(b, t(0)).unwrap();
+    assert_eq!(p.take_effects(), vec![grant(a, Source::Slot, false)]);
+    assert_eq!(p.stats().max_in_use, 0, "a recipe runs on its make's token");
+    p.disconnect(a, t(1));
+    assert_eq!(p.take_effects(), vec![grant(b, Source::Slot, true)]);
+    p.disconnect(b, t(2));
+    assert!(!p.has_slot(r));
+    p.check_invariants().unwrap();
+}
+
+#[test]
+fn a_stop_is_a_stop() {
+    let mut p = Pool::new(1);
+    assert!(p.add_slot(TOP, None, true));
+    let a = p.connect(native(10));
+    let b = p.connect(native(11));
+    let c = p.connect(job(12, TOP));
+    let d = p.connect(job(13, TOP));
+    p.acquire(a, t(0)).unwrap();
+    p.acquire(c, t(0)).unwrap();
+    p.acquire(b, t(0)).unwrap();
+    p.acquire(b, t(0)).unwrap();
+    p.acquire(d, t(0)).unwrap();
+    p.take_effects();
+    assert!(p.stop());
+    assert!(!p.stop());
     assert_eq!(
         p.take_effects(),
-        vec![grant(sibling, Source::ParentSlot, true)]
+        vec![Effect::Stopped { client: b }, Effect::Stopped { client: d }]
     );
+    // Tokens coming back are not granted to anyone.
+    p.release(a, t(1)).unwrap();
+    p.release(c, t(1)).unwrap();
+    assert_eq!(p.take_effects(), vec![]);
+    p.acquire(b, t(2)).unwrap();
+    p.try_acquire(d).unwrap();
+    assert_eq!(
+        p.take_effects(),
+        vec![Effect::Stopped { client: b }, Effect::Stopped { client: d }]
+    );
+    assert_eq!(p.stats().refused_after_stop, 5);
+    assert_eq!(p.stats().grants, 2);
+    assert_eq!(
+        p.stats().wait_ns.count(),
+        0,
+        "nobody was granted after waiting"
+    );
+    // Closing at shutdown is not a crash.
+    p.acquire(a, t(3)).unwrap();
+    assert_eq!(p.close_at_shutdown(a, t(3)), 0);
+    assert_eq!(p.stats().reclaimed, 0);
+    assert_eq!(p.free(), 1);
     p.check_invariants().unwrap();
 }
 
@@ -172,25 +262,33 @@ fn observers_cannot_take_tokens() {
 
 #[derive(Clone, Debug)]
 enum Op {
-    Connect { job: bool, ppid: u32 },
+    /// A client naming slot choice `slot` (see `Model::slot_choice`).
+    Connect {
+        slot: u8,
+    },
+    /// A slot minted for a client's job.
+    MintFor(usize),
     Acquire(usize),
     TryAcquire(usize),
     Cancel(usize),
     Release(usize),
     Disconnect(usize),
     Abort(bool),
+    Stop(bool),
 }
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        2 => (any::<bool>(), 0u32..3).prop_map(|(job, ppid)| Op::Connect { job, ppid }),
+        3 => (0u8..6).prop_map(|slot| Op::Connect { slot }),
+        1 => any::<usize>().prop_map(Op::MintFor),
         6 => any::<usize>().prop_map(Op::Acquire),
         2 => any::<usize>().prop_map(Op::TryAcquire),
         1 => any::<usize>().prop_map(Op::Cancel),
         6 => any::<usize>().prop_map(Op::Release),
         2 => any::<usize>().prop_map(Op::Disconnect),
-        // Rare: an abort ends the interesting part of a run.
+        // Rare: an abort or a stop ends the interesting part of a run.
         1 => (0u8..20).prop_map(|n| Op::Abort(n == 0)),
+        1 => (0u8..20).prop_map(|n| Op::Stop(n == 0)),
     ]
 }
 
@@ -200,7 +298,9 @@ struct Model {
     live: Vec<(ClientId, ClientInfo)>,
     held: HashMap<ClientId, (u32, bool)>,
     queue: Vec<ClientId>,
-    slot_owner: HashMap<u32, ClientId>,
+    /// Who each slot is lent to, from grants and releases.
+    lent: HashMap<SlotKey, ClientId>,
+    minted: Vec<SlotKey>,
 }
 
 impl Model {
@@ -210,53 +310,64 @@ impl Model {
     fn info(&self, id: ClientId) -> &ClientInfo {
         &self.live.iter().find(|(c, _)| *c == id).unwrap().1
     }
-    fn slot_free_for(&self, id: ClientId) -> bool {
-        let info = self.info(id);
-        info.job_of_parent && !self.held[&id].1 && !self.slot_owner.contains_key(&info.ppid)
+    /// None, the top's slot, one of two recipes, or a minted one.
+    fn slot_choice(&self, n: u8) -> Option<SlotKey> {
+        match n {
+            0 => None,
+            1 => Some(TOP),
+            2 => Some(SlotKey::Recipe(7)),
+            3 => Some(SlotKey::Recipe(8)),
+            _ => self.minted.last().copied().or(Some(SlotKey::Minted(999))),
+        }
     }
 
     /// Applies effects, checking FIFO order (4) for every waited grant.
     fn apply(&mut self, effects: Vec<Effect>) -> Result<(), TestCaseError> {
         for e in effects {
-            if let Effect::Grant {
-                client,
-                source,
-                waited,
-            } = e
-            {
-                if waited {
-                    let pos = self.queue.iter().position(|&c| c == client);
-                    prop_assert!(pos.is_some(), "{} woken but not waiting", client);
-                    let pos = pos.unwrap();
+            match e {
+                Effect::Grant {
+                    client,
+                    source,
+                    waited,
+                } => {
+                    if waited {
+                        let pos = self.queue.iter().position(|&c| c == client);
+                        prop_assert!(pos.is_some(), "{} woken but not waiting", client);
+                        let pos = pos.unwrap();
+                        match source {
+                            Source::Pool => {
+                                prop_assert_eq!(pos, 0, "pool grant skipped earlier waiters")
+                            }
+                            Source::Slot => {
+                                let key = self.info(client).borrows;
+                                let earlier = self.queue[..pos]
+                                    .iter()
+                                    .any(|&c| self.info(c).borrows == key && !self.held[&c].1);
+                                prop_assert!(!earlier, "slot grant skipped an earlier sibling");
+                            }
+                        }
+                        self.queue.remove(pos);
+                    }
+                    let key = self.info(client).borrows;
+                    let h = self.held.get_mut(&client).unwrap();
                     match source {
-                        Source::Pool => {
-                            prop_assert_eq!(pos, 0, "pool grant skipped earlier waiters")
-                        }
-                        Source::ParentSlot => {
-                            let ppid = self.info(client).ppid;
-                            let earlier = self.queue[..pos].iter().any(|&c| {
-                                let i = self.info(c);
-                                i.job_of_parent && i.ppid == ppid && !self.held[&c].1
-                            });
-                            prop_assert!(!earlier, "slot grant skipped an earlier sibling");
+                        Source::Pool => h.0 += 1,
+                        Source::Slot => {
+                            prop_assert!(!h.1, "second slot for one client");
+                            h.1 = true;
+                            let key = key.expect("a slot grant goes to a borrower");
+                            prop_assert!(
+                                self.lent.insert(key, client).is_none(),
+                                "{} lent twice",
+                                key
+                            );
                         }
                     }
-                    self.queue.remove(pos);
                 }
-                let h = self.held.get_mut(&client).unwrap();
-                match source {
-                    Source::Pool => h.0 += 1,
-                    Source::ParentSlot => {
-                        prop_assert!(!h.1, "second slot for one client");
-                        h.1 = true;
-                        let ppid = self.info(client).ppid;
-                        prop_assert!(
-                            self.slot_owner.insert(ppid, client).is_none(),
-                            "parent slot {} lent twice",
-                            ppid
-                        );
-                    }
+                Effect::Stopped { client } => {
+                    self.queue.retain(|&c| c != client);
                 }
+                _ => {}
             }
         }
         Ok(())
@@ -272,30 +383,53 @@ proptest! {
         ops in proptest::collection::vec(op(), 1..200),
     ) {
         let mut pool = Pool::new(capacity);
+        prop_assert!(pool.add_slot(TOP, None, true));
         let mut m = Model::default();
         let mut now = Duration::ZERO;
+        let mut next_key = 1000u64;
+        let mut granted_after_stop = false;
         for op in ops {
             now += Duration::from_micros(7);
+            let grants_before = pool.stats().grants;
             match op {
-                Op::Connect { job, ppid } => {
-                    let info = ClientInfo { pid: 100 + m.live.len() as u32, ppid, job_of_parent: job, observer: false, label: "native", internal: false };
+                Op::Connect { slot } => {
+                    let info = ClientInfo {
+                        pid: 100 + m.live.len() as u32,
+                        borrows: m.slot_choice(slot),
+                        observer: false,
+                        label: "native",
+                        internal: false,
+                    };
                     let id = pool.connect(info.clone());
+                    // A minted slot that is gone is not borrowed.
+                    let info = ClientInfo { borrows: pool.borrows(id), ..info };
                     m.live.push((id, info));
                     m.held.insert(id, (0, false));
+                }
+                Op::MintFor(i) => {
+                    let Some(id) = m.pick(i) else { continue };
+                    let key = SlotKey::Minted(next_key);
+                    next_key += 1;
+                    prop_assert!(pool.add_slot(key, Some(id), false));
+                    m.minted.push(key);
                 }
                 Op::Acquire(i) | Op::TryAcquire(i) => {
                     let Some(id) = m.pick(i) else { continue };
                     let is_try = matches!(op, Op::TryAcquire(_));
-                    let slot_free = m.slot_free_for(id);
-                    let grants_before = pool.stats().grants;
+                    let slot_free = pool.slot_free_for(id);
+                    if slot_free {
+                        let key = m.info(id).borrows.unwrap();
+                        prop_assert!(!m.lent.contains_key(&key), "pool lends {} that is lent", key);
+                    }
                     if is_try { pool.try_acquire(id).unwrap() } else { pool.acquire(id, now).unwrap() }
                     let effects = pool.take_effects();
                     let granted = pool.stats().grants > grants_before;
-                    // 5: a job whose parent slot is free never waits, even with no shared token.
-                    if slot_free && pool.aborted().is_none() {
-                        prop_assert!(granted, "job not granted its free parent slot");
+                    let open = pool.aborted().is_none() && !pool.stopped();
+                    // 5: a job whose slot is free never waits, even with no shared token.
+                    if slot_free && open {
+                        prop_assert!(granted, "job not lent its free slot");
                     }
-                    if !granted && !is_try && pool.aborted().is_none() {
+                    if !granted && !is_try && open {
                         m.queue.push(id);
                     }
                     m.apply(effects)?;
@@ -322,8 +456,8 @@ proptest! {
                     } else if slot {
                         prop_assert!(r.is_ok());
                         m.held.get_mut(&id).unwrap().1 = false;
-                        let ppid = m.info(id).ppid;
-                        m.slot_owner.remove(&ppid);
+                        let key = m.info(id).borrows.unwrap();
+                        m.lent.remove(&key);
                     } else {
                         prop_assert_eq!(r, Err(PoolError::NotHolding(id)));
                     }
@@ -332,8 +466,7 @@ proptest! {
                 Op::Disconnect(i) => {
                     let Some(id) = m.pick(i) else { continue };
                     let (pool_held, slot) = m.held.remove(&id).unwrap();
-                    let ppid = m.info(id).ppid;
-                    if slot { m.slot_owner.remove(&ppid); }
+                    if slot { m.lent.remove(&m.info(id).borrows.unwrap()); }
                     m.queue.retain(|&c| c != id);
                     m.live.retain(|(c, _)| *c != id);
                     let reclaimed = pool.disconnect(id, now);
@@ -346,7 +479,18 @@ proptest! {
                     m.queue.clear();
                     pool.take_effects();
                 }
+                Op::Stop(go) => {
+                    if !go { continue; }
+                    pool.stop();
+                    m.apply(pool.take_effects())?;
+                    prop_assert!(m.queue.is_empty(), "a waiter was not told of the stop");
+                }
             }
+            // 10: nothing is granted once stopped.
+            if pool.stopped() && pool.stats().grants > grants_before && !matches!(op, Op::Stop(_)) {
+                granted_after_stop = true;
+            }
+            prop_assert!(!granted_after_stop, "a grant after the stop");
             // 1, 3, 5 from the pool's side...
             if let Err(e) = pool.check_invariants() {
                 return Err(TestCaseError::fail(e));
@@ -359,7 +503,8 @@ proptest! {
                 prop_assert_eq!(pool.held_by(id), Some(n + u32::from(slot)));
             }
             prop_assert_eq!(pool.waiting(), m.queue.len());
-            prop_assert!(pool.stats().max_in_use <= capacity + 3);
+            // -jN: the shared tokens and the top's implicit one, no more.
+            prop_assert!(pool.stats().max_in_use <= capacity + 1);
         }
     }
 }

@@ -70,7 +70,7 @@ impl Status {
         o.gauge(
             "herdless_tokens_in_use",
             None,
-            "Tokens running jobs now, parent slots included.",
+            "Tokens running jobs now, slots included.",
             self.in_use,
         );
         o.gauge(
@@ -255,6 +255,10 @@ mod tests {
             cancelled: 0,
             reclaimed: 0,
             connections: 2,
+            stopped: false,
+            refused_after_stop: 0,
+            held_at_shutdown: 0,
+            slots: 1,
             max_in_use: 3,
             wait_p50_us: 0.0,
             wait_p99_us: 0.0,

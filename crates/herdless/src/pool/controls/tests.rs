@@ -6,13 +6,12 @@ use std::time::Duration;
 
 use proptest::prelude::*;
 
-use crate::pool::{ClientId, ClientInfo, Effect, Pool, Source};
+use crate::pool::{ClientId, ClientInfo, Effect, Pool, SlotKey, Source};
 use crate::protocol::AbortReason;
 
 fn native(pid: u32) -> ClientInfo {
     ClientInfo {
         pid,
-        ppid: 1,
         label: "native",
         ..ClientInfo::default()
     }
@@ -130,12 +129,12 @@ fn held_admission_grants_only_below_the_floor() {
 }
 
 #[test]
-fn parent_slots_are_never_held_back() {
+fn slots_are_never_held_back() {
     let mut p = Pool::new(0);
+    assert!(p.add_slot(SlotKey::Minted(10), None, true));
     let j = p.connect(ClientInfo {
         pid: 11,
-        ppid: 10,
-        job_of_parent: true,
+        borrows: Some(SlotKey::Minted(10)),
         label: "native",
         ..ClientInfo::default()
     });
@@ -145,7 +144,7 @@ fn parent_slots_are_never_held_back() {
     assert!(matches!(
         p.take_effects().as_slice(),
         [Effect::Grant {
-            source: Source::ParentSlot,
+            source: Source::Slot,
             ..
         }]
     ));
@@ -195,9 +194,9 @@ struct Model {
     live: Vec<ClientId>,
     pid: HashMap<ClientId, u32>,
     ancestors: HashMap<ClientId, Vec<u32>>,
-    /// Shared tokens held by each client (parent slots apart).
+    /// Shared tokens held by each client (slots apart).
     held: HashMap<ClientId, u32>,
-    /// Whether each client holds a parent slot.
+    /// Whether each client holds a slot.
     slot: HashMap<ClientId, bool>,
     queue: Vec<ClientId>,
     capacity: u32,
@@ -262,7 +261,7 @@ impl Model {
                 }
                 self.queue.remove(pos);
             }
-            if source == Source::ParentSlot {
+            if source == Source::Slot {
                 self.slot.insert(client, true);
             }
             if source == Source::Pool {
@@ -318,7 +317,11 @@ proptest! {
                     let pid = next_pid;
                     next_pid += 1;
                     let id = pool.connect(ClientInfo {
-                        pid, ppid, job_of_parent: job, label: "native", ..ClientInfo::default()
+                        pid,
+                        // A job shares the slot of its parent's recipe.
+                        borrows: job.then_some(SlotKey::Recipe(ppid)),
+                        label: "native",
+                        ..ClientInfo::default()
                     });
                     pool.set_ancestry(id, ancestors.clone());
                     m.live.push(id);
