@@ -243,7 +243,18 @@ fn a_failing_job_stops_the_tree() {
 fn sigint_stops_the_tree_and_leaves_nothing_behind() {
     let t = Tree::new("real-make-sigint");
     tree(&t);
-    let mut cmd = make_cmd(&t, &herdless_make());
+    sigint(&t, &herdless_make());
+}
+
+#[test]
+fn sigint_stops_a_bmake_tree_and_leaves_nothing_behind() {
+    let t = Tree::new("real-bmake-sigint");
+    bmake_tree(&t);
+    sigint(&t, &herdless_bmake());
+}
+
+fn sigint(t: &Tree, make: &Path) {
+    let mut cmd = make_cmd(t, make);
     cmd.arg("-j4")
         .env("JOB_SLEEP", "30")
         .stdout(Stdio::null())
