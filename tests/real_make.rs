@@ -273,7 +273,7 @@ fn sigint(t: &Tree, make: &Path) {
     assert!(!status.success());
     // Nothing finished: every job was interrupted.
     assert_eq!(t.counts().0, 0);
-    assert_no_leftovers(&t);
+    assert_no_leftovers(t);
 }
 
 /// Debian's bmake 20200710 with herdless inside.
