@@ -497,6 +497,13 @@ fn one_handle_is_shared_by_threads() {
 }
 
 #[test]
+fn in_process_broker_and_poll_loop_calls() {
+    let inproc = build_c("inproc");
+    let run = output(clean(Command::new(inproc)));
+    assert_ok("inproc", &run);
+}
+
+#[test]
 fn free_gives_back_what_is_held() {
     let holder = build_c("holder");
     let run = run_under_broker(4, Classic::None, &holder, &["3", "-1", "free"]);

@@ -25,6 +25,11 @@ enum BenchCommand {
     /// A recursive build on a classic pipe (each P, C, R combination of the
     /// bmake report) and on the broker.
     Build(BuildArgs),
+    /// One recursive tree run by real makes, side by side: stock GNU make
+    /// 4.4.1, the same under `herdless run`'s classic bridge, GNU make with
+    /// herdless inside, Debian's bmake, bmake polling its pipe and bmake
+    /// with herdless inside (those built are included).
+    Make(MakeArgs),
     /// A waiter or make process of a benchmark (internal).
     #[command(hide = true)]
     Worker(WorkerArgs),
@@ -90,6 +95,57 @@ struct BuildArgs {
 }
 
 #[derive(clap::Args, Debug)]
+struct MakeArgs {
+    /// Sub-makes the top make runs.
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    subs: u32,
+    /// Jobs per sub-make.
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    per: u32,
+    /// How long each job sleeps, in milliseconds.
+    #[arg(long, default_value_t = 5)]
+    job_ms: u32,
+    /// At most N jobs at once, as make's -j.
+    #[arg(short = 'j', long = "jobs", default_value_t = 32,
+          value_parser = clap::value_parser!(u32).range(2..=4096))]
+    jobs: u32,
+    /// Runs per variant, interleaved; the median run by wall time is shown.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
+    repeat: u32,
+    /// Stock GNU make 4.4.1 (ci/build-gnu-make-4.4.1.sh).
+    #[arg(
+        long,
+        env = "HERDLESS_GNU_MAKE_44",
+        default_value = "target/tools/gnu-make-4.4.1/bin/make"
+    )]
+    stock_make: PathBuf,
+    /// GNU make 4.4.1 with herdless inside (embed/gnu-make/build.sh).
+    #[arg(
+        long,
+        env = "HERDLESS_EMBED_GNU_MAKE",
+        default_value = "target/embed/gnu-make/bin/make"
+    )]
+    herdless_make: PathBuf,
+    /// Debian's bmake; left out when missing.
+    #[arg(long, default_value = "/usr/bin/bmake")]
+    bmake: PathBuf,
+    /// bmake polling its token pipe (embed/bmake/build.sh); left out when
+    /// missing.
+    #[arg(long, default_value = "target/embed/bmake-polling/bin/bmake")]
+    polling_bmake: PathBuf,
+    /// bmake with herdless inside (embed/bmake/build.sh); left out when
+    /// missing.
+    #[arg(long, default_value = "target/embed/bmake/bin/bmake")]
+    herdless_bmake: PathBuf,
+    /// Print a JSON list, one object per variant.
+    #[arg(long)]
+    json: bool,
+    /// Also draw the makes' context switches per job into this SVG file.
+    #[arg(long, value_name = "FILE.svg")]
+    plot: Option<PathBuf>,
+}
+
+#[derive(clap::Args, Debug)]
 struct WorkerArgs {
     #[arg(trailing_var_arg = true, allow_hyphen_values = true, num_args = 0..)]
     args: Vec<OsString>,
@@ -107,6 +163,7 @@ pub fn bench(args: BenchArgs) -> Result<u8> {
     match args.command {
         BenchCommand::Herd(a) => bench_herd(a),
         BenchCommand::Build(a) => bench_build(a),
+        BenchCommand::Make(a) => bench_make(a),
         BenchCommand::Worker(a) => {
             herdless_bench::worker_main(a.args)?;
             Ok(0)
@@ -211,4 +268,81 @@ fn bench_build(args: BuildArgs) -> Result<u8> {
         println!("{}", report::build_table(&results));
     }
     Ok(0)
+}
+
+fn bench_make(args: MakeArgs) -> Result<u8> {
+    use herdless_bench::realmake::{self, MakeConfig, MakeVariant};
+    for (what, path) in [
+        ("stock GNU make 4.4.1 (--stock-make)", &args.stock_make),
+        (
+            "GNU make with herdless (--herdless-make)",
+            &args.herdless_make,
+        ),
+    ] {
+        if !path.exists() {
+            bail!("{what} not found at {}", path.display());
+        }
+    }
+    let abs = |p: &PathBuf| std::path::absolute(p).unwrap_or_else(|_| p.clone());
+    let variant = |name: &str, make: &PathBuf, under_run: bool, env: &[(&str, &str)]| MakeVariant {
+        name: name.to_string(),
+        make: abs(make),
+        under_run,
+        env: env
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect(),
+    };
+    let mut variants = vec![
+        variant("GNU make (stock)", &args.stock_make, false, &[]),
+        variant("GNU make (stock) in run", &args.stock_make, true, &[]),
+        variant("GNU make (herdless)", &args.herdless_make, false, &[]),
+    ];
+    for (name, path) in [
+        ("bmake (Debian)", &args.bmake),
+        ("bmake (polling)", &args.polling_bmake),
+        ("bmake (herdless)", &args.herdless_bmake),
+    ] {
+        if path.exists() {
+            variants.push(variant(name, path, false, &[]));
+        } else {
+            eprintln!("herdless: no {name} at {}: left out", path.display());
+        }
+    }
+    let cfg = MakeConfig {
+        exe: this_exe()?,
+        subs: args.subs,
+        per: args.per,
+        job_ms: args.job_ms,
+        jobs: args.jobs,
+        repeat: args.repeat,
+    };
+    let mut progress = Progress::new(variants.len() * args.repeat as usize);
+    let results = realmake::run_all(&cfg, &variants, |what| {
+        progress.update(what);
+        progress.step();
+    })
+    .context("the make benchmark")?;
+    progress.finish();
+    let caption = format!(
+        "{} sub-makes × {} jobs of {} ms, -j {} · {} · {} CPUs · herdless bench make",
+        cfg.subs,
+        cfg.per,
+        cfg.job_ms,
+        cfg.jobs,
+        herdless_bench::kernel_label(),
+        cpus()
+    );
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&results)?);
+    } else {
+        println!("{caption}");
+        println!("{}", realmake::table(&results));
+    }
+    if let Some(path) = &args.plot {
+        std::fs::write(path, realmake::svg(&results, &caption))
+            .with_context(|| format!("cannot write {}", path.display()))?;
+        eprintln!("herdless: plot written to {}", path.display());
+    }
+    Ok(if results.iter().all(|r| r.ok) { 0 } else { 1 })
 }

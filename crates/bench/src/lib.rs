@@ -28,6 +28,7 @@ pub mod plot;
 pub mod probe;
 mod procs;
 pub mod progress;
+pub mod realmake;
 pub mod report;
 mod shared;
 mod waiter;

@@ -27,9 +27,9 @@
 //! jobserver named in `MAKEFLAGS`).
 #![warn(missing_docs)]
 
-use std::ffi::{c_char, c_int, CStr, CString, OsStr};
-use std::os::fd::AsRawFd;
-use std::os::unix::ffi::OsStrExt;
+use std::ffi::{c_char, c_int, c_uint, CStr, CString, OsStr, OsString};
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::ptr;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -37,8 +37,13 @@ use std::time::{Duration, Instant};
 
 use nix::errno::Errno;
 
-use herdless_lib::client::{self, Client, ErrorKind, Options, Token};
+use herdless_lib::bridge::Bridge;
+use herdless_lib::broker::{Broker, Config, Stopper};
+use herdless_lib::classic::{Auth, Flavor, Style};
+use herdless_lib::client::{self, Client, ErrorKind, Options, Token, SOCKET_ENV};
 use herdless_lib::protocol::AbortReason;
+use herdless_lib::rundir::RunDir;
+use herdless_lib::status::Status;
 
 /// Passed as `timeout_ms` to `herdless_acquire`: wait until a token is
 /// granted, the tree aborts, the broker goes away or a signal arrives.
@@ -155,6 +160,23 @@ unsafe fn handle<'a>(c: *const herdless_client) -> Option<&'a herdless_client> {
 pub extern "C" fn herdless_client_from_env() -> *mut herdless_client {
     into_handle(catch_unwind(|| {
         Client::from_env_with(options()).map_err(|e| e.errno())
+    }))
+}
+
+/// Connects to the herdless broker named in `HERDLESS_SOCKET`, and only
+/// to it: never to a classic jobserver named in `MAKEFLAGS`. For a make
+/// that manages its classic jobserver itself and uses herdless only when
+/// a broker is there.
+///
+/// Returns a new handle, or NULL with `errno` set: `ENOENT` when
+/// `HERDLESS_SOCKET` is not set (or empty) or its socket does not exist,
+/// `ECONNREFUSED` when nobody listens there or the broker refuses this
+/// client, another value when the connection fails otherwise.
+#[no_mangle]
+pub extern "C" fn herdless_client_native_from_env() -> *mut herdless_client {
+    into_handle(catch_unwind(|| match client::socket_from_env() {
+        Some(path) => Client::connect_with(&path, options()).map_err(|e| e.errno()),
+        None => Err(libc::ENOENT),
     }))
 }
 
@@ -312,9 +334,12 @@ pub unsafe extern "C" fn herdless_fd(c: *const herdless_client) -> c_int {
     guard(|| c.client.as_raw_fd())
 }
 
-/// Non-blocking, for a caller's own poll loop: takes a token if a grant
-/// has arrived; otherwise makes sure one request is queued at the broker,
-/// so that `herdless_fd` becomes readable when it is granted.
+/// For a caller's own poll loop: takes a token if a grant has arrived, or
+/// if one is free now (asked for with one round trip to the broker, so a
+/// free token never costs a pass through the poll loop); otherwise makes
+/// sure one request is queued at the broker, so that `herdless_fd` becomes
+/// readable when it is granted. Never waits for a token to be released.
+/// While a request is queued it sends nothing.
 ///
 /// Returns 0 when a token is now held through `c`; `-EAGAIN` when none has
 /// arrived yet (wait for `herdless_fd` to become readable, then call this
@@ -332,6 +357,30 @@ pub unsafe extern "C" fn herdless_take_grant(c: *mut herdless_client) -> c_int {
         return -libc::EINVAL;
     };
     guard(|| c.took_maybe(c.client.take_grant(), -libc::EAGAIN))
+}
+
+/// Like `herdless_take_grant`, but never waits for the broker: when no
+/// grant has arrived and no request is queued, it queues one (a single
+/// message) and returns `-EAGAIN` at once; a token that is free comes as
+/// a grant straight away and makes `herdless_fd` readable. Under a pool
+/// that is usually empty (a make at a high `-j`) this costs one broker
+/// wake-up per token instead of two; when tokens are free it costs one
+/// more pass through the caller's poll loop.
+///
+/// Returns 0 when a token is now held through `c`, `-EAGAIN` when none has
+/// arrived yet, or `-ECANCELED`, `-ECONNRESET`, `-EINVAL` as
+/// `herdless_acquire`.
+///
+/// # Safety
+///
+/// `c` is NULL or a live handle.
+#[no_mangle]
+pub unsafe extern "C" fn herdless_request_grant(c: *mut herdless_client) -> c_int {
+    // SAFETY: this function's contract is `handle`'s.
+    let Some(c) = (unsafe { handle(c) }) else {
+        return -libc::EINVAL;
+    };
+    guard(|| c.took_maybe(c.client.request_grant(), -libc::EAGAIN))
 }
 
 /// Withdraws a request left queued by `herdless_take_grant` or by an
@@ -362,6 +411,122 @@ pub unsafe extern "C" fn herdless_cancel(c: *mut herdless_client) -> c_int {
         Ok(None) => 0,
         Err(e) => -e.errno(),
     })
+}
+
+/// Withdraws, without waiting for the broker's answer, a request left
+/// queued by `herdless_take_grant` or by an interrupted acquire, for a
+/// caller that no longer wants the token (a make with nothing left to
+/// start, say). A grant that had arrived already goes back to the broker,
+/// and so does one that races the withdrawal, when it arrives: the caller
+/// holds nothing new afterwards and no token idles in this process. On a
+/// classic jobserver there is nothing to withdraw.
+///
+/// Returns 0, or `-ECONNRESET`, `-EINVAL` as `herdless_acquire`. After an
+/// abort it returns 0: the broker ended every request.
+///
+/// # Safety
+///
+/// `c` is NULL or a live handle.
+#[no_mangle]
+pub unsafe extern "C" fn herdless_cancel_nowait(c: *mut herdless_client) -> c_int {
+    // SAFETY: this function's contract is `handle`'s.
+    let Some(c) = (unsafe { handle(c) }) else {
+        return -libc::EINVAL;
+    };
+    guard(|| match c.client.cancel_pending_nowait() {
+        Ok(()) => 0,
+        Err(e) => -e.errno(),
+    })
+}
+
+/// Whether a request is pending: 1 when a request left by
+/// `herdless_take_grant` or an interrupted acquire is still queued at the
+/// broker or its grant has arrived and is not taken yet, 0 when not (and
+/// always on a classic jobserver or after an abort). Never waits: it reads
+/// what has arrived. `-ECONNRESET`, `-EINVAL` as `herdless_acquire`.
+///
+/// # Safety
+///
+/// `c` is NULL or a live handle.
+#[no_mangle]
+pub unsafe extern "C" fn herdless_pending(c: *const herdless_client) -> c_int {
+    // SAFETY: this function's contract is `handle`'s.
+    let Some(c) = (unsafe { handle(c) }) else {
+        return -libc::EINVAL;
+    };
+    guard(|| match c.client.has_pending() {
+        Ok(p) => c_int::from(p),
+        Err(e) => -e.errno(),
+    })
+}
+
+/// The number of shared tokens in the pool (`-j` minus one): what a make
+/// connected through `HERDLESS_SOCKET` alone learns its `-j` from (its `-j`
+/// is this plus one). On a classic jobserver, the `-j` minus one that came
+/// with it in `MAKEFLAGS`.
+///
+/// Returns the count (0 or more), `-ENOTSUP` on a classic jobserver that
+/// gave no `-j`, or `-EINVAL` when `c` is NULL.
+///
+/// # Safety
+///
+/// `c` is NULL or a live handle.
+#[no_mangle]
+pub unsafe extern "C" fn herdless_capacity(c: *const herdless_client) -> c_int {
+    // SAFETY: this function's contract is `handle`'s.
+    let Some(c) = (unsafe { handle(c) }) else {
+        return -libc::EINVAL;
+    };
+    guard(|| match c.client.capacity() {
+        Some(n) => c_int::try_from(n).unwrap_or(c_int::MAX),
+        None => -libc::ENOTSUP,
+    })
+}
+
+/// Writes the broker's status report (a JSON object, the same as
+/// `herdless status --json`) into `buf`, NUL-terminated, truncated to
+/// `len` bytes (terminator included). Waits for the broker's answer, a
+/// round trip.
+///
+/// Returns the length of the whole report without its terminator (call
+/// again with a buffer of at least that plus one when it is `len` or more),
+/// `-ENOTSUP` on a classic jobserver (it keeps no status), `-ECONNRESET`
+/// when the broker is gone, or `-EINVAL` when `c` is NULL, or `buf` is NULL
+/// with `len` above 0.
+///
+/// # Safety
+///
+/// `c` is NULL or a live handle; `buf` is NULL or points to `len` writable
+/// bytes.
+#[no_mangle]
+pub unsafe extern "C" fn herdless_status(
+    c: *const herdless_client,
+    buf: *mut c_char,
+    len: usize,
+) -> c_int {
+    // SAFETY: this function's contract is `handle`'s.
+    let Some(c) = (unsafe { handle(c) }) else {
+        return -libc::EINVAL;
+    };
+    if buf.is_null() && len > 0 {
+        return -libc::EINVAL;
+    }
+    let json = match catch_unwind(AssertUnwindSafe(|| c.client.status_json())) {
+        Ok(Ok(json)) => json,
+        Ok(Err(e)) => return -e.errno(),
+        Err(_) => return PANICKED,
+    };
+    if len > 0 {
+        let n = json.len().min(len - 1);
+        // SAFETY: `buf` is not NULL and, by this function's contract, has
+        // `len` writable bytes; `n + 1 <= len`, and the source is a Rust
+        // string that cannot overlap a buffer the caller owns.
+        unsafe {
+            ptr::copy_nonoverlapping(json.as_ptr().cast::<c_char>(), buf, n);
+            *buf.add(n) = 0;
+        }
+    }
+    c_int::try_from(json.len()).unwrap_or(c_int::MAX)
 }
 
 /// Aborts the whole tree: `reason` is `'E'` (a job failed) or `'I'` (the
@@ -505,4 +670,308 @@ fn describe(code: c_int) -> &'static CStr {
         libc::EIO => c"input/output error",
         _ => c"unknown error",
     }
+}
+
+/// `herdless_broker_start` flag: serve classic clients (stock GNU make
+/// 4.4 and later, cargo) through a FIFO, `fifo:PATH`.
+pub const HERDLESS_BROKER_CLASSIC_FIFO: c_uint = 1;
+/// `herdless_broker_start` flag: serve classic clients through inherited
+/// descriptors `R,W` (every GNU make, bmake's `-J`, cargo).
+pub const HERDLESS_BROKER_CLASSIC_PIPE: c_uint = 2;
+/// `herdless_broker_start` flag, with `HERDLESS_BROKER_CLASSIC_PIPE`: the
+/// classic clients are bmakes (their `E`/`I` abort tokens are understood
+/// and written).
+pub const HERDLESS_BROKER_BMAKE: c_uint = 4;
+
+/// A broker running on a thread of the calling process, with its socket in
+/// a private directory (mode 0700). Opaque: made by
+/// `herdless_broker_start`, ended by `herdless_broker_stop`.
+#[allow(non_camel_case_types)]
+pub struct herdless_broker {
+    dir: Option<RunDir>,
+    stopper: Stopper,
+    thread: Option<std::thread::JoinHandle<std::io::Result<Status>>>,
+    socket: CString,
+    dir_path: CString,
+    auth: Option<CString>,
+    /// Pipe style: the descriptors children inherit (no close-on-exec).
+    fds: Option<(OwnedFd, OwnedFd)>,
+    /// `HERDLESS_SOCKET` before the start, put back by the stop.
+    previous: Option<OsString>,
+}
+
+/// What a broker did, filled in by `herdless_broker_stop`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+#[allow(non_camel_case_types)]
+pub struct herdless_broker_report {
+    /// The `-j` it served.
+    pub jobs: u32,
+    /// The most tokens in use at once (jobs beyond the implicit one).
+    pub max_in_use: u32,
+    /// Grants to native clients (connections through the socket).
+    pub native_grants: u64,
+    /// Tokens the classic bridge put into the pipe or FIFO.
+    pub classic_offered: u64,
+    /// Tokens taken back from clients that died holding them.
+    pub reclaimed: u64,
+    /// Tokens not accounted for at the end (0 unless something was lost).
+    pub lost: i64,
+    /// 0, or `'E'` / `'I'` when the tree was aborted.
+    pub aborted: c_char,
+}
+
+/// Starts a broker for `-j jobs` on a new thread of this process: the pool
+/// holds `jobs - 1` tokens, the last being the implicit token of the
+/// caller. Its socket lives in a fresh private directory (under
+/// `$XDG_RUNTIME_DIR`, `$TMPDIR` or `/tmp`), and `HERDLESS_SOCKET` is set
+/// in this process's environment so that children inherit it. `flags`:
+/// 0 (native clients only), or `HERDLESS_BROKER_CLASSIC_FIFO`, or
+/// `HERDLESS_BROKER_CLASSIC_PIPE` (with `HERDLESS_BROKER_BMAKE` for bmake
+/// conventions): classic clients then share the same pool through
+/// `herdless_broker_classic_auth`. The broker leaves signals to the
+/// caller.
+///
+/// Returns a new handle, owned by the caller (stop it with
+/// `herdless_broker_stop`), or NULL with `errno` set: `EINVAL` when `jobs`
+/// is 0 or `flags` is not one of the combinations above, another value
+/// when the directory, socket or FIFOs cannot be made.
+///
+/// `parent_dir`, when not NULL, is where the private directory is made
+/// (a make passes its own temporary directory, so that its users'
+/// settings apply); NULL picks the default above.
+///
+/// Call it before starting threads that read the environment: it sets
+/// `HERDLESS_SOCKET` with `setenv`.
+///
+/// # Safety
+///
+/// `parent_dir` is NULL or a NUL-terminated string valid for the call.
+#[no_mangle]
+pub unsafe extern "C" fn herdless_broker_start(
+    jobs: c_uint,
+    flags: c_uint,
+    parent_dir: *const c_char,
+) -> *mut herdless_broker {
+    let parent = if parent_dir.is_null() {
+        None
+    } else {
+        // SAFETY: not NULL, and by this function's contract a
+        // NUL-terminated string valid for the call; copied at once.
+        let dir = unsafe { CStr::from_ptr(parent_dir) };
+        Some(std::path::PathBuf::from(OsStr::from_bytes(dir.to_bytes())))
+    };
+    let made = catch_unwind(|| start_broker(jobs, flags, parent.as_deref()));
+    match made {
+        Ok(Ok(b)) => Box::into_raw(Box::new(b)),
+        Ok(Err(errno)) => {
+            Errno::set_raw(errno);
+            ptr::null_mut()
+        }
+        Err(_) => {
+            Errno::set_raw(-PANICKED);
+            ptr::null_mut()
+        }
+    }
+}
+
+/// The `errno` value of an I/O error, also for errors that wrap one with
+/// a message (and so carry only its kind).
+fn io_errno(e: &std::io::Error) -> c_int {
+    use std::io::ErrorKind as K;
+    e.raw_os_error().unwrap_or(match e.kind() {
+        K::NotFound => libc::ENOENT,
+        K::PermissionDenied => libc::EACCES,
+        K::AlreadyExists => libc::EEXIST,
+        K::InvalidInput => libc::EINVAL,
+        K::AddrInUse => libc::EADDRINUSE,
+        _ => libc::EIO,
+    })
+}
+
+fn start_broker(
+    jobs: c_uint,
+    flags: c_uint,
+    parent: Option<&std::path::Path>,
+) -> Result<herdless_broker, c_int> {
+    let classic = match flags {
+        0 => None,
+        HERDLESS_BROKER_CLASSIC_FIFO => Some((Style::Fifo, Flavor::Gnu)),
+        HERDLESS_BROKER_CLASSIC_PIPE => Some((Style::Pipe, Flavor::Gnu)),
+        f if f == HERDLESS_BROKER_CLASSIC_PIPE | HERDLESS_BROKER_BMAKE => {
+            Some((Style::Pipe, Flavor::Bmake))
+        }
+        _ => return Err(libc::EINVAL),
+    };
+    if jobs == 0 {
+        return Err(libc::EINVAL);
+    }
+    let mut dir = match parent {
+        Some(p) => RunDir::create_in(p),
+        None => RunDir::create(),
+    }
+    .map_err(|e| io_errno(&e))?;
+    let mut broker = Broker::bind(dir.socket(), Config::new(jobs)).map_err(|e| io_errno(&e))?;
+    dir.set_bound();
+    let mut auth = None;
+    let mut fds = None;
+    if let Some((style, flavor)) = classic {
+        // The caller is a native client: no offer kept for it up front.
+        let bridge =
+            Bridge::create(dir.dir(), style, flavor, jobs, false).map_err(|e| io_errno(&e))?;
+        fds = bridge.inheritable_fds().map_err(|e| io_errno(&e))?;
+        let raw = fds.as_ref().map(|(r, w)| (r.as_raw_fd(), w.as_raw_fd()));
+        let text = match bridge.auth(raw) {
+            Auth::Fifo(path) => {
+                let mut t = b"fifo:".to_vec();
+                t.extend_from_slice(path.as_os_str().as_bytes());
+                t
+            }
+            Auth::Fds { read, write } => format!("{read},{write}").into_bytes(),
+            Auth::Disabled => unreachable!("a bridge is never disabled"),
+        };
+        auth = Some(CString::new(text).map_err(|_| libc::EINVAL)?);
+        broker = broker.with_bridge(bridge).map_err(|e| io_errno(&e))?;
+    }
+    // Children may change directory: the variable names the socket by an
+    // absolute path even when `parent_dir` is relative (the FIFO keeps the
+    // caller's form, as a make's own FIFO would).
+    let socket = std::path::absolute(dir.socket()).map_err(|e| io_errno(&e))?;
+    let socket = CString::new(socket.into_os_string().into_vec()).map_err(|_| libc::EINVAL)?;
+    let dir_path = CString::new(dir.dir().as_os_str().as_bytes()).map_err(|_| libc::EINVAL)?;
+    let stopper = broker.stopper();
+    let thread = std::thread::Builder::new()
+        .name("herdless-broker".into())
+        .spawn(move || broker.run())
+        .map_err(|e| io_errno(&e))?;
+    let previous = std::env::var_os(SOCKET_ENV);
+    std::env::set_var(SOCKET_ENV, OsStr::from_bytes(socket.as_bytes()));
+    Ok(herdless_broker {
+        dir: Some(dir),
+        stopper,
+        thread: Some(thread),
+        socket,
+        dir_path,
+        auth,
+        fds,
+        previous,
+    })
+}
+
+/// The broker's socket path (what `HERDLESS_SOCKET` was set to), or NULL
+/// when `b` is NULL. Owned by the handle, valid until
+/// `herdless_broker_stop`.
+///
+/// # Safety
+///
+/// `b` is NULL or a live broker handle.
+#[no_mangle]
+pub unsafe extern "C" fn herdless_broker_socket(b: *const herdless_broker) -> *const c_char {
+    // SAFETY: by this function's contract `b` is NULL or a live handle made
+    // by `Box::into_raw`, only read here.
+    match unsafe { b.as_ref() } {
+        Some(b) => b.socket.as_ptr(),
+        None => ptr::null(),
+    }
+}
+
+/// The broker's private directory (the socket's and FIFOs' parent): a
+/// caller that must clean up from a signal handler can remove its entries
+/// and the directory with `unlink` and `rmdir`. NULL when `b` is NULL.
+/// Owned by the handle, valid until `herdless_broker_stop`.
+///
+/// # Safety
+///
+/// `b` is NULL or a live broker handle.
+#[no_mangle]
+pub unsafe extern "C" fn herdless_broker_dir(b: *const herdless_broker) -> *const c_char {
+    // SAFETY: as in `herdless_broker_socket`.
+    match unsafe { b.as_ref() } {
+        Some(b) => b.dir_path.as_ptr(),
+        None => ptr::null(),
+    }
+}
+
+/// Where classic clients find the tokens, as a jobserver option's value:
+/// `fifo:PATH` (GNU make's `--jobserver-auth=`) or `R,W` (GNU make's
+/// `--jobserver-auth=`, bmake's `-J`), with R and W descriptors open in
+/// this process without close-on-exec, for children to inherit. NULL when
+/// the broker was started without a classic flag, or `b` is NULL. Owned by
+/// the handle, valid until `herdless_broker_stop`.
+///
+/// # Safety
+///
+/// `b` is NULL or a live broker handle.
+#[no_mangle]
+pub unsafe extern "C" fn herdless_broker_classic_auth(b: *const herdless_broker) -> *const c_char {
+    // SAFETY: as in `herdless_broker_socket`.
+    match unsafe { b.as_ref() } {
+        Some(b) => b.auth.as_ref().map_or(ptr::null(), |a| a.as_ptr()),
+        None => ptr::null(),
+    }
+}
+
+/// Stops the broker, waits for its thread, removes its socket, FIFOs and
+/// directory, closes the classic descriptors, puts `HERDLESS_SOCKET` back
+/// as it was before the start, and frees the handle. When `report` is not
+/// NULL it is filled in with what the broker did. Clients still connected
+/// see `-ECONNRESET`. NULL is ignored (returns `-EINVAL`).
+///
+/// Returns the number of tokens lost (0 when every token came home), or
+/// a negative `errno` value when the broker failed.
+///
+/// # Safety
+///
+/// `b` is NULL or a live broker handle, not used after this call;
+/// `report` is NULL or points to a writable `herdless_broker_report`.
+#[no_mangle]
+pub unsafe extern "C" fn herdless_broker_stop(
+    b: *mut herdless_broker,
+    report: *mut herdless_broker_report,
+) -> c_int {
+    if b.is_null() {
+        return -libc::EINVAL;
+    }
+    // SAFETY: not NULL, and by this function's contract made by
+    // `Box::into_raw` in `herdless_broker_start` and not used after this.
+    let mut b = unsafe { Box::from_raw(b) };
+    let outcome = catch_unwind(AssertUnwindSafe(|| {
+        b.stopper.stop();
+        let status = match b.thread.take().map(|t| t.join()) {
+            Some(Ok(Ok(status))) => Ok(status),
+            Some(Ok(Err(e))) => Err(-io_errno(&e)),
+            Some(Err(_)) | None => Err(PANICKED),
+        };
+        b.fds = None;
+        b.dir = None;
+        match &b.previous {
+            Some(v) => std::env::set_var(SOCKET_ENV, v),
+            None => std::env::remove_var(SOCKET_ENV),
+        }
+        status
+    }));
+    let status = match outcome {
+        Ok(Ok(s)) => s,
+        Ok(Err(code)) => return code,
+        Err(_) => return PANICKED,
+    };
+    let classic = status.classic.as_ref().map_or(0, |c| c.offered);
+    if !report.is_null() {
+        let r = herdless_broker_report {
+            jobs: status.jobs,
+            max_in_use: status.max_in_use,
+            native_grants: status.grants.saturating_sub(classic),
+            classic_offered: classic,
+            reclaimed: status.reclaimed,
+            lost: status.lost,
+            aborted: status
+                .aborted
+                .as_deref()
+                .and_then(|a| a.bytes().next())
+                .map_or(0, |c| c.to_ascii_uppercase() as c_char),
+        };
+        // SAFETY: not NULL, and by this function's contract writable.
+        unsafe { report.write(r) };
+    }
+    c_int::try_from(status.lost.max(0)).unwrap_or(c_int::MAX)
 }

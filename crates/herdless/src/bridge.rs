@@ -239,6 +239,21 @@ impl Bridge {
         Ok(Some((r, w)))
     }
 
+    /// Where classic clients find the tokens: the FIFO's path (fifo style),
+    /// or the descriptors `fds` the command inherits (pipe style, from
+    /// [`Bridge::inheritable_fds`]).
+    ///
+    /// # Panics
+    ///
+    /// In pipe style without `fds`.
+    pub fn auth(&self, fds: Option<(RawFd, RawFd)>) -> Auth {
+        match (self.style, fds) {
+            (Style::Fifo, _) => Auth::Fifo(self.offers_path.clone()),
+            (Style::Pipe, Some((read, write))) => Auth::Fds { read, write },
+            (Style::Pipe, None) => panic!("pipe style exports descriptors"),
+        }
+    }
+
     /// The environment to export, given the inherited descriptors (pipe
     /// style) and the command's current `MAKEFLAGS`, whose content is kept
     /// (the jobserver flags are appended, and the last ones win).
@@ -247,12 +262,8 @@ impl Bridge {
         fds: Option<(RawFd, RawFd)>,
         makeflags: Option<&OsStr>,
     ) -> Vec<(&'static str, OsString)> {
-        let auth = match (self.style, fds) {
-            (Style::Fifo, _) => Auth::Fifo(self.offers_path.clone()),
-            (Style::Pipe, Some((read, write))) => Auth::Fds { read, write },
-            (Style::Pipe, None) => unreachable!("pipe style exports descriptors"),
-        };
-        let flags = Jobserver::new(auth, self.flavor, Some(self.jobs)).makeflags(makeflags);
+        let flags =
+            Jobserver::new(self.auth(fds), self.flavor, Some(self.jobs)).makeflags(makeflags);
         let mut env = vec![("MAKEFLAGS", flags.clone())];
         if self.flavor == Flavor::Gnu {
             env.push(("CARGO_MAKEFLAGS", flags));

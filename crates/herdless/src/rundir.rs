@@ -98,6 +98,12 @@ impl RunDir {
             .map(PathBuf::from)
             .find(|p| p.is_dir())
             .unwrap_or_else(|| PathBuf::from("/tmp"));
+        RunDir::create_in(&base)
+    }
+
+    /// Makes a fresh private directory in `base`, e.g.
+    /// `BASE/herdless-1234-Ab12Cd/broker.sock`.
+    pub fn create_in(base: &Path) -> io::Result<RunDir> {
         let template = base.join(format!("herdless-{}-XXXXXX", std::process::id()));
         // mkdtemp creates the directory with mode 0700.
         let dir = nix::unistd::mkdtemp(&template).map_err(|e| {

@@ -511,10 +511,12 @@ impl Client {
         }
     }
 
-    /// Non-blocking, for a caller's own poll loop: a token if a grant has
-    /// arrived; otherwise `None`, after making sure a request is pending so
-    /// that [`Client::as_fd`] becomes readable when the grant arrives.
-    /// Never hands out the implicit token.
+    /// For a caller's own poll loop: a token if a grant has arrived, or if
+    /// one is free now (asked for with one round trip to the broker);
+    /// otherwise `None`, after making sure a request is pending so that
+    /// [`Client::as_fd`] becomes readable when the grant arrives. Never
+    /// waits for a token to be released. Never hands out the implicit
+    /// token.
     ///
     /// On a classic jobserver nothing needs requesting: this reads the pipe
     /// without blocking, and [`Client::as_fd`] is readable while a byte is
@@ -523,7 +525,21 @@ impl Client {
     pub fn take_grant(&self) -> Result<Option<Token>> {
         self.same_process()?;
         match &self.inner.backend {
-            Backend::Native(n) => Ok(self.shared(n.take_grant()?)),
+            Backend::Native(n) => Ok(self.shared(n.take_grant(true)?)),
+            Backend::Classic(c) => Ok(self.got(c.try_acquire()?)),
+        }
+    }
+
+    /// Like [`Client::take_grant`], but never waits for the broker: when
+    /// no grant has arrived and no request is queued, it queues one (a
+    /// single message) and returns `None` at once. A token that is free
+    /// comes as a grant straight away, making [`Client::as_fd`] readable.
+    /// Cheaper than `take_grant` when the pool is usually empty (one
+    /// broker wake-up per token instead of two), at the price of one more
+    /// pass through the caller's poll loop when it is not.
+    pub fn request_grant(&self) -> Result<Option<Token>> {
+        match &self.inner.backend {
+            Backend::Native(n) => Ok(self.shared(n.take_grant(false)?)),
             Backend::Classic(c) => Ok(self.got(c.try_acquire()?)),
         }
     }
@@ -536,6 +552,29 @@ impl Client {
         match &self.inner.backend {
             Backend::Native(n) => Ok(self.shared(n.cancel_pending()?)),
             Backend::Classic(_) => Ok(None),
+        }
+    }
+
+    /// Withdraws, without waiting for the broker's answer, a request left
+    /// pending by [`Client::take_grant`] or an interrupted acquire, and
+    /// gives back a grant that had arrived for it: the caller holds
+    /// nothing new afterwards, and a grant that races the withdrawal goes
+    /// back to the broker when it arrives. On a classic jobserver there is
+    /// nothing to withdraw.
+    pub fn cancel_pending_nowait(&self) -> Result<()> {
+        match &self.inner.backend {
+            Backend::Native(n) => n.cancel_nowait(),
+            Backend::Classic(_) => Ok(()),
+        }
+    }
+
+    /// Whether a request left by [`Client::take_grant`] or an interrupted
+    /// acquire is still queued, or its grant has arrived and is not taken
+    /// yet. Never on a classic jobserver.
+    pub fn has_pending(&self) -> Result<bool> {
+        match &self.inner.backend {
+            Backend::Native(n) => n.pending(),
+            Backend::Classic(_) => Ok(false),
         }
     }
 

@@ -46,6 +46,14 @@ struct State {
     tries: u32,
     /// Cancel requests sent and not yet answered.
     cancels: u32,
+    /// Of those, the ones sent by `cancel_nowait`, whose answers nobody
+    /// waits for. They are always the oldest of `cancels`: a non-blocking
+    /// cancel is not sent while a blocking one is outstanding.
+    nowait_cancels: u32,
+    /// Grants that arrived for requests a non-blocking cancel came too
+    /// late to withdraw: each goes back to the broker as soon as it is
+    /// spare (not wanted by a blocked thread).
+    owed_releases: u32,
     /// Threads inside a blocking acquire.
     wanting: u32,
     /// Grants received and not yet handed out.
@@ -441,6 +449,30 @@ impl Native {
                 }
             }
         }
+        self.give_back_owed(st);
+    }
+
+    /// Gives back grants that a non-blocking cancel came too late for, as
+    /// soon as no blocked thread of this client wants them.
+    fn give_back_owed(&self, st: &mut State) {
+        while st.owed_releases > 0 && st.ready > st.wanting && st.dead.is_none() {
+            st.owed_releases -= 1;
+            st.ready -= 1;
+            if let Err(e) = self.send(&Request::Release) {
+                st.dead.get_or_insert((e.kind(), e.to_string()));
+            }
+        }
+    }
+
+    /// Waits for the answers to non-blocking cancels, so that what this
+    /// client holds and owes is settled before it takes or asks for more.
+    /// Usually nothing to wait for; otherwise one round trip.
+    fn settle_nowait<'a>(&'a self, st: MutexGuard<'a, State>) -> MutexGuard<'a, State> {
+        if st.nowait_cancels == 0 {
+            return st;
+        }
+        let (st, _) = self.wait_until(st, NO_DEADLINE, |s| s.nowait_cancels == 0);
+        st
     }
 
     fn fold(st: &mut State, reply: Reply) {
@@ -463,12 +495,21 @@ impl Native {
                 if cancelled {
                     st.acquires = st.acquires.saturating_sub(1);
                 }
+                if st.nowait_cancels > 0 {
+                    st.nowait_cancels -= 1;
+                    if !cancelled {
+                        // The request had been granted: the grant arrived
+                        // before this answer, and nobody wants it.
+                        st.owed_releases += 1;
+                    }
+                }
             }
             Reply::Aborted { reason } => {
                 st.aborted.get_or_insert(reason);
                 // The broker ends every pending request with the abort.
                 st.acquires = 0;
                 st.tries = 0;
+                st.owed_releases = 0;
             }
             Reply::Status { json } => st.statuses.push_back(json),
             Reply::Controlled => st.controlled += 1,
@@ -573,18 +614,21 @@ impl Native {
     pub(crate) fn acquire(&self, wait: Wait) -> Result<bool> {
         let mut st = lock(&self.state);
         self.drain(&mut st);
+        let mut st = self.settle_nowait(st);
+        // After an abort nothing is handed out, not even a grant that
+        // arrived before it (the broker takes it back with the connection).
+        Self::check(&st)?;
         if take_spare(&mut st) {
             return Ok(true);
         }
-        Self::check(&st)?;
         st.wanting += 1;
         let result = loop {
+            if let Err(e) = Self::check(&st) {
+                break Err(e);
+            }
             if st.ready > 0 {
                 st.ready -= 1;
                 break Ok(true);
-            }
-            if let Err(e) = Self::check(&st) {
-                break Err(e);
             }
             // Wait for an outstanding try to be answered before asking, so
             // every grant can be matched to its request.
@@ -606,12 +650,9 @@ impl Native {
                 Ok(false) => {
                     st.wanting -= 1;
                     st = self.withdraw(st);
-                    if take_spare(&mut st) {
-                        return Ok(true);
-                    }
                     // An abort or a dead broker says more than the timeout.
                     Self::check(&st)?;
-                    return Ok(false);
+                    return Ok(take_spare(&mut st));
                 }
                 Err(e) => break Err(e),
             }
@@ -637,10 +678,11 @@ impl Native {
     pub(crate) fn try_acquire(&self) -> Result<bool> {
         let mut st = lock(&self.state);
         self.drain(&mut st);
+        let mut st = self.settle_nowait(st);
+        Self::check(&st)?;
         if take_spare(&mut st) {
             return Ok(true);
         }
-        Self::check(&st)?;
         if st.acquires > 0 {
             // A grant for the pending acquire will come; asking again could
             // not be told apart from it.
@@ -650,27 +692,94 @@ impl Native {
         st.tries += 1;
         let (mut st, r) = self.wait_until(st, NO_DEADLINE, |s| s.tries == 0);
         r?;
-        if take_spare(&mut st) {
-            return Ok(true);
-        }
         Self::check(&st)?;
-        Ok(false)
+        Ok(take_spare(&mut st))
     }
 
-    /// Non-blocking: takes a grant that has arrived, or makes sure one is
-    /// requested so the socket becomes readable when it is granted.
-    pub(crate) fn take_grant(&self) -> Result<bool> {
+    /// Takes a grant that has arrived, or with `try_first` a token that is
+    /// free now (one round trip); otherwise makes sure one request is
+    /// queued, so the socket becomes readable when it is granted. Never
+    /// waits for a token to be released; without `try_first` never waits
+    /// for the broker at all.
+    pub(crate) fn take_grant(&self, try_first: bool) -> Result<bool> {
         let mut st = lock(&self.state);
         self.drain(&mut st);
+        let mut st = self.settle_nowait(st);
+        Self::check(&st)?;
         if take_spare(&mut st) {
             return Ok(true);
         }
+        if st.acquires + st.ready > st.wanting || st.tries > 0 {
+            // A request of this client's is queued: its grant will come.
+            return Ok(false);
+        }
+        if !try_first {
+            self.send(&Request::Acquire)?;
+            st.acquires += 1;
+            return Ok(false);
+        }
+        // Nothing queued: ask for a free token first, so one that is free
+        // now is handed over at once rather than after a pass through the
+        // caller's poll loop.
+        self.send(&Request::TryAcquire)?;
+        st.tries += 1;
+        let (mut st, r) = self.wait_until(st, NO_DEADLINE, |s| s.tries == 0);
+        r?;
         Self::check(&st)?;
-        if st.acquires + st.ready <= st.wanting && st.tries == 0 {
+        if take_spare(&mut st) {
+            return Ok(true);
+        }
+        if st.acquires + st.ready <= st.wanting {
             self.send(&Request::Acquire)?;
             st.acquires += 1;
         }
         Ok(false)
+    }
+
+    /// Withdraws, without waiting for the broker's answer, every request
+    /// beyond what blocked threads still want, and gives back any grant
+    /// that arrived for them. A grant that races the withdrawal goes back
+    /// to the broker when it arrives. Nothing is held or owed afterwards.
+    pub(crate) fn cancel_nowait(&self) -> Result<()> {
+        let mut st = lock(&self.state);
+        self.drain(&mut st);
+        if let Some((kind, msg)) = &st.dead {
+            return Err(Error::new(*kind, msg.clone()));
+        }
+        if st.aborted.is_some() {
+            // The broker ended every request with the abort.
+            return Ok(());
+        }
+        while st.ready > st.wanting {
+            st.ready -= 1;
+            self.send(&Request::Release)?;
+        }
+        if st.cancels > st.nowait_cancels {
+            // A blocking withdrawal is under way; it withdraws these too.
+            return Ok(());
+        }
+        while st.acquires > st.cancels && st.acquires - st.cancels > st.wanting {
+            self.send(&Request::Cancel)?;
+            st.cancels += 1;
+            st.nowait_cancels += 1;
+        }
+        Ok(())
+    }
+
+    /// Whether a request of this client is queued at the broker beyond
+    /// what its blocked threads wait for, or a grant for one has arrived
+    /// and is not taken yet.
+    pub(crate) fn pending(&self) -> Result<bool> {
+        let mut st = lock(&self.state);
+        self.drain(&mut st);
+        if let Some((kind, msg)) = &st.dead {
+            return Err(Error::new(*kind, msg.clone()));
+        }
+        if st.aborted.is_some() {
+            return Ok(false);
+        }
+        let queued = st.acquires.saturating_sub(st.cancels) + st.ready + st.tries;
+        Ok(queued > st.wanting)
     }
 
     /// Withdraws a request left by `take_grant` or an interrupted acquire
@@ -679,13 +788,16 @@ impl Native {
     pub(crate) fn cancel_pending(&self) -> Result<bool> {
         let mut st = lock(&self.state);
         self.drain(&mut st);
+        let st = self.settle_nowait(st);
         // Withdraws only requests beyond what blocked threads still want,
         // so their places in the queue are kept.
         let mut st = self.withdraw(st);
+        // After an abort nothing is handed out: a grant that raced it stays
+        // with the connection, and the broker takes it back.
+        Self::check(&st)?;
         // A grant that arrived and that no blocked thread waits for is the
         // caller's.
-        let got = take_spare(&mut st);
-        Self::check(&st).map(|()| got)
+        Ok(take_spare(&mut st))
     }
 
     pub(crate) fn release(&self) -> Result<()> {

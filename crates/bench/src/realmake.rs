@@ -1,0 +1,401 @@
+//! The build model with real makes (`herdless bench make`): one recursive
+//! tree run by each make variant in turn, in one run, so the figures can
+//! be compared as ratios.
+//!
+//! The tree: a top Makefile of `subs` sub-makes (`$(MAKE)`), each running
+//! `per` jobs that sleep `job_ms` milliseconds and record how many jobs
+//! run at once (the `mkdir`/`rmdir` trick of the tests, which only ever
+//! under-counts). The same Makefiles serve GNU make and bmake.
+//!
+//! What is measured, per variant:
+//! - wall time of the whole tree;
+//! - user + system CPU of the whole tree (`getrusage(RUSAGE_CHILDREN)`:
+//!   every make, every job, and a broker thread inside a make or in
+//!   `herdless run`);
+//! - voluntary context switches of the makes and the broker only: a small
+//!   preload library (compiled here with `cc`) appends, at each process's
+//!   exit, the process's own `getrusage(RUSAGE_SELF)` when its command name
+//!   contains `make` (`make`, `bmake`) or is `herdless` (a make's in-process broker thread
+//!   is part of its process; `herdless run` is the broker of the bridge
+//!   variant). Jobs (`sh`, `sleep`, `mkdir`) are left out: they are the
+//!   same in every variant;
+//! - the same per job (each job is one token's use);
+//! - the most jobs running at once.
+//!
+//! Nothing here asserts: these are reports.
+
+use std::ffi::OsString;
+use std::fmt::Write as _;
+use std::fs;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::time::Instant;
+
+use serde::Serialize;
+
+/// One way of running the tree.
+#[derive(Clone, Debug)]
+pub struct MakeVariant {
+    /// Short name for tables.
+    pub name: String,
+    /// The make binary.
+    pub make: PathBuf,
+    /// Run under `herdless run -j N` (the make gets no `-j`).
+    pub under_run: bool,
+    /// Extra environment.
+    pub env: Vec<(String, String)>,
+}
+
+/// The tree and the pool.
+#[derive(Clone, Debug)]
+pub struct MakeConfig {
+    /// The `herdless` binary (for the bridge variant).
+    pub exe: PathBuf,
+    /// Sub-makes the top make runs.
+    pub subs: u32,
+    /// Jobs per sub-make.
+    pub per: u32,
+    /// How long each job sleeps, in milliseconds.
+    pub job_ms: u32,
+    /// `-j`.
+    pub jobs: u32,
+    /// Runs per variant (the figures are the median run by wall time).
+    pub repeat: u32,
+}
+
+/// The figures of one variant.
+#[derive(Clone, Debug, Serialize)]
+pub struct MakeResult {
+    /// The variant's name.
+    pub variant: String,
+    /// Wall time of the whole tree, seconds.
+    pub wall_s: f64,
+    /// User + system CPU of the whole tree, seconds.
+    pub cpu_s: f64,
+    /// Voluntary context switches of the makes and the broker.
+    pub makes_vcsw: u64,
+    /// Of those, per job.
+    pub makes_vcsw_per_job: f64,
+    /// Voluntary context switches of the whole tree, jobs included.
+    pub tree_vcsw: u64,
+    /// Make (and broker) processes that reported.
+    pub makes: u32,
+    /// Jobs run.
+    pub jobs_run: usize,
+    /// The most jobs running at once.
+    pub most_at_once: u32,
+    /// Exit status of the top command.
+    pub ok: bool,
+}
+
+const JOB_SH: &str = r#"#!/bin/sh
+dir=$1
+mkdir "$dir/running/$$"
+set -- "$dir"/running/*
+echo "$#" >> "$dir/peaks"
+sleep "$JOB_SLEEP"
+rmdir "$dir/running/$$"
+echo x >> "$dir/done"
+"#;
+
+/// The preload library: each make-like process appends its own rusage.
+const PRELOAD_C: &str = r#"
+#define _GNU_SOURCE
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
+__attribute__((destructor)) static void herdless_bench_rusage(void) {
+    const char *out = getenv("HERDLESS_BENCH_RUSAGE");
+    char comm[64] = "";
+    FILE *f;
+    struct rusage ru;
+    if (!out) return;
+    f = fopen("/proc/self/comm", "r");
+    if (!f) return;
+    if (!fgets(comm, sizeof comm, f)) comm[0] = 0;
+    fclose(f);
+    comm[strcspn(comm, "\n")] = 0;
+    if (!strstr(comm, "make") && strcmp(comm, "herdless")) return;
+    if (getrusage(RUSAGE_SELF, &ru)) return;
+    char line[160];
+    int n = snprintf(line, sizeof line, "%s %ld %ld\n", comm, ru.ru_nvcsw, ru.ru_nivcsw);
+    int fd = open(out, O_WRONLY | O_APPEND | O_CREAT, 0600);
+    if (fd < 0) return;
+    if (write(fd, line, (size_t)n) < 0) {}
+    close(fd);
+}
+"#;
+
+fn children_usage() -> (f64, u64) {
+    // SAFETY: getrusage fills the struct it is given; zeroed is a valid
+    // initial value for it.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: a valid pointer to a rusage, RUSAGE_CHILDREN a valid who.
+    unsafe { libc::getrusage(libc::RUSAGE_CHILDREN, &mut ru) };
+    let secs = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
+    (secs(ru.ru_utime) + secs(ru.ru_stime), ru.ru_nvcsw as u64)
+}
+
+/// A scratch directory with the tree's Makefiles and the preload library.
+pub struct Workspace {
+    dir: PathBuf,
+    preload: PathBuf,
+}
+
+impl Workspace {
+    /// Writes the tree and compiles the preload library (with `cc`, or
+    /// `$CC`).
+    pub fn new(cfg: &MakeConfig) -> std::io::Result<Workspace> {
+        let dir = std::env::temp_dir().join(format!("herdless-bench-make-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        fs::create_dir_all(&dir)?;
+        fs::write(dir.join("job.sh"), JOB_SH)?;
+        let d = dir.display();
+        let mut sub = String::from("all:");
+        for j in 1..=cfg.per {
+            write!(sub, " j{j}").unwrap();
+        }
+        sub.push('\n');
+        for j in 1..=cfg.per {
+            writeln!(sub, "j{j}:\n\t@sh {d}/job.sh {d}/run").unwrap();
+        }
+        fs::write(dir.join("sub.mk"), sub)?;
+        let mut top = String::from("all:");
+        for s in 1..=cfg.subs {
+            write!(top, " s{s}").unwrap();
+        }
+        top.push('\n');
+        for s in 1..=cfg.subs {
+            writeln!(top, "s{s}:\n\t@${{MAKE}} -f {d}/sub.mk").unwrap();
+        }
+        fs::write(dir.join("Makefile"), top)?;
+        fs::write(dir.join("preload.c"), PRELOAD_C)?;
+        let preload = dir.join("preload.so");
+        let cc = std::env::var_os("CC").unwrap_or_else(|| "cc".into());
+        let out = Command::new(&cc)
+            .args(["-shared", "-fPIC", "-O2", "-o"])
+            .arg(&preload)
+            .arg(dir.join("preload.c"))
+            .output()?;
+        if !out.status.success() {
+            return Err(std::io::Error::other(format!(
+                "cannot compile the rusage preload library: {}",
+                String::from_utf8_lossy(&out.stderr)
+            )));
+        }
+        Ok(Workspace { dir, preload })
+    }
+
+    fn reset(&self) -> std::io::Result<PathBuf> {
+        let run = self.dir.join("run");
+        let _ = fs::remove_dir_all(&run);
+        fs::create_dir_all(run.join("running"))?;
+        Ok(run)
+    }
+}
+
+impl Drop for Workspace {
+    fn drop(&mut self) {
+        let _ = fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Runs the tree once with `v`.
+pub fn run_once(cfg: &MakeConfig, ws: &Workspace, v: &MakeVariant) -> std::io::Result<MakeResult> {
+    let run = ws.reset()?;
+    let rusage = run.join("rusage");
+    let mut cmd = if v.under_run {
+        let mut c = Command::new(&cfg.exe);
+        c.args(["run", "-j", &cfg.jobs.to_string(), "--"])
+            .arg(&v.make)
+            .arg("-f")
+            .arg(ws.dir.join("Makefile"));
+        c
+    } else {
+        let mut c = Command::new(&v.make);
+        c.arg(format!("-j{}", cfg.jobs))
+            .arg("-f")
+            .arg(ws.dir.join("Makefile"));
+        c
+    };
+    for var in [
+        "HERDLESS_SOCKET",
+        "MAKEFLAGS",
+        "MFLAGS",
+        "MAKELEVEL",
+        "CARGO_MAKEFLAGS",
+        "HERDLESS_MAKE",
+    ] {
+        cmd.env_remove(var);
+    }
+    let mut preload = OsString::from(&ws.preload);
+    if let Some(old) = std::env::var_os("LD_PRELOAD") {
+        preload.push(" ");
+        preload.push(old);
+    }
+    cmd.env("LD_PRELOAD", preload)
+        .env("HERDLESS_BENCH_RUSAGE", &rusage)
+        .env(
+            "JOB_SLEEP",
+            format!("{:.3}", f64::from(cfg.job_ms) / 1000.0),
+        )
+        .current_dir(&ws.dir)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    for (k, val) in &v.env {
+        cmd.env(k, val);
+    }
+    let (cpu0, vcsw0) = children_usage();
+    let start = Instant::now();
+    let status = cmd.status()?;
+    let wall = start.elapsed();
+    let (cpu1, vcsw1) = children_usage();
+    let reports = fs::read_to_string(&rusage).unwrap_or_default();
+    let mut makes = 0;
+    let mut makes_vcsw = 0u64;
+    for line in reports.lines() {
+        let mut w = line.split_whitespace().skip(1);
+        if let Some(n) = w.next().and_then(|n| n.parse::<u64>().ok()) {
+            makes += 1;
+            makes_vcsw += n;
+        }
+    }
+    let jobs_run = fs::read_to_string(run.join("done"))
+        .unwrap_or_default()
+        .lines()
+        .count();
+    let most = fs::read_to_string(run.join("peaks"))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.trim().parse().ok())
+        .max()
+        .unwrap_or(0);
+    Ok(MakeResult {
+        variant: v.name.clone(),
+        wall_s: wall.as_secs_f64(),
+        cpu_s: cpu1 - cpu0,
+        makes_vcsw,
+        makes_vcsw_per_job: makes_vcsw as f64 / jobs_run.max(1) as f64,
+        tree_vcsw: vcsw1 - vcsw0,
+        makes,
+        jobs_run,
+        most_at_once: most,
+        ok: status.success(),
+    })
+}
+
+/// Runs every variant `cfg.repeat` times, interleaved (variant A, B, C, A,
+/// B, C, …) so that a change in the machine's load hits all alike, and
+/// keeps each variant's median run by wall time.
+pub fn run_all(
+    cfg: &MakeConfig,
+    variants: &[MakeVariant],
+    mut progress: impl FnMut(&str),
+) -> std::io::Result<Vec<MakeResult>> {
+    let ws = Workspace::new(cfg)?;
+    let mut runs: Vec<Vec<MakeResult>> = vec![Vec::new(); variants.len()];
+    for round in 0..cfg.repeat {
+        for (i, v) in variants.iter().enumerate() {
+            progress(&format!("{} (round {}/{})", v.name, round + 1, cfg.repeat));
+            runs[i].push(run_once(cfg, &ws, v)?);
+        }
+    }
+    Ok(runs
+        .into_iter()
+        .map(|mut r| {
+            r.sort_by(|a, b| a.wall_s.total_cmp(&b.wall_s));
+            r.swap_remove(r.len() / 2)
+        })
+        .collect())
+}
+
+/// The results as a table, with ratios to the first variant.
+pub fn table(results: &[MakeResult]) -> String {
+    let mut out = String::new();
+    writeln!(
+        out,
+        "{:<26} {:>8} {:>8} {:>10} {:>9} {:>10} {:>6} {:>6} {:>5}",
+        "variant", "wall s", "CPU s", "makes vcsw", "per job", "tree vcsw", "jobs", "most", "ok"
+    )
+    .unwrap();
+    for r in results {
+        writeln!(
+            out,
+            "{:<26} {:>8.2} {:>8.2} {:>10} {:>9.2} {:>10} {:>6} {:>6} {:>5}",
+            r.variant,
+            r.wall_s,
+            r.cpu_s,
+            r.makes_vcsw,
+            r.makes_vcsw_per_job,
+            r.tree_vcsw,
+            r.jobs_run,
+            r.most_at_once,
+            if r.ok { "yes" } else { "NO" }
+        )
+        .unwrap();
+    }
+    if let Some(base) = results.first() {
+        writeln!(out, "\nratios to {}:", base.variant).unwrap();
+        for r in &results[1..] {
+            writeln!(
+                out,
+                "{:<26} wall {:.2}  CPU {:.2}  makes' vcsw per job {:.2}",
+                r.variant,
+                r.wall_s / base.wall_s,
+                r.cpu_s / base.cpu_s,
+                r.makes_vcsw_per_job / base.makes_vcsw_per_job.max(f64::MIN_POSITIVE)
+            )
+            .unwrap();
+        }
+    }
+    out
+}
+
+/// A bar chart (SVG) of the makes' voluntary context switches per job.
+pub fn svg(results: &[MakeResult], caption: &str) -> String {
+    let width = 720.0;
+    let bar_h = 28.0;
+    let left = 230.0;
+    let top = 40.0;
+    let height = top + bar_h * results.len() as f64 + 50.0;
+    let max = results
+        .iter()
+        .map(|r| r.makes_vcsw_per_job)
+        .fold(0.0, f64::max)
+        .max(f64::MIN_POSITIVE);
+    let mut s = format!(
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{width}\" height=\"{height}\" \
+         font-family=\"sans-serif\" font-size=\"13\">\n\
+         <text x=\"10\" y=\"22\" font-size=\"15\">Voluntary context switches of the makes and the broker, per job</text>\n"
+    );
+    for (i, r) in results.iter().enumerate() {
+        let y = top + bar_h * i as f64;
+        let w = (width - left - 80.0) * r.makes_vcsw_per_job / max;
+        let _ = writeln!(
+            s,
+            "<text x=\"10\" y=\"{ty}\">{name}</text>\
+             <rect x=\"{left}\" y=\"{y}\" width=\"{w:.1}\" height=\"{h}\" fill=\"#4a7ab5\"/>\
+             <text x=\"{tx:.1}\" y=\"{ty}\">{v:.2}</text>",
+            ty = y + bar_h * 0.65,
+            name = r.variant,
+            h = bar_h - 8.0,
+            tx = left + w + 6.0,
+            v = r.makes_vcsw_per_job
+        );
+    }
+    let _ = write!(
+        s,
+        "<text x=\"10\" y=\"{}\" font-size=\"11\">{}</text>\n</svg>\n",
+        height - 16.0,
+        caption
+            .replace('&', "&amp;")
+            .replace('<', "&lt;")
+            .replace('>', "&gt;")
+    );
+    s
+}

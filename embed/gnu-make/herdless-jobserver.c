@@ -1,0 +1,428 @@
+/* GNU make 4.4.1's jobserver on herdless.
+ *
+ * GNU make reaches its jobserver only through the jobserver_* functions
+ * declared in src/os.h (defined in src/posixos.c). This file is linked
+ * with `-Wl,--wrap=jobserver_<name>` for each of them, so every call from
+ * make's other files lands here; the stock functions stay reachable as
+ * __real_jobserver_<name>. make's own sources are not changed.
+ *
+ * Modes (the environment variable HERDLESS_MAKE):
+ *   unset or "auto"  a sub-make whose environment names a broker
+ *                    (HERDLESS_SOCKET) takes its tokens from it; a make
+ *                    started with -jN (a new jobserver group, the top of a
+ *                    tree) starts a broker inside this process, with a
+ *                    classic FIFO for stock sub-makes, cargo and gcc;
+ *                    anything else is stock.
+ *   "client"         as auto, but never starts a broker: a top-level -jN
+ *                    makes the stock pipe or FIFO.
+ *   "stock"          never herdless: the stock jobserver throughout.
+ * `--jobserver-style=pipe` on the command line also keeps the stock
+ * jobserver for that make's group.
+ *
+ * Either way the classic side stays stock-compatible: stock sub-makes get
+ * --jobserver-auth in MAKEFLAGS as before (the broker's FIFO for a group
+ * this make started, or the one this make was given), and their tokens
+ * come from the same pool.
+ *
+ * The implicit token stays make's own (a make is a job runner): GNU make
+ * never asks for a token
+ * while no job of its runs (jobserver_tokens == 0), and gives one back
+ * only when the job that ends is not its last. That maps one to one onto
+ * herdless_request_grant / herdless_release, which deal in shared tokens
+ * only. Its jobs get HERDLESS_SLOT (herdless_slot_env), so that a
+ * `herdless exec` in a recipe borrows this make's slot.
+ *
+ * HERDLESS_MAKE_STATS=FILE: a make that started a broker appends one line
+ * to FILE when it stops it: "jobs J native_grants G classic_offered C
+ * max_in_use M lost L". For tests and benchmarks.
+ */
+
+#include "makeint.h"
+#include "os.h"
+#include "variable.h"
+#include "debug.h"
+
+#include <errno.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/select.h>
+#include <unistd.h>
+
+#include "herdless.h"
+
+/* The stock functions, reached through the linker's --wrap. */
+unsigned int __real_jobserver_enabled (void);
+unsigned int __real_jobserver_setup (int slots, const char *style);
+unsigned int __real_jobserver_parse_auth (const char *auth);
+char *__real_jobserver_get_auth (void);
+const char *__real_jobserver_get_invalid_auth (void);
+void __real_jobserver_clear (void);
+unsigned int __real_jobserver_acquire_all (void);
+void __real_jobserver_release (int is_fatal);
+void __real_jobserver_signal (void);
+void __real_jobserver_pre_child (int recursive);
+void __real_jobserver_post_child (int recursive);
+void __real_jobserver_pre_acquire (void);
+unsigned int __real_jobserver_acquire (int timeout);
+void __real_reap_children (int block, int err);
+
+/* Non-NULL: this make takes its tokens from herdless. */
+static herdless_client *hl;
+/* The broker this make started for its group, if any. */
+static herdless_broker *broker;
+/* The pool's size when this make started the broker. */
+static unsigned int broker_slots;
+/* The process that owns the broker (not a forked child). */
+static pid_t broker_pid;
+/* Paths removed from a fatal-signal handler, where only async-signal-safe
+ * calls may be made: the socket, the FIFO, their directory. */
+static char *doomed_socket, *doomed_fifo, *doomed_dir;
+
+static const char *
+mode (void)
+{
+  const char *m = getenv ("HERDLESS_MAKE");
+  return m && *m ? m : "auto";
+}
+
+static int
+mode_is (const char *m)
+{
+  return strcmp (mode (), m) == 0;
+}
+
+/* Exports NAME=VALUE to every command this make runs: make builds its
+   children's environment from its variables, read at start-up. */
+static void
+export_variable (const char *name, const char *value)
+{
+  struct variable *v = define_variable_global (name, strlen (name), value,
+                                               o_env, 0, NILF);
+  if (v)
+    v->export = v_export;
+}
+
+/* This make is a job runner: its jobs may borrow its implicit token (a
+   `herdless exec` in a recipe runs in this make's slot), named for them in
+   HERDLESS_SLOT. */
+static void
+export_slot (void)
+{
+  const char *slot = herdless_slot_env (hl);
+  const char *eq = slot ? strchr (slot, '=') : NULL;
+  if (eq)
+    export_variable ("HERDLESS_SLOT", eq + 1);
+}
+
+static void
+report (const herdless_broker_report *r)
+{
+  const char *file = getenv ("HERDLESS_MAKE_STATS");
+  FILE *f;
+  if (!file || !*file)
+    return;
+  f = fopen (file, "a");
+  if (!f)
+    return;
+  fprintf (f, "jobs %u native_grants %llu classic_offered %llu "
+           "max_in_use %u lost %lld\n", r->jobs,
+           (unsigned long long) r->native_grants,
+           (unsigned long long) r->classic_offered, r->max_in_use,
+           (long long) r->lost);
+  fclose (f);
+}
+
+/* Stops the broker this make started; returns the tokens it lost. */
+static int
+stop_broker (void)
+{
+  herdless_broker_report r;
+  int lost;
+  if (!broker || getpid () != broker_pid)
+    return 0;
+  if (hl)
+    {
+      herdless_client_free (hl);
+      hl = NULL;
+    }
+  memset (&r, 0, sizeof r);
+  lost = herdless_broker_stop (broker, &r);
+  broker = NULL;
+  if (lost < 0)
+    {
+      OS (error, NILF, "herdless: the jobserver's broker failed: %s",
+          herdless_strerror (lost));
+      return 0;
+    }
+  report (&r);
+  return lost;
+}
+
+static void
+stop_broker_at_exit (void)
+{
+  stop_broker ();
+}
+
+unsigned int
+__wrap_jobserver_setup (int slots, const char *style)
+{
+  const char *auth;
+  herdless_client *c;
+
+  if (!mode_is ("auto") || (style && strcmp (style, "fifo") != 0))
+    return __real_jobserver_setup (slots, style);
+
+  /* In make's own temporary directory (MAKE_TMPDIR, TMPDIR), where the
+     stock jobserver would put its FIFO. */
+  broker = herdless_broker_start ((unsigned int) slots + 1,
+                                  HERDLESS_BROKER_CLASSIC_FIFO, get_tmpdir ());
+  if (!broker)
+    {
+      /* The stock jobserver reports what is wrong (the same directory) in
+         its own words, and copes as it does. */
+      DB (DB_JOBS, ("herdless: cannot start a broker (%s): stock jobserver\n",
+                    herdless_strerror (-errno)));
+      return __real_jobserver_setup (slots, style);
+    }
+  broker_pid = getpid ();
+  broker_slots = (unsigned int) slots;
+  c = herdless_client_native_from_env ();
+  if (!c)
+    {
+      OS (error, NILF, "herdless: cannot connect to this make's broker (%s): "
+          "using the stock jobserver", herdless_strerror (-errno));
+      herdless_broker_stop (broker, NULL);
+      broker = NULL;
+      return __real_jobserver_setup (slots, style);
+    }
+  hl = c;
+  export_slot ();
+  auth = herdless_broker_classic_auth (broker);
+  doomed_socket = xstrdup (herdless_broker_socket (broker));
+  doomed_fifo = xstrdup (auth + CSTRLEN ("fifo:"));
+  doomed_dir = xstrdup (herdless_broker_dir (broker));
+  export_variable ("HERDLESS_SOCKET", herdless_broker_socket (broker));
+  {
+    static int registered;
+    if (!registered)
+      registered = !atexit (stop_broker_at_exit);
+  }
+  DB (DB_JOBS, ("herdless: broker for -j%d at %s\n", slots + 1,
+                herdless_broker_socket (broker)));
+  return 1;
+}
+
+unsigned int
+__wrap_jobserver_parse_auth (const char *auth)
+{
+  herdless_client *c;
+  unsigned int classic;
+
+  if (mode_is ("stock") || !getenv ("HERDLESS_SOCKET")
+      || !*getenv ("HERDLESS_SOCKET"))
+    return __real_jobserver_parse_auth (auth);
+
+  /* The classic jobserver still decides whether this make may run jobs in
+     parallel at all (a parent that did not mark the recipe as recursive
+     hands down -2,-2), and stays open for stock children. */
+  classic = __real_jobserver_parse_auth (auth);
+  if (!classic)
+    return 0;
+  c = herdless_client_native_from_env ();
+  if (!c)
+    {
+      DB (DB_JOBS, ("herdless: no broker at %s (%s): stock jobserver\n",
+                    getenv ("HERDLESS_SOCKET"), herdless_strerror (-errno)));
+      return classic;
+    }
+  hl = c;
+  export_slot ();
+  DB (DB_JOBS, ("herdless: tokens from the broker at %s\n",
+                getenv ("HERDLESS_SOCKET")));
+  return 1;
+}
+
+unsigned int
+__wrap_jobserver_enabled (void)
+{
+  return hl ? 1 : __real_jobserver_enabled ();
+}
+
+char *
+__wrap_jobserver_get_auth (void)
+{
+  if (broker)
+    return xstrdup (herdless_broker_classic_auth (broker));
+  return __real_jobserver_get_auth ();
+}
+
+const char *
+__wrap_jobserver_get_invalid_auth (void)
+{
+  /* A FIFO needs no invalidating: children that are not sub-makes cannot
+     use it by accident. */
+  if (broker)
+    return NULL;
+  return __real_jobserver_get_invalid_auth ();
+}
+
+void
+__wrap_jobserver_clear (void)
+{
+  if (handling_fatal_signal)
+    {
+      /* In a signal handler: remove the broker's files, nothing else. The
+         process is about to die, and its broker thread with it. */
+      if (broker && getpid () == broker_pid)
+        {
+          if (doomed_socket)
+            unlink (doomed_socket);
+          if (doomed_fifo)
+            unlink (doomed_fifo);
+          if (doomed_dir)
+            rmdir (doomed_dir);
+        }
+      __real_jobserver_clear ();
+      return;
+    }
+  if (broker)
+    stop_broker ();
+  if (hl)
+    {
+      herdless_client_free (hl);
+      hl = NULL;
+    }
+  __real_jobserver_clear ();
+}
+
+unsigned int
+__wrap_jobserver_acquire_all (void)
+{
+  int lost;
+  if (!broker)
+    return __real_jobserver_acquire_all ();
+  /* Every job has ended: the broker's own count says whether every token
+     came home, which is what make asks here. */
+  lost = stop_broker ();
+  __wrap_jobserver_clear ();
+  return lost > 0 && (unsigned int) lost < broker_slots
+         ? broker_slots - (unsigned int) lost
+         : lost > 0 ? 0 : broker_slots;
+}
+
+void
+__wrap_jobserver_release (int is_fatal)
+{
+  int r;
+  if (!hl)
+    {
+      __real_jobserver_release (is_fatal);
+      return;
+    }
+  r = herdless_release (hl);
+  if (r < 0)
+    {
+      if (is_fatal)
+        OS (fatal, NILF, "herdless: cannot give a token back: %s",
+            herdless_strerror (r));
+      OS (error, NILF, "herdless: cannot give a token back: %s",
+          herdless_strerror (r));
+    }
+}
+
+void
+__wrap_jobserver_signal (void)
+{
+  __real_jobserver_signal ();
+}
+
+void
+__wrap_jobserver_pre_child (int recursive)
+{
+  __real_jobserver_pre_child (recursive);
+}
+
+void
+__wrap_jobserver_post_child (int recursive)
+{
+  __real_jobserver_post_child (recursive);
+}
+
+void
+__wrap_jobserver_pre_acquire (void)
+{
+  if (!hl)
+    __real_jobserver_pre_acquire ();
+}
+
+/* make calls this with SIGCHLD blocked; it is unblocked only inside
+   pselect, so a child that ends is never missed: pselect fails with EINTR
+   and make goes to reap it. The request then stays queued at the broker
+   (make keeps its place) and a later call picks its grant up. Returns 1
+   with a token, 0 without. */
+unsigned int
+__wrap_jobserver_acquire (int timeout)
+{
+  sigset_t empty;
+  struct timespec spec;
+  struct timespec *specp = NULL;
+
+  if (!hl)
+    return __real_jobserver_acquire (timeout);
+
+  sigemptyset (&empty);
+  if (timeout)
+    {
+      /* Jobs wait for the load average to drop: come back in a second. */
+      spec.tv_sec = 1;
+      spec.tv_nsec = 0;
+      specp = &spec;
+    }
+  while (1)
+    {
+      fd_set readfds;
+      int fd;
+      /* At a high -j the pool is usually empty: queue the request with
+         one message rather than asking first whether a token is free (a
+         second broker wake-up per token). A free one makes the socket
+         readable at once. */
+      int r = herdless_request_grant (hl);
+      if (r == 0)
+        return 1;
+      if (r == -ECANCELED)
+        O (fatal, NILF,
+           "herdless: the build was aborted in another branch of the tree");
+      if (r != -EAGAIN)
+        OS (fatal, NILF, "herdless: cannot get a job token: %s",
+            herdless_strerror (r));
+      fd = herdless_fd (hl);
+      FD_ZERO (&readfds);
+      FD_SET (fd, &readfds);
+      r = pselect (fd + 1, &readfds, NULL, NULL, specp, &empty);
+      if (r < 0)
+        {
+          if (errno == EINTR)
+            return 0;
+          pfatal_with_name ("pselect herdless socket");
+        }
+      if (r == 0)
+        return 0;
+      /* Readable: a grant, an abort or the broker's end; take_grant says
+         which. */
+    }
+}
+
+/* Not a jobserver function: make's blocking wait for a child, called from
+   remake.c when no other job can start (and while dying). A request left
+   queued by jobserver_acquire is not wanted any more then: withdraw it, so
+   the token goes to another waiter instead of idling here. */
+void
+__wrap_reap_children (int block, int err)
+{
+  if (block && hl && herdless_pending (hl) > 0)
+    herdless_cancel_nowait (hl);
+  __real_reap_children (block, err);
+}

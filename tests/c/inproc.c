@@ -1,0 +1,221 @@
+/* An in-process broker, as a top-level make starts one, and the calls a
+ * make's poll loop leans on: capacity, status, take_grant handing over a
+ * free token at once, pending, the non-blocking cancel (with a grant
+ * racing it), nothing handed out after an abort, and a connect that never
+ * falls back to a classic jobserver. Runs with no jobserver in its
+ * environment. */
+#define _POSIX_C_SOURCE 200809L
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "check.h"
+
+/* Waits (no timeout: the test's harness has one) until c's descriptor is
+ * readable, then takes the grant. */
+static int wait_grant(herdless_client *c) {
+    for (;;) {
+        int r = herdless_take_grant(c);
+        if (r != -EAGAIN) return r;
+        struct pollfd p = {.fd = herdless_fd(c), .events = POLLIN};
+        if (poll(&p, 1, -1) < 0 && errno != EINTR) return -errno;
+    }
+}
+
+/* The broker's "free" figure, from its status report. */
+static long status_field(herdless_client *c, const char *name) {
+    char buf[8192];
+    int n = herdless_status(c, buf, sizeof buf);
+    REQUIRE(n > 0 && (size_t)n < sizeof buf);
+    char key[64];
+    snprintf(key, sizeof key, "\"%s\":", name);
+    const char *at = strstr(buf, key);
+    REQUIRE(at != NULL);
+    return strtol(at + strlen(key), NULL, 10);
+}
+
+int main(void) {
+    /* Bad arguments. */
+    errno = 0;
+    CHECK(herdless_broker_start(0, 0, NULL) == NULL);
+    CHECK_EQ(errno, EINVAL);
+    errno = 0;
+    CHECK(herdless_broker_start(4, 64, NULL) == NULL);
+    CHECK_EQ(errno, EINVAL);
+    errno = 0;
+    CHECK(herdless_broker_start(4, 0, "/nonexistent/dir") == NULL);
+    CHECK_EQ(errno, ENOENT);
+    CHECK_EQ(herdless_broker_stop(NULL, NULL), -EINVAL);
+    CHECK(herdless_broker_socket(NULL) == NULL);
+    CHECK_EQ(herdless_capacity(NULL), -EINVAL);
+    CHECK_EQ(herdless_pending(NULL), -EINVAL);
+    CHECK_EQ(herdless_cancel_nowait(NULL), -EINVAL);
+    CHECK_EQ(herdless_status(NULL, NULL, 0), -EINVAL);
+
+    /* Without a broker, the native-only connect finds nothing, even with
+     * a classic jobserver in MAKEFLAGS (which the other connect takes). */
+    int fds[2];
+    REQUIRE(pipe(fds) == 0);
+    char flags[64];
+    snprintf(flags, sizeof flags, " -j2 --jobserver-auth=%d,%d", fds[0], fds[1]);
+    setenv("MAKEFLAGS", flags, 1);
+    errno = 0;
+    CHECK(herdless_client_native_from_env() == NULL);
+    CHECK_EQ(errno, ENOENT);
+    herdless_client *classic = herdless_client_from_env();
+    CHECK(classic != NULL);
+    CHECK_EQ(herdless_capacity(classic), 1);
+    CHECK_EQ(herdless_pending(classic), 0);
+    CHECK_EQ(herdless_cancel_nowait(classic), 0);
+    char small[8];
+    CHECK_EQ(herdless_status(classic, small, sizeof small), -ENOTSUP);
+    herdless_client_free(classic);
+
+    /* -j 4 with a classic FIFO for stock makes. */
+    herdless_broker *b = herdless_broker_start(4, HERDLESS_BROKER_CLASSIC_FIFO, NULL);
+    REQUIRE(b != NULL);
+    const char *sock = herdless_broker_socket(b);
+    REQUIRE(sock != NULL && getenv("HERDLESS_SOCKET") != NULL);
+    CHECK(strcmp(getenv("HERDLESS_SOCKET"), sock) == 0);
+    const char *auth = herdless_broker_classic_auth(b);
+    REQUIRE(auth != NULL);
+    CHECK(strncmp(auth, "fifo:", 5) == 0);
+    struct stat st;
+    CHECK(stat(auth + 5, &st) == 0 && S_ISFIFO(st.st_mode));
+    char dir[4096];
+    snprintf(dir, sizeof dir, "%s", herdless_broker_dir(b));
+
+    herdless_client *c = herdless_client_native_from_env();
+    REQUIRE(c != NULL);
+    CHECK_EQ(herdless_capacity(c), 3);
+    CHECK_EQ(status_field(c, "jobs"), 4);
+    /* Free tokens come at once, with no pass through a poll loop (the
+     * bridge had parked them in the FIFO: they are taken back). */
+    CHECK_EQ(herdless_take_grant(c), 0);
+    CHECK_EQ(herdless_take_grant(c), 0);
+    CHECK_EQ(herdless_take_grant(c), 0);
+    for (int i = 0; i < 3; i++) CHECK_EQ(herdless_release(c), 0);
+    herdless_client_free(c);
+    herdless_broker_report rep;
+    memset(&rep, 0xff, sizeof rep);
+    CHECK_EQ(herdless_broker_stop(b, &rep), 0);
+    CHECK_EQ(rep.jobs, 4);
+    CHECK_EQ(rep.lost, 0);
+    CHECK_EQ(rep.max_in_use, 3);
+    CHECK_EQ(rep.aborted, 0);
+    /* The socket, FIFO and directory are gone; the variable too. */
+    CHECK(access(dir, F_OK) != 0);
+    CHECK(getenv("HERDLESS_SOCKET") == NULL);
+
+    /* The rest, natives only: a classic bridge keeps an offer in its FIFO
+     * for classic clients while natives wait, which these exact checks
+     * would have to account for. */
+    b = herdless_broker_start(4, 0, NULL);
+    REQUIRE(b != NULL);
+    CHECK(herdless_broker_classic_auth(b) == NULL);
+    c = herdless_client_native_from_env();
+    herdless_client *d = herdless_client_native_from_env();
+    REQUIRE(c != NULL && d != NULL);
+    CHECK_EQ(herdless_pending(c), 0);
+    CHECK_EQ(herdless_take_grant(c), 0);
+    CHECK_EQ(herdless_take_grant(c), 0);
+    CHECK_EQ(herdless_take_grant(c), 0);
+    CHECK_EQ(herdless_pending(c), 0);
+    /* The pool is empty: the next one queues. */
+    CHECK_EQ(herdless_take_grant(c), -EAGAIN);
+    CHECK_EQ(herdless_pending(c), 1);
+    CHECK_EQ(herdless_take_grant(c), -EAGAIN); /* still the same request */
+    CHECK_EQ(status_field(c, "waiting"), 1);
+
+    /* Withdrawn without waiting: d queues behind it and gets the next
+     * release, which would have gone to c had c's request stayed. */
+    CHECK_EQ(herdless_cancel_nowait(c), 0);
+    CHECK_EQ(herdless_take_grant(d), -EAGAIN);
+    CHECK_EQ(herdless_release(c), 0);
+    CHECK_EQ(wait_grant(d), 0);
+    CHECK_EQ(herdless_pending(c), 0);
+
+    /* A grant that races the withdrawal goes back by itself: c queues, d
+     * releases (the grant is on its way to c), c withdraws at once. d then
+     * queues and must get that token back, never stall. */
+    CHECK_EQ(herdless_take_grant(c), -EAGAIN);
+    CHECK_EQ(herdless_release(d), 0);
+    CHECK_EQ(herdless_cancel_nowait(c), 0);
+    CHECK_EQ(wait_grant(d), 0);
+    /* Both ways round: the grant already arrived before the withdrawal. */
+    CHECK_EQ(herdless_take_grant(c), -EAGAIN);
+    CHECK_EQ(herdless_release(d), 0);
+    {
+        struct pollfd p = {.fd = herdless_fd(c), .events = POLLIN};
+        CHECK_EQ(poll(&p, 1, -1), 1);
+    }
+    CHECK_EQ(herdless_pending(c), 1);
+    CHECK_EQ(herdless_cancel_nowait(c), 0);
+    CHECK_EQ(herdless_pending(c), 0);
+    CHECK_EQ(wait_grant(d), 0);
+    /* c holds 2, d holds 1: nothing idles anywhere. */
+    CHECK_EQ(status_field(d, "in_use"), 3);
+    CHECK_EQ(status_field(d, "free"), 0);
+
+    /* request_grant never waits for the broker: with a token free it
+     * returns -EAGAIN, and the grant makes the descriptor readable. */
+    CHECK_EQ(herdless_release(d), 0);
+    CHECK_EQ(herdless_request_grant(d), -EAGAIN);
+    CHECK_EQ(herdless_request_grant(d), -EAGAIN); /* one request only */
+    {
+        struct pollfd p = {.fd = herdless_fd(d), .events = POLLIN};
+        CHECK_EQ(poll(&p, 1, -1), 1);
+    }
+    CHECK_EQ(herdless_request_grant(d), 0);
+    CHECK_EQ(herdless_pending(d), 0);
+
+    /* No grant is handed out after an abort, even one that arrived first:
+     * c queues, d releases (the grant reaches c), d aborts. */
+    CHECK_EQ(herdless_take_grant(c), -EAGAIN);
+    CHECK_EQ(herdless_release(d), 0);
+    {
+        struct pollfd p = {.fd = herdless_fd(c), .events = POLLIN};
+        CHECK_EQ(poll(&p, 1, -1), 1);
+    }
+    CHECK_EQ(herdless_abort(d, 'E'), 0);
+    /* The abort reaches c after the grant: wait for it. */
+    while (herdless_aborted(c) == 0) {
+        struct pollfd p = {.fd = herdless_fd(c), .events = POLLIN};
+        poll(&p, 1, -1);
+    }
+    CHECK_EQ(herdless_take_grant(c), -ECANCELED);
+    CHECK_EQ(herdless_cancel(c), -ECANCELED);
+    CHECK_EQ(herdless_try_acquire(c), -ECANCELED);
+    CHECK_EQ(herdless_acquire(c, 0), -ECANCELED);
+    CHECK_EQ(herdless_pending(c), 0);
+    CHECK_EQ(herdless_cancel_nowait(c), 0);
+    CHECK_EQ(herdless_release(c), 0);
+    CHECK_EQ(herdless_release(c), 0);
+    herdless_client_free(c);
+    herdless_client_free(d);
+
+    memset(&rep, 0xff, sizeof rep);
+    CHECK_EQ(herdless_broker_stop(b, &rep), 0);
+    CHECK_EQ(rep.lost, 0);
+    CHECK_EQ(rep.max_in_use, 3);
+    CHECK(rep.native_grants >= 8);
+    CHECK_EQ(rep.classic_offered, 0);
+    CHECK_EQ(rep.aborted, 'E');
+
+    /* A pipe-style bridge for bmakes: R,W open without close-on-exec. */
+    b = herdless_broker_start(3, HERDLESS_BROKER_CLASSIC_PIPE | HERDLESS_BROKER_BMAKE, "/tmp");
+    REQUIRE(b != NULL);
+    int r = -1, w = -1;
+    CHECK(strncmp(herdless_broker_dir(b), "/tmp/herdless-", 14) == 0);
+    CHECK_EQ(sscanf(herdless_broker_classic_auth(b), "%d,%d", &r, &w), 2);
+    CHECK(fcntl(r, F_GETFD) == 0 && fcntl(w, F_GETFD) == 0);
+    CHECK_EQ(herdless_broker_stop(b, NULL), 0);
+    CHECK(fcntl(r, F_GETFD) < 0 && errno == EBADF);
+
+    return check_done("inproc");
+}

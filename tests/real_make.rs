@@ -1,0 +1,427 @@
+//! GNU make 4.4.1 built with herdless as its jobserver backend
+//! (`embed/gnu-make/build.sh`, `target/embed/gnu-make/bin/make`), running
+//! real recursive trees: herdless sub-makes, stock GNU make 4.4.1
+//! sub-makes on the broker's classic FIFO, and nested sub-makes, under
+//! `-j 1/4/16`. Counts and invariants only: at most N jobs at once and N
+//! reached, every job run, no token lost, tokens really granted through
+//! herdless, a failing job stops the tree, SIGINT leaves nothing behind.
+
+mod common;
+
+use std::fs;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use common::{stat, JobTree as Tree, BIN, PATIENCE};
+
+fn repo_file(rel: &str, var: &str, how: &str) -> PathBuf {
+    let path = std::env::var_os(var)
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join(rel));
+    assert!(
+        path.exists(),
+        "{} not found: run `{how}` (CI does), or name it in {var}",
+        path.display()
+    );
+    path
+}
+
+/// GNU make 4.4.1 with herdless inside.
+fn herdless_make() -> PathBuf {
+    repo_file(
+        "target/embed/gnu-make/bin/make",
+        "HERDLESS_EMBED_GNU_MAKE",
+        "bash embed/gnu-make/build.sh",
+    )
+}
+
+/// Stock GNU make 4.4.1 (reads `fifo:` jobservers).
+fn stock_make() -> PathBuf {
+    repo_file(
+        "target/tools/gnu-make-4.4.1/bin/make",
+        "HERDLESS_GNU_MAKE_44",
+        "bash ci/build-gnu-make-4.4.1.sh",
+    )
+}
+
+/// The tree: the top Makefile runs six branches of eight jobs. Branches 1
+/// to 3 are herdless sub-makes (`$(MAKE)`), branch 1 with a nested
+/// herdless sub-make of its own; branches 4 and 5 are stock GNU make
+/// 4.4.1 on the classic FIFO; branch 6 is a herdless sub-make whose own
+/// sub-make is stock.
+fn tree(t: &Tree) -> usize {
+    let stock = stock_make();
+    let per = 8;
+    for b in 1..=6 {
+        t.flat_makefile(&format!("sub{b}.mk"), &format!("b{b}j"), per);
+    }
+    t.flat_makefile("nested1.mk", "n1j", per);
+    t.flat_makefile("nested6.mk", "n6j", per);
+    let d = t.dir.display();
+    let append = |file: &str, text: String| {
+        let path = t.path(file);
+        let mut mk = fs::read_to_string(&path).unwrap();
+        mk = mk.replacen("all:", "all: nested", 1);
+        mk += &text;
+        fs::write(path, mk).unwrap();
+    };
+    append(
+        "sub1.mk",
+        format!("nested:\n\t@$(MAKE) -f {d}/nested1.mk\n"),
+    );
+    append(
+        "sub6.mk",
+        format!("nested:\n\t+@{} -f {d}/nested6.mk\n", stock.display()),
+    );
+    let mut top = String::from("all: branch1 branch2 branch3 branch4 branch5 branch6\n");
+    for b in [1, 2, 3, 6] {
+        top += &format!("branch{b}:\n\t@$(MAKE) -f {d}/sub{b}.mk\n");
+    }
+    for b in [4, 5] {
+        top += &format!("branch{b}:\n\t+@{} -f {d}/sub{b}.mk\n", stock.display());
+    }
+    fs::write(t.path("Makefile"), top).unwrap();
+    8 * per
+}
+
+/// A command with no jobserver in its environment, a private TMPDIR (the
+/// broker's directory goes there) and the broker's figures in `stats`.
+fn make_cmd(t: &Tree, program: &Path) -> Command {
+    let mut cmd = Command::new(program);
+    for var in [
+        "HERDLESS_SOCKET",
+        "HERDLESS_MAKE",
+        "MAKEFLAGS",
+        "MFLAGS",
+        "CARGO_MAKEFLAGS",
+        "MAKELEVEL",
+        "XDG_RUNTIME_DIR",
+    ] {
+        cmd.env_remove(var);
+    }
+    let tmp = t.path("tmp");
+    fs::create_dir_all(&tmp).unwrap();
+    cmd.env("TMPDIR", &tmp)
+        .env("HERDLESS_MAKE_STATS", t.path("stats"))
+        .current_dir(&t.dir)
+        .stdin(Stdio::null());
+    cmd
+}
+
+fn run(mut cmd: Command) -> Output {
+    common::output_within(&mut cmd, PATIENCE * 4)
+}
+
+fn text(out: &Output) -> String {
+    format!(
+        "status {}\nstdout:\n{}\nstderr:\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+/// The figures of each broker a herdless make started (one line each).
+fn broker_lines(t: &Tree) -> Vec<Vec<(String, i64)>> {
+    fs::read_to_string(t.path("stats"))
+        .unwrap_or_default()
+        .lines()
+        .map(|l| {
+            let w: Vec<&str> = l.split_whitespace().collect();
+            w.chunks(2)
+                .map(|kv| (kv[0].to_string(), kv[1].parse().unwrap()))
+                .collect()
+        })
+        .collect()
+}
+
+fn figure(line: &[(String, i64)], key: &str) -> i64 {
+    line.iter()
+        .find(|(k, _)| k == key)
+        .unwrap_or_else(|| panic!("no {key} in {line:?}"))
+        .1
+}
+
+/// Nothing of a broker is left in the tree's TMPDIR.
+fn assert_no_leftovers(t: &Tree) {
+    let left: Vec<_> = fs::read_dir(t.path("tmp"))
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name())
+        .collect();
+    assert!(left.is_empty(), "left behind in TMPDIR: {left:?}");
+}
+
+#[test]
+fn herdless_gnu_make_runs_a_recursive_tree_at_j_1_4_16() {
+    let make = herdless_make();
+    for n in [1u32, 4, 16] {
+        let t = Tree::new(&format!("real-make-j{n}"));
+        let total = tree(&t);
+        let mut cmd = make_cmd(&t, &make);
+        cmd.arg(format!("-j{n}"));
+        let out = run(cmd);
+        let report = text(&out);
+        assert!(out.status.success(), "-j{n}: {report}");
+        assert!(!report.contains("INTERNAL"), "-j{n}: {report}");
+        assert!(!report.contains("warning: jobserver"), "-j{n}: {report}");
+        let (done, most) = t.counts();
+        assert_eq!(done, total, "-j{n}: {report}");
+        assert!(most <= n, "-j{n}: {most} jobs at once\n{report}");
+        assert_eq!(most, n, "-j{n}: never {n} jobs at once\n{report}");
+        let brokers = broker_lines(&t);
+        if n == 1 {
+            // -j1: no jobserver at all, as stock.
+            assert!(brokers.is_empty(), "-j1 started a broker: {brokers:?}");
+        } else {
+            // One broker, the top make's; the sub-makes were its clients.
+            assert_eq!(brokers.len(), 1, "-j{n}: {brokers:?}");
+            let b = &brokers[0];
+            assert_eq!(figure(b, "jobs"), i64::from(n));
+            assert_eq!(figure(b, "lost"), 0, "-j{n}: {b:?}");
+            assert!(figure(b, "native_grants") > 0, "-j{n}: {b:?}");
+            assert!(figure(b, "max_in_use") < i64::from(n), "-j{n}: {b:?}");
+        }
+        assert_no_leftovers(&t);
+    }
+}
+
+#[test]
+fn herdless_gnu_make_is_a_native_client_of_herdless_run() {
+    let t = Tree::new("real-make-run");
+    let total = tree(&t);
+    let mut cmd = make_cmd(&t, Path::new(BIN));
+    cmd.args(["run", "-j", "4", "--stats", "--"])
+        .arg(herdless_make());
+    let out = run(cmd);
+    let report = text(&out);
+    assert!(out.status.success(), "{report}");
+    let (done, most) = t.counts();
+    assert_eq!(done, total, "{report}");
+    assert!(most <= 4, "{most} jobs at once\n{report}");
+    assert_eq!(most, 4, "{report}");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(stat(&stderr, "tokens lost"), "0");
+    let grants = stat(&stderr, "grants");
+    let native: u64 = grants.split_whitespace().next().unwrap().parse().unwrap();
+    assert!(native > 0, "{report}");
+    // The makes used `herdless run`'s broker; none started its own.
+    assert!(broker_lines(&t).is_empty(), "{report}");
+}
+
+#[test]
+fn a_failing_job_stops_the_tree() {
+    let t = Tree::new("real-make-fail");
+    tree(&t);
+    // Branch 2 fails first thing; what depends on the failure never runs.
+    let mut mk = fs::read_to_string(t.path("sub2.mk")).unwrap();
+    mk = mk.replacen("all:", "all: after", 1);
+    mk += &format!(
+        "fail:\n\t@false\nafter: fail\n\t@touch {}\n",
+        t.path("after").display()
+    );
+    mk = mk.replacen("all: after", "all: fail after", 1);
+    fs::write(t.path("sub2.mk"), mk).unwrap();
+    let mut cmd = make_cmd(&t, &herdless_make());
+    cmd.arg("-j4");
+    let out = run(cmd);
+    let report = text(&out);
+    assert_eq!(out.status.code(), Some(2), "{report}");
+    assert!(report.contains("Error 1"), "{report}");
+    assert!(!t.path("after").exists(), "{report}");
+    assert!(!report.contains("INTERNAL"), "{report}");
+    let brokers = broker_lines(&t);
+    assert_eq!(brokers.len(), 1, "{brokers:?}");
+    assert_eq!(figure(&brokers[0], "lost"), 0, "{brokers:?}");
+    assert_no_leftovers(&t);
+}
+
+#[test]
+fn sigint_stops_the_tree_and_leaves_nothing_behind() {
+    let t = Tree::new("real-make-sigint");
+    tree(&t);
+    sigint(&t, &herdless_make());
+}
+
+#[test]
+fn sigint_stops_a_bmake_tree_and_leaves_nothing_behind() {
+    let t = Tree::new("real-bmake-sigint");
+    bmake_tree(&t);
+    sigint(&t, &herdless_bmake());
+}
+
+fn sigint(t: &Tree, make: &Path) {
+    let mut cmd = make_cmd(t, make);
+    cmd.arg("-j4")
+        .env("JOB_SLEEP", "30")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .process_group(0);
+    let mut child = cmd.spawn().expect("spawn");
+    // Wait until four jobs run, then interrupt the whole group, as a
+    // terminal's ^C does.
+    let start = Instant::now();
+    while t.counts().1 < 4 {
+        assert!(start.elapsed() < PATIENCE, "the tree never ran 4 jobs");
+        thread::sleep(Duration::from_millis(20));
+    }
+    common::signal(-(child.id() as i32), libc::SIGINT);
+    let status = common::wait_timeout(&mut child, PATIENCE).expect("make ignored SIGINT");
+    assert!(!status.success());
+    // Nothing finished: every job was interrupted.
+    assert_eq!(t.counts().0, 0);
+    assert_no_leftovers(t);
+}
+
+/// Debian's bmake 20200710 with herdless inside.
+fn herdless_bmake() -> PathBuf {
+    repo_file(
+        "target/embed/bmake/bin/bmake",
+        "HERDLESS_EMBED_BMAKE",
+        "bash embed/bmake/build.sh",
+    )
+}
+
+/// The bmake tree: six branches of eight jobs. Branches 1 to 3 are
+/// herdless sub-makes (`${MAKE}`), branch 1 with a nested herdless
+/// sub-make; branches 4 and 5 are Debian's stock bmake on the broker's
+/// classic pipe (`.MAKE` hands them `-J R,W`); branch 6 is a herdless
+/// sub-make whose own sub-make is stock.
+fn bmake_tree(t: &Tree) -> usize {
+    let per = 8;
+    for b in 1..=6 {
+        t.flat_makefile(&format!("sub{b}.mk"), &format!("b{b}j"), per);
+    }
+    t.flat_makefile("nested1.mk", "n1j", per);
+    t.flat_makefile("nested6.mk", "n6j", per);
+    let d = t.dir.display();
+    let append = |file: &str, text: String| {
+        let path = t.path(file);
+        let mut mk = fs::read_to_string(&path).unwrap();
+        mk = mk.replacen("all:", "all: nested", 1);
+        mk += &text;
+        fs::write(path, mk).unwrap();
+    };
+    append(
+        "sub1.mk",
+        format!("nested:\n\t@${{MAKE}} -f {d}/nested1.mk\n"),
+    );
+    append(
+        "sub6.mk",
+        format!("nested: .MAKE\n\t@/usr/bin/bmake -f {d}/nested6.mk\n"),
+    );
+    let mut top = String::from("all: branch1 branch2 branch3 branch4 branch5 branch6\n");
+    for b in [1, 2, 3, 6] {
+        top += &format!("branch{b}:\n\t@${{MAKE}} -f {d}/sub{b}.mk\n");
+    }
+    for b in [4, 5] {
+        top += &format!("branch{b}: .MAKE\n\t@/usr/bin/bmake -f {d}/sub{b}.mk\n");
+    }
+    fs::write(t.path("Makefile"), top).unwrap();
+    8 * per
+}
+
+#[test]
+fn herdless_bmake_runs_a_recursive_tree_at_j_1_4_16() {
+    let bmake = herdless_bmake();
+    for n in [1u32, 4, 16] {
+        let t = Tree::new(&format!("real-bmake-j{n}"));
+        let total = bmake_tree(&t);
+        let mut cmd = make_cmd(&t, &bmake);
+        cmd.arg(format!("-j{n}"));
+        let out = run(cmd);
+        let report = text(&out);
+        assert!(out.status.success(), "-j{n}: {report}");
+        let (done, most) = t.counts();
+        assert_eq!(done, total, "-j{n}: {report}");
+        assert!(most <= n, "-j{n}: {most} jobs at once\n{report}");
+        assert_eq!(most, n, "-j{n}: never {n} jobs at once\n{report}");
+        // bmake runs a job server at any -j: one broker, the top make's.
+        let brokers = broker_lines(&t);
+        assert_eq!(brokers.len(), 1, "-j{n}: {brokers:?}\n{report}");
+        let b = &brokers[0];
+        assert_eq!(figure(b, "jobs"), i64::from(n));
+        assert_eq!(figure(b, "lost"), 0, "-j{n}: {b:?}");
+        if n > 1 {
+            assert!(figure(b, "native_grants") > 0, "-j{n}: {b:?}");
+        }
+        assert_no_leftovers(&t);
+    }
+}
+
+/// A job fails in one branch: the abort reaches every branch, herdless
+/// bmakes by the broker's message, stock bmakes by the `E` token the
+/// bridge writes into their pipe, and the tree stops without starting
+/// the rest.
+fn bmake_abort(failing_branch: u32) {
+    let t = Tree::new(&format!("real-bmake-fail{failing_branch}"));
+    let total = bmake_tree(&t);
+    let file = format!("sub{failing_branch}.mk");
+    let mut mk = fs::read_to_string(t.path(&file)).unwrap();
+    mk = mk.replacen("all:", "all: fail", 1);
+    mk += "fail:\n\t@false\n";
+    fs::write(t.path(&file), mk).unwrap();
+    let mut cmd = make_cmd(&t, &herdless_bmake());
+    cmd.arg("-j4").env("JOB_SLEEP", "0.3");
+    let out = run(cmd);
+    let report = text(&out);
+    assert!(!out.status.success(), "{report}");
+    let (done, _) = t.counts();
+    assert!(done < total, "every job ran despite the failure\n{report}");
+    let brokers = broker_lines(&t);
+    assert_eq!(brokers.len(), 1, "{brokers:?}");
+    assert_eq!(figure(&brokers[0], "lost"), 0, "{brokers:?}");
+    assert_no_leftovers(&t);
+}
+
+#[test]
+fn a_failing_job_in_a_herdless_bmake_stops_the_tree() {
+    bmake_abort(2);
+}
+
+#[test]
+fn a_failing_job_in_a_stock_bmake_stops_the_tree() {
+    bmake_abort(4);
+}
+
+/// Every recipe is a `herdless exec` job: the make is a job runner, its
+/// recipes' jobs borrow its slot (`HERDLESS_SLOT`), so nothing deadlocks
+/// at `-j1` (bmake, which runs a job server at any `-j`) and `-j2`, and
+/// never more than N jobs run. (GNU make at `-j1` runs no jobserver, stock
+/// or herdless, so `exec` has none to join.)
+#[test]
+fn recipes_that_exec_borrow_the_make_slot() {
+    for (name, make, js) in [
+        ("gnu", herdless_make(), &[2u32, 4][..]),
+        ("bmake", herdless_bmake(), &[1u32, 2, 4][..]),
+    ] {
+        for &n in js {
+            let t = Tree::new(&format!("real-make-exec-{name}-j{n}"));
+            let d = t.dir.display();
+            let mut mk = String::from("all:");
+            for i in 1..=12 {
+                mk += &format!(" e{i}");
+            }
+            mk.push('\n');
+            for i in 1..=12 {
+                mk += &format!("e{i}:\n\t@{BIN} exec -- sh {d}/job.sh {d}\n");
+            }
+            fs::write(t.path("Makefile"), mk).unwrap();
+            let mut cmd = make_cmd(&t, &make);
+            cmd.arg(format!("-j{n}")).arg("-f").arg(t.path("Makefile"));
+            let out = run(cmd);
+            let report = text(&out);
+            assert!(out.status.success(), "{name} -j{n}: {report}");
+            let (done, most) = t.counts();
+            assert_eq!(done, 12, "{name} -j{n}: {report}");
+            assert!(most <= n, "{name} -j{n}: {most} at once\n{report}");
+            let brokers = broker_lines(&t);
+            assert_eq!(brokers.len(), 1, "{name} -j{n}: {brokers:?}");
+            assert_eq!(figure(&brokers[0], "lost"), 0, "{brokers:?}");
+            assert_no_leftovers(&t);
+        }
+    }
+}
