@@ -102,11 +102,16 @@ pub fn makeflags(data: &[u8]) {
     // parser at any whitespace, so a `--` followed by a tab (`--\t`) is the
     // end of the options for the parser but not for the writer, which then
     // writes its flags after it, where the parser never looks.
+    //
+    // And a third: the parser reads `\ ` as an escaped space, the writer
+    // does not, so a value whose last word ends in a backslash glues the
+    // writer's `-jN` to it.
     let text = value.to_string_lossy();
     if text
         .split(' ')
         .any(|w| !w.starts_with("--") && w.ends_with('J'))
         || text.bytes().any(|b| b.is_ascii_whitespace() && b != b' ')
+        || text.contains('\\')
     {
         return;
     }
@@ -147,9 +152,7 @@ pub fn pool(data: &[u8]) {
                     (false, _) => None,
                     (true, true) => Some(SlotKey::Recipe(1 + u32::from(arg % 3))),
                     (true, false) if minted.is_empty() => None,
-                    (true, false) => Some(SlotKey::Minted(
-                        minted[usize::from(arg) % minted.len()],
-                    )),
+                    (true, false) => Some(SlotKey::Minted(minted[usize::from(arg) % minted.len()])),
                 };
                 let id = pool.connect(ClientInfo {
                     pid: 100 + step as u32,
@@ -194,7 +197,11 @@ pub fn pool(data: &[u8]) {
             7 => {
                 // A fresh slot: the top one (counted as the N-th token) or
                 // one owned by a client.
-                let owner = if arg & 0x80 != 0 { pick(&clients) } else { None };
+                let owner = if arg & 0x80 != 0 {
+                    pick(&clients)
+                } else {
+                    None
+                };
                 let key = 1000 + minted.len() as u64;
                 if pool.add_slot(SlotKey::Minted(key), owner, owner.is_none()) {
                     minted.push(key);
