@@ -1,5 +1,6 @@
 //! Replays the committed seeds of the fuzz targets (`fuzz/corpus/TARGET/*`,
-//! minimised corpora of cargo-fuzz runs) through the same checks, on the
+//! minimised corpora of cargo-fuzz runs, and `fuzz/seeds/TARGET/*`)
+//! through the same checks, on the
 //! stable toolchain, so every property the fuzzers check is checked here
 //! too on each test run.
 
@@ -7,18 +8,26 @@
 mod checks;
 
 fn replay(target: &str, check: fn(&[u8])) {
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("fuzz/corpus")
-        .join(target);
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz");
     let mut seeds = 0;
-    for entry in std::fs::read_dir(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display())) {
-        let path = entry.unwrap().path();
-        let data = std::fs::read(&path).unwrap();
-        let outcome = std::panic::catch_unwind(|| check(&data));
-        assert!(outcome.is_ok(), "{target}: seed {} fails", path.display());
-        seeds += 1;
+    // The minimised corpus, and the hand-written seeds and past crash
+    // inputs, which a minimisation may drop.
+    for dir in [
+        root.join("corpus").join(target),
+        root.join("seeds").join(target),
+    ] {
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            continue;
+        };
+        for entry in entries {
+            let path = entry.unwrap().path();
+            let data = std::fs::read(&path).unwrap();
+            let outcome = std::panic::catch_unwind(|| check(&data));
+            assert!(outcome.is_ok(), "{target}: seed {} fails", path.display());
+            seeds += 1;
+        }
     }
-    assert!(seeds > 0, "no seeds for {target} in {}", dir.display());
+    assert!(seeds > 0, "no seeds for {target} under {}", root.display());
 }
 
 #[test]
