@@ -76,6 +76,10 @@ const WAKER: Token = Token(1);
 const SIGNALS: Token = Token(2);
 const CLASSIC_OFFERS: Token = Token(3);
 const CLASSIC_RETURNS: Token = Token(4);
+/// Turns each connection gets at the stop to have its last requests read
+/// (see `Broker::read_what_was_sent`).
+const STOP_TURNS: usize = 4;
+
 const FIRST_CONN: usize = 16;
 /// Set in the token of a connection's process-exit descriptor (its pidfd):
 /// the rest of the bits are the connection's own token.
@@ -862,83 +866,98 @@ impl Broker {
     }
 
     fn handle_request(&mut self, token: Token, req: Request) -> Result<(), String> {
-        let now = self.now();
+        let conn = self.conns.get(&token).expect("live connection");
+        match conn.client {
+            None => self.handle_hello(token, req),
+            Some(id) => self.handle_client_request(token, id, req),
+        }
+    }
+
+    /// The first frame of a connection: a hello, or the connection closes.
+    fn handle_hello(&mut self, token: Token, req: Request) -> Result<(), String> {
         let conn = self.conns.get_mut(&token).expect("live connection");
-        let Some(id) = conn.client else {
-            let Request::Hello {
-                version,
-                flags,
-                pid,
-                slot,
-            } = req
-            else {
-                return Err(format!("expected a hello frame first, got {req}"));
-            };
-            if !(PROTOCOL_VERSION..=CONTROL_VERSION).contains(&version) {
-                return Err(format!(
-                    "unsupported protocol version {version} (broker speaks {PROTOCOL_VERSION}); \
-                     versions before 3 named a job's parent by process id, which this broker \
-                     no longer trusts: use a herdless of the same version"
-                ));
-            }
-            conn.version = version;
-            let observer = flags.contains(HelloFlags::OBSERVER);
-            let borrows = match (
-                flags.contains(HelloFlags::JOB),
-                flags.contains(HelloFlags::RECIPE_JOB),
-            ) {
-                (true, true) => {
-                    return Err("hello flags JOB and RECIPE_JOB exclude each other".into())
-                }
-                // A job that names no runner is a job of the top.
-                (true, false) if slot == 0 => Some(SlotKey::Minted(self.top_slot)),
-                (true, false) => Some(SlotKey::Minted(slot)),
-                (false, true) => match u32::try_from(slot) {
-                    Ok(root) if root > 1 => Some(SlotKey::Recipe(root)),
-                    _ => return Err(format!("hello names recipe root {slot}, not a process id")),
-                },
-                (false, false) => None,
-            };
-            let pid = *conn.pid.get_or_insert(pid);
-            let info = ClientInfo {
-                pid,
-                borrows,
-                observer,
-                label: if observer { "observer" } else { "native" },
-                internal: false,
-            };
-            let id = self.pool.connect(info);
-            conn.client = Some(id);
-            self.handshakes.end();
-            self.by_client.insert(id, token);
-            if borrows.is_some() && self.pool.borrows(id).is_none() {
-                log!(
-                    Level::Debug,
-                    "client {id} (pid {pid}) names a slot that is gone; it waits for shared tokens"
-                );
-            }
-            let own = if observer { 0 } else { self.mint_slot(id) };
-            self.note_ancestry(id, pid, 0);
-            self.send(
-                token,
-                &Reply::Welcome {
-                    version,
-                    capacity: self.pool.capacity(),
-                    client_id: id.0,
-                    slot: own,
-                },
-            );
+        let Request::Hello {
+            version,
+            flags,
+            pid,
+            slot,
+        } = req
+        else {
+            return Err(format!("expected a hello frame first, got {req}"));
+        };
+        if !(PROTOCOL_VERSION..=CONTROL_VERSION).contains(&version) {
+            return Err(format!(
+                "unsupported protocol version {version} (broker speaks {PROTOCOL_VERSION}); \
+                 versions before 3 named a job's parent by process id, which this broker \
+                 no longer trusts: use a herdless of the same version"
+            ));
+        }
+        conn.version = version;
+        let observer = flags.contains(HelloFlags::OBSERVER);
+        let borrows = match (
+            flags.contains(HelloFlags::JOB),
+            flags.contains(HelloFlags::RECIPE_JOB),
+        ) {
+            (true, true) => return Err("hello flags JOB and RECIPE_JOB exclude each other".into()),
+            // A job that names no runner is a job of the top.
+            (true, false) if slot == 0 => Some(SlotKey::Minted(self.top_slot)),
+            (true, false) => Some(SlotKey::Minted(slot)),
+            (false, true) => match u32::try_from(slot) {
+                Ok(root) if root > 1 => Some(SlotKey::Recipe(root)),
+                _ => return Err(format!("hello names recipe root {slot}, not a process id")),
+            },
+            (false, false) => None,
+        };
+        let pid = *conn.pid.get_or_insert(pid);
+        let info = ClientInfo {
+            pid,
+            borrows,
+            observer,
+            label: if observer { "observer" } else { "native" },
+            internal: false,
+        };
+        let id = self.pool.connect(info);
+        conn.client = Some(id);
+        self.handshakes.end();
+        self.by_client.insert(id, token);
+        if borrows.is_some() && self.pool.borrows(id).is_none() {
             log!(
                 Level::Debug,
-                "client {id} (pid {pid}) connected{}",
-                match self.pool.borrows(id) {
-                    Some(key) => format!(", may borrow {key}"),
-                    None => String::new(),
-                }
+                "client {id} (pid {pid}) names a slot that is gone; it waits for shared tokens"
             );
-            self.apply_effects();
-            return Ok(());
-        };
+        }
+        let own = if observer { 0 } else { self.mint_slot(id) };
+        self.note_ancestry(id, pid, 0);
+        self.send(
+            token,
+            &Reply::Welcome {
+                version,
+                capacity: self.pool.capacity(),
+                client_id: id.0,
+                slot: own,
+            },
+        );
+        log!(
+            Level::Debug,
+            "client {id} (pid {pid}) connected{}",
+            match self.pool.borrows(id) {
+                Some(key) => format!(", may borrow {key}"),
+                None => String::new(),
+            }
+        );
+        self.apply_effects();
+        Ok(())
+    }
+
+    /// A request of a client that has said hello.
+    fn handle_client_request(
+        &mut self,
+        token: Token,
+        id: ClientId,
+        req: Request,
+    ) -> Result<(), String> {
+        let now = self.now();
+        let conn = self.conns.get(&token).expect("live connection");
         let conn_version = conn.version;
         let result = match req {
             Request::Hello { .. } => return Err("second hello on one connection".into()),
@@ -953,19 +972,7 @@ impl Broker {
                 ));
             }
             Request::Acquire => self.pool.acquire(id, now),
-            Request::TryAcquire => {
-                // Only when nobody queues ahead and no slot would
-                // serve: otherwise the token would go elsewhere and the
-                // classic side would just lose its offer.
-                if self.pool.free() == 0 && self.pool.waiting() == 0 && !self.pool.slot_free_for(id)
-                {
-                    let now = self.now();
-                    if let Some(bridge) = self.bridge.as_mut() {
-                        bridge.reclaim_one(&mut self.pool, now);
-                    }
-                }
-                self.pool.try_acquire(id)
-            }
+            Request::TryAcquire => self.try_acquire(id, now),
             Request::Cancel => self.pool.cancel(id),
             Request::Release => {
                 let released = self.pool.release(id, now);
@@ -981,12 +988,7 @@ impl Broker {
                 Ok(())
             }
             Request::Status => {
-                let status = self.status();
-                let json = status.to_json();
-                self.send(token, &Reply::Status { json });
-                if let Some(conn) = self.conns.get_mut(&token) {
-                    conn.status_owed = conn.tx.len();
-                }
+                self.send_status(token);
                 Ok(())
             }
             Request::Control(op) => {
@@ -1010,6 +1012,29 @@ impl Broker {
             assert_eq!(self.pool.check_invariants(), Ok(()));
         }
         Ok(())
+    }
+
+    /// A try-acquire. A token unread in the classic pipe is taken back for
+    /// it only when nobody queues ahead and no slot would serve: otherwise
+    /// the token would go elsewhere and the classic side would just lose
+    /// its offer.
+    fn try_acquire(&mut self, id: ClientId, now: Duration) -> Result<(), crate::pool::PoolError> {
+        if self.pool.free() == 0 && self.pool.waiting() == 0 && !self.pool.slot_free_for(id) {
+            if let Some(bridge) = self.bridge.as_mut() {
+                bridge.reclaim_one(&mut self.pool, now);
+            }
+        }
+        self.pool.try_acquire(id)
+    }
+
+    /// Answers a status request; the connection is read no more until the
+    /// document has gone out.
+    fn send_status(&mut self, token: Token) {
+        let json = self.status().to_json();
+        self.send(token, &Reply::Status { json });
+        if let Some(conn) = self.conns.get_mut(&token) {
+            conn.status_owed = conn.tx.len();
+        }
     }
 
     fn apply_effects(&mut self) {
@@ -1274,10 +1299,30 @@ impl Broker {
 
     /// Closes every connection, takes every token back and reports. `lost`
     /// counts shared tokens that are not free once nobody holds any.
+    /// At the stop, reads what every connection has already sent: a
+    /// client that gave its tokens back and exited just before the stop
+    /// (its frames and the stop can reach the loop in either order) did
+    /// not die holding them. Acquires read now are answered `Stopped`.
+    /// Bounded: at most [`STOP_TURNS`] turns per connection, so a flooding
+    /// client cannot hold the shutdown.
+    fn read_what_was_sent(&mut self) {
+        let tokens: Vec<Token> = self.conns.keys().copied().collect();
+        for token in tokens {
+            for _ in 0..STOP_TURNS {
+                self.turn(token);
+                if !self.conns.get(&token).is_some_and(|c| c.queued) {
+                    break;
+                }
+            }
+        }
+        self.flush_dirty();
+    }
+
     fn shut_down(mut self) -> Status {
         // Stop first: no token freed by a closing connection may reach a
         // waiter that is about to be closed too.
         self.stop_granting();
+        self.read_what_was_sent();
         let tokens: Vec<Token> = self.conns.keys().copied().collect();
         for token in tokens {
             self.close_at_stop(token);

@@ -251,94 +251,22 @@ impl Native {
 
     fn handshake(mut self) -> Result<Native> {
         let deadline = Instant::now() + HANDSHAKE_TIMEOUT;
-        let mut buf = [0u8; 256];
         let state = self.state.get_mut().unwrap_or_else(|e| e.into_inner());
         loop {
-            match state.rx.next_reply() {
-                Ok(Some(Reply::Welcome {
-                    version,
-                    capacity,
-                    client_id,
-                    slot,
-                })) => {
-                    if version != self.version {
-                        return Err(Error::new(
-                            ErrorKind::Protocol,
-                            format!(
-                                "broker speaks protocol {version}, this client {}",
-                                self.version
-                            ),
-                        ));
-                    }
-                    self.capacity = capacity;
-                    self.client_id = client_id;
-                    self.slot = slot;
-                    return Ok(self);
-                }
-                Ok(Some(Reply::Error { message })) => {
-                    return Err(Error::new(
-                        ErrorKind::Refused,
-                        format!(
-                            "the broker at {} refused this client: {message}",
-                            self.path.display()
-                        ),
-                    ))
-                }
-                Ok(Some(other)) => {
-                    return Err(Error::new(
-                        ErrorKind::Protocol,
-                        format!("expected a welcome from the broker, got {other}"),
-                    ))
-                }
-                Ok(None) => {}
-                Err(e) => {
-                    return Err(Error::new(
-                        ErrorKind::Protocol,
-                        format!("bad frame from the broker: {e}"),
-                    ))
-                }
+            let reply = state.rx.next_reply().map_err(|e| {
+                Error::new(
+                    ErrorKind::Protocol,
+                    format!("bad frame from the broker: {e}"),
+                )
+            })?;
+            if let Some(reply) = reply {
+                let (capacity, client_id, slot) = welcome(reply, self.version, &self.path)?;
+                self.capacity = capacity;
+                self.client_id = client_id;
+                self.slot = slot;
+                return Ok(self);
             }
-            match (&self.stream).read(&mut buf) {
-                Ok(0) => {
-                    return Err(Error::new(
-                        ErrorKind::BrokerGone,
-                        format!(
-                            "the broker at {} closed the connection during the handshake",
-                            self.path.display()
-                        ),
-                    ))
-                }
-                Ok(n) => state.rx.extend(&buf[..n]),
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                    let ready = wait_fd(self.stream.as_fd(), PollFlags::POLLIN, Some(deadline))
-                        .or_else(|e| {
-                            if e.kind() == io::ErrorKind::Interrupted {
-                                Ok(true)
-                            } else {
-                                Err(e)
-                            }
-                        })
-                        .map_err(|e| Error::io(ErrorKind::Io, "poll on the broker socket", e))?;
-                    if !ready {
-                        return Err(Error::new(
-                            ErrorKind::Connect,
-                            format!(
-                                "the broker at {} did not answer within {} s",
-                                self.path.display(),
-                                HANDSHAKE_TIMEOUT.as_secs()
-                            ),
-                        ));
-                    }
-                }
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => {
-                    return Err(Error::io(
-                        ErrorKind::BrokerGone,
-                        "reading the broker's welcome",
-                        e,
-                    ))
-                }
-            }
+            read_during_handshake(&self.stream, &mut state.rx, &self.path, deadline)?;
         }
     }
 
@@ -861,5 +789,80 @@ impl Native {
                 Err(Error::new(ErrorKind::Protocol, "no status from the broker"))
             }
         }
+    }
+}
+
+/// The broker's answer to a hello: its capacity, this client's id and the
+/// slot minted for it, or why it refused.
+fn welcome(reply: Reply, want: u16, path: &Path) -> Result<(u32, u64, u64)> {
+    match reply {
+        Reply::Welcome {
+            version,
+            capacity,
+            client_id,
+            slot,
+        } if version == want => Ok((capacity, client_id, slot)),
+        Reply::Welcome { version, .. } => Err(Error::new(
+            ErrorKind::Protocol,
+            format!("broker speaks protocol {version}, this client {want}"),
+        )),
+        Reply::Error { message } => Err(Error::new(
+            ErrorKind::Refused,
+            format!(
+                "the broker at {} refused this client: {message}",
+                path.display()
+            ),
+        )),
+        other => Err(Error::new(
+            ErrorKind::Protocol,
+            format!("expected a welcome from the broker, got {other}"),
+        )),
+    }
+}
+
+/// Reads what the broker sent during the handshake into `rx`, waiting for
+/// it until `deadline`.
+fn read_during_handshake(
+    mut stream: &UnixStream,
+    rx: &mut FrameBuffer,
+    path: &Path,
+    deadline: Instant,
+) -> Result<()> {
+    let mut buf = [0u8; 256];
+    match stream.read(&mut buf) {
+        Ok(0) => Err(Error::new(
+            ErrorKind::BrokerGone,
+            format!(
+                "the broker at {} closed the connection during the handshake",
+                path.display()
+            ),
+        )),
+        Ok(n) => {
+            rx.extend(&buf[..n]);
+            Ok(())
+        }
+        Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+            let ready = match wait_fd(stream.as_fd(), PollFlags::POLLIN, Some(deadline)) {
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => true,
+                r => r.map_err(|e| Error::io(ErrorKind::Io, "poll on the broker socket", e))?,
+            };
+            if ready {
+                return Ok(());
+            }
+            Err(Error::new(
+                ErrorKind::Connect,
+                format!(
+                    "the broker at {} did not answer within {} s",
+                    path.display(),
+                    HANDSHAKE_TIMEOUT.as_secs()
+                ),
+            ))
+        }
+        Err(e) if e.kind() == io::ErrorKind::Interrupted => Ok(()),
+        Err(e) => Err(Error::io(
+            ErrorKind::BrokerGone,
+            "reading the broker's welcome",
+            e,
+        )),
     }
 }
