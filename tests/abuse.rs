@@ -7,8 +7,6 @@ mod common;
 
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
 use std::time::Duration;
 
 use common::{Serve, BIN, PATIENCE};
@@ -80,6 +78,9 @@ fn well_behaved_rounds(socket: &std::path::Path, rounds: usize, try_only: bool) 
 #[cfg(target_os = "linux")]
 #[test]
 fn a_client_flooding_requests_without_reading_starves_no_one() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+
     for unit in [Request::Status, Request::TryAcquire, Request::Cancel] {
         let try_only = matches!(unit, Request::TryAcquire);
         let serve = Serve::start(3);

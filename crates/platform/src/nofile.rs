@@ -13,6 +13,12 @@ use std::process::Command;
 
 use nix::sys::resource::{getrlimit, setrlimit, Resource};
 
+/// `OPEN_MAX` of Apple's `<sys/syslimits.h>`, which the `libc` crate does
+/// not define for Apple targets: `setrlimit(RLIMIT_NOFILE)` refuses a soft
+/// limit above it even when the hard limit is unlimited (setrlimit(2)).
+#[cfg(any(target_os = "macos", target_os = "ios"))]
+const APPLE_OPEN_MAX: u64 = 10240;
+
 /// The descriptor limits before and after [`raise_nofile_limit`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct NofileLimit {
@@ -33,7 +39,7 @@ pub fn raise_nofile_limit() -> io::Result<NofileLimit> {
     let (soft, hard) = getrlimit(Resource::RLIMIT_NOFILE)?;
     let (soft, hard) = (soft as u64, hard as u64);
     #[cfg(any(target_os = "macos", target_os = "ios"))]
-    let target = hard.min(libc::OPEN_MAX as u64);
+    let target = hard.min(APPLE_OPEN_MAX);
     #[cfg(not(any(target_os = "macos", target_os = "ios")))]
     let target = hard;
     if target <= soft {
