@@ -9,21 +9,9 @@ use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::time::Duration;
 
-use common::{Serve, BIN, PATIENCE};
+use common::{plain_hello, Serve, BIN, PATIENCE};
 use herdless::client::{Client, Options};
-use herdless::protocol::{FrameBuffer, HelloFlags, Reply, Request, BUSY_PREFIX};
-
-fn hello() -> Vec<u8> {
-    let mut out = Vec::new();
-    Request::Hello {
-        version: herdless::protocol::PROTOCOL_VERSION,
-        flags: HelloFlags::empty(),
-        pid: std::process::id(),
-        slot: 0,
-    }
-    .encode(&mut out);
-    out
-}
+use herdless::protocol::{FrameBuffer, Reply, Request, BUSY_PREFIX};
 
 /// The peak resident memory of `pid`, in KiB.
 #[cfg(target_os = "linux")]
@@ -92,7 +80,7 @@ fn a_client_flooding_requests_without_reading_starves_no_one() {
                 let mut s = UnixStream::connect(&socket).unwrap();
                 s.set_write_timeout(Some(Duration::from_millis(20)))
                     .unwrap();
-                s.write_all(&hello()).unwrap();
+                s.write_all(&plain_hello()).unwrap();
                 let mut one = Vec::new();
                 unit.encode(&mut one);
                 let burst = one.repeat(4096);
@@ -159,7 +147,7 @@ fn the_broker_queues_a_bounded_number_of_acquires() {
     let serve = Serve::start(2);
     let per = MAX_PENDING_ACQUIRES as usize;
     let conns = MAX_QUEUED_ACQUIRES / per + 1;
-    let mut queued = hello();
+    let mut queued = plain_hello();
     for _ in 0..per {
         Request::Acquire.encode(&mut queued);
     }
@@ -227,7 +215,7 @@ fn status_stays_valid_with_thousands_of_clients() {
     let idle: Vec<UnixStream> = (0..2000)
         .map(|_| {
             let mut s = UnixStream::connect(&serve.socket).unwrap();
-            s.write_all(&hello()).unwrap();
+            s.write_all(&plain_hello()).unwrap();
             s
         })
         .collect();
@@ -280,7 +268,7 @@ fn a_client_that_dies_while_the_broker_ignores_it_gives_its_tokens_back() {
     let serve = Serve::start(3);
     for _ in 0..3 {
         let mut s = UnixStream::connect(&serve.socket).unwrap();
-        let mut out = hello();
+        let mut out = plain_hello();
         Request::Acquire.encode(&mut out);
         s.write_all(&out).unwrap();
         serve.wait_for("a token held", |st| st.in_use >= 1);

@@ -147,18 +147,11 @@ fn out_of_file_descriptors_keeps_serving_and_does_not_spin() {
 /// the broker's error message.
 #[cfg(target_os = "linux")]
 fn raw_hello(socket: &std::path::Path) -> Result<std::os::unix::net::UnixStream, String> {
-    use herdless::protocol::{FrameBuffer, HelloFlags, Reply, Request};
+    use herdless::protocol::{FrameBuffer, Reply};
     use std::io::{Read, Write};
     let mut s = std::os::unix::net::UnixStream::connect(socket).map_err(|e| e.to_string())?;
     s.set_read_timeout(Some(PATIENCE)).unwrap();
-    let mut out = Vec::new();
-    Request::Hello {
-        version: herdless::protocol::PROTOCOL_VERSION,
-        flags: HelloFlags::empty(),
-        pid: std::process::id(),
-        slot: 0,
-    }
-    .encode(&mut out);
+    let out = common::plain_hello();
     // The broker may have written its refusal and closed already.
     let _ = s.write_all(&out);
     let mut rx = FrameBuffer::new();
@@ -210,18 +203,11 @@ fn a_second_serve_leaves_the_first_one_alone() {
 
 #[test]
 fn replies_a_client_is_slow_to_read_all_arrive() {
-    use herdless::protocol::{decode_reply, HelloFlags, Reply, Request};
+    use herdless::protocol::{decode_reply, Reply, Request};
     use std::io::{Read, Write};
     let serve = Serve::start(2);
     let mut s = std::os::unix::net::UnixStream::connect(&serve.socket).unwrap();
-    let mut out = Vec::new();
-    Request::Hello {
-        version: herdless::protocol::PROTOCOL_VERSION,
-        flags: HelloFlags::empty(),
-        pid: std::process::id(),
-        slot: 0,
-    }
-    .encode(&mut out);
+    let mut out = common::plain_hello();
     // Far more status replies than a socket buffer holds, asked for before
     // reading any: the broker must keep the rest and send them as the
     // client reads.

@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use common::{Helper, Serve, PATIENCE};
 use herdless::client::{Client, ErrorKind, Options};
-use herdless::protocol::{AbortReason, HelloFlags, Request};
+use herdless::protocol::{AbortReason, Request};
 
 #[test]
 fn helper_process() {
@@ -150,14 +150,7 @@ fn flooder(socket: &std::path::Path, unit: Request, stop: &AtomicBool) {
     let mut s = UnixStream::connect(socket).unwrap();
     s.set_write_timeout(Some(Duration::from_millis(20)))
         .unwrap();
-    let mut out = Vec::new();
-    Request::Hello {
-        version: herdless::protocol::PROTOCOL_VERSION,
-        flags: HelloFlags::empty(),
-        pid: std::process::id(),
-        slot: 0,
-    }
-    .encode(&mut out);
+    let out = common::plain_hello();
     let _ = s.write_all(&out);
     let mut one = Vec::new();
     unit.encode(&mut one);

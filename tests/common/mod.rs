@@ -465,3 +465,18 @@ pub fn run_in(dir: &Path, args: &[&str]) -> std::process::Output {
         PATIENCE * 4,
     )
 }
+
+/// A plain client's `Hello` frame (no flags, no slot), for tests that speak
+/// the protocol over a raw socket.
+#[allow(dead_code)] // not every test binary speaks raw frames
+pub fn plain_hello() -> Vec<u8> {
+    let mut out = Vec::new();
+    herdless::protocol::Request::Hello {
+        version: herdless::protocol::PROTOCOL_VERSION,
+        flags: herdless::protocol::HelloFlags::empty(),
+        pid: std::process::id(),
+        slot: 0,
+    }
+    .encode(&mut out);
+    out
+}
