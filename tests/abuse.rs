@@ -16,11 +16,9 @@ use herdless::protocol::{FrameBuffer, Reply, Request, BUSY_PREFIX};
 /// The peak resident memory of `pid`, in KiB.
 #[cfg(target_os = "linux")]
 fn peak_rss_kib(pid: i32) -> u64 {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    text.lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap()
+    herdless_platform::resident_kib(pid as u32)
+        .expect("the broker's /proc/PID/status")
+        .0
 }
 
 /// Reads what the broker sent until it closes (or `PATIENCE` passes):

@@ -50,16 +50,10 @@ pub struct StressArgs {
     connections: usize,
 }
 
-/// Peak and current resident memory of `pid`, in KiB.
+/// Peak and current resident memory of `pid`, in KiB (zeros where the
+/// platform cannot tell).
 fn rss_kib(pid: u32) -> (u64, u64) {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    let field = |name: &str| {
-        text.lines()
-            .find_map(|l| l.strip_prefix(name))
-            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-            .unwrap_or(0)
-    };
-    (field("VmHWM:"), field("VmRSS:"))
+    herdless_platform::resident_kib(pid).unwrap_or((0, 0))
 }
 
 fn frame(req: &Request) -> Vec<u8> {

@@ -153,6 +153,22 @@ pub fn thread_cpu_ns(tid: i32) -> Option<u64> {
     text.split_whitespace().next()?.parse().ok()
 }
 
+/// Resident memory of process `pid`, in KiB: `(peak, now)`, from Linux's
+/// `/proc/PID/status` (`VmHWM`, `VmRSS`); `None` elsewhere or when the
+/// process is gone.
+pub fn resident_kib(pid: u32) -> Option<(u64, u64)> {
+    if !cfg!(target_os = "linux") {
+        return None;
+    }
+    let text = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let field = |name: &str| {
+        text.lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+    };
+    Some((field("VmHWM:")?, field("VmRSS:")?))
+}
+
 /// Makes this process die (SIGKILL) when its parent does. Linux only
 /// (`PR_SET_PDEATHSIG`); elsewhere `Unsupported`.
 pub fn die_with_parent() -> io::Result<()> {
@@ -209,6 +225,8 @@ mod tests {
         assert_eq!(process_state(u32::MAX), None);
         let c = sched_count(me).expect("schedstat");
         assert!(c.cpu_ns > 0);
+        let (peak, now) = resident_kib(me).expect("VmHWM and VmRSS");
+        assert!(peak >= now && now > 0);
         let tid = current_tid().unwrap();
         assert!(thread_cpu_ns(tid).unwrap() > 0);
     }
