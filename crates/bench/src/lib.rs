@@ -18,6 +18,7 @@
 //! context switches, never as returns from a wait call (which hide the
 //! herd). Nothing here asserts a timing; the figures are reports.
 #![warn(missing_docs)]
+#![forbid(unsafe_code)]
 
 pub mod build;
 mod channel;
