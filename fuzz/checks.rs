@@ -93,28 +93,6 @@ pub fn frame_buffer(data: &[u8]) {
 pub fn makeflags(data: &[u8]) {
     let value = OsStr::from_bytes(data);
     let _ = Jobserver::parse("MAKEFLAGS", value);
-    // Known, not fixed: a word ending in a bare `J` (`-kJ` with its
-    // argument missing) keeps its place and, as getopt would, takes the
-    // next word as its argument: the `-jN` written after it. Such values
-    // are left out of the round trip until the writer drops that word.
-    //
-    // Known, not fixed either: the writer splits the value at spaces, the
-    // parser at any whitespace, so a `--` followed by a tab (`--\t`) is the
-    // end of the options for the parser but not for the writer, which then
-    // writes its flags after it, where the parser never looks.
-    //
-    // And a third: the parser reads `\ ` as an escaped space, the writer
-    // does not, so a value whose last word ends in a backslash glues the
-    // writer's `-jN` to it.
-    let text = value.to_string_lossy();
-    if text
-        .split(' ')
-        .any(|w| !w.starts_with("--") && w.ends_with('J'))
-        || text.bytes().any(|b| b.is_ascii_whitespace() && b != b' ')
-        || text.contains('\\')
-    {
-        return;
-    }
     for flavor in [Flavor::Gnu, Flavor::Bmake] {
         let ours = Jobserver::new(Auth::Fds { read: 3, write: 4 }, flavor, Some(7));
         let written = ours.makeflags(Some(value));

@@ -299,11 +299,9 @@ impl Jobserver {
         let kept = without_jobserver(&existing.map(OsStr::to_string_lossy).unwrap_or_default());
         // Options go before a `--` word: what follows it are variable
         // definitions, which no make reads options from.
-        let (options, definitions) = match kept.split(' ').position(|w| w == "--") {
-            Some(i) => {
-                let words: Vec<&str> = kept.split(' ').collect();
-                (words[..i].join(" "), Some(words[i..].join(" ")))
-            }
+        let words = raw_words(&kept);
+        let (options, definitions) = match words.iter().position(|w| unescape(w) == "--") {
+            Some(i) => (words[..i].join(" "), Some(words[i..].join(" "))),
             None => (kept.clone(), None),
         };
         let mut words: Vec<String> = Vec::new();
@@ -382,32 +380,156 @@ impl fmt::Display for Jobserver {
 
 /// `MAKEFLAGS` without the job-count and jobserver flags of an outer
 /// make (`-jN`, `-j N`, `--jobserver-auth=…`, `--jobserver-fds=…`, bmake's
-/// `-J R,W`), so a tree sees only the jobserver it is given; everything
-/// else, and the variable definitions after `--`, is kept as it was.
+/// `-J R,W`, and those letters inside a cluster such as `-kj4`), so a tree
+/// sees only the jobserver it is given; everything else, and the variable
+/// definitions after `--`, is kept as it was written.
+///
+/// Words are found as [`Jobserver::parse`] finds them (at unescaped
+/// spaces, tabs and newlines; a backslash escapes the next character), so
+/// that what a writer appends after the result is read as the words it
+/// wrote: a last word that ends in a lone backslash gets it doubled.
 pub fn without_jobserver(makeflags: &str) -> String {
     let numeric = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
-    let mut kept: Vec<&str> = Vec::new();
-    let mut words = makeflags.split(' ').filter(|w| !w.is_empty()).peekable();
-    while let Some(w) = words.next() {
+    let raw = raw_words(makeflags);
+    // What the parser compares: each word with its escapes undone.
+    let words: Vec<String> = raw.iter().map(|w| unescape(w)).collect();
+    let mut kept: Vec<String> = Vec::new();
+    let mut i = 0;
+    while i < words.len() {
+        let w = words[i].as_str();
+        i += 1;
         if w == "--" {
-            kept.push(w);
-            kept.extend(words.by_ref());
+            kept.extend(raw[i - 1..].iter().map(|w| w.to_string()));
             break;
         }
-        match w {
-            // The value may be the next word (bmake writes `-j 4`).
-            "-j" | "-J" => {
-                if words.peek().is_some_and(|v| numeric(v) || v.contains(',')) {
-                    words.next();
+        if w.starts_with("--jobserver-auth=") || w.starts_with("--jobserver-fds=") {
+            continue;
+        }
+        // A cluster of short options, or GNU make's first word, which has
+        // no dash ("ks"), as the parser reads them; a word that comes first
+        // in what is written is read as that first word.
+        let cluster = match w.strip_prefix('-') {
+            Some(c) if !c.starts_with('-') => Some((c, "-")),
+            None if kept.is_empty()
+                && !w.is_empty()
+                && w.bytes().all(|b| b.is_ascii_alphanumeric()) =>
+            {
+                Some((w, ""))
+            }
+            _ => None,
+        };
+        let Some((cluster, dash)) = cluster else {
+            kept.push(raw[i - 1].to_string());
+            continue;
+        };
+        match strip_job_letters(cluster) {
+            None => kept.push(raw[i - 1].to_string()),
+            Some((before, letter, rest)) => {
+                if rest.is_empty() {
+                    // The option's value is the next word: bmake's `-J`
+                    // always takes it, `-j` only a number.
+                    let next = words.get(i).map_or("", String::as_str);
+                    if i < words.len() && (letter == 'J' || numeric(next)) {
+                        i += 1;
+                    }
+                }
+                if !before.is_empty() {
+                    kept.push(escape(&format!("{dash}{before}")));
                 }
             }
-            _ if w.starts_with("--jobserver-auth=") || w.starts_with("--jobserver-fds=") => {}
-            _ if w.starts_with("-j") && numeric(&w[2..]) => {}
-            _ if w.starts_with("-J") && w[2..].contains(',') => {}
-            _ => kept.push(w),
+        }
+    }
+    if let Some(last) = kept.last_mut() {
+        if ends_in_lone_backslash(last) {
+            last.push('\\');
         }
     }
     kept.join(" ")
+}
+
+/// A raw word with its escapes undone, as the parser reads it.
+fn unescape(raw: &str) -> String {
+    let mut out = String::with_capacity(raw.len());
+    let mut chars = raw.chars();
+    while let Some(c) = chars.next() {
+        match c {
+            '\\' => out.push(chars.next().unwrap_or('\\')),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+/// `word` written so that the parser reads it back as one word.
+fn escape(word: &str) -> String {
+    let mut out = String::with_capacity(word.len());
+    for c in word.chars() {
+        if matches!(c, '\\' | ' ' | '\t' | '\n') {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out
+}
+
+/// Where a cluster of one-letter options (without its dash) names `j` or
+/// `J`, as [`Jobserver::parse`] reads it: the letters before it, the letter,
+/// and the rest of the cluster (its value). `None` when it names neither,
+/// or when a letter that takes a value comes first (the rest is that value).
+fn strip_job_letters(cluster: &str) -> Option<(&str, char, &str)> {
+    for (k, letter) in cluster.char_indices() {
+        match letter {
+            'J' | 'j' => return Some((&cluster[..k], letter, &cluster[k + 1..])),
+            'C' | 'D' | 'I' | 'T' | 'V' | 'd' | 'f' | 'm' | 'v' | 'o' | 'O' | 'l' | 'L' | 'W' => {
+                return None
+            }
+            _ => {}
+        }
+    }
+    None
+}
+
+/// The words of `s` as written (escapes kept), split where
+/// [`Jobserver::parse`] splits them: at spaces, tabs and newlines that no
+/// backslash escapes.
+fn raw_words(s: &str) -> Vec<&str> {
+    let mut words = Vec::new();
+    let mut start = None;
+    let mut escaped = false;
+    for (k, c) in s.char_indices() {
+        if escaped {
+            escaped = false;
+            continue;
+        }
+        match c {
+            '\\' => {
+                escaped = true;
+                start.get_or_insert(k);
+            }
+            ' ' | '\t' | '\n' => {
+                if let Some(b) = start.take() {
+                    words.push(&s[b..k]);
+                }
+            }
+            _ => {
+                start.get_or_insert(k);
+            }
+        }
+    }
+    if let Some(b) = start {
+        words.push(&s[b..]);
+    }
+    words
+}
+
+/// Whether `word` ends in a backslash that escapes nothing (the parser
+/// would take it with whatever is written after it).
+fn ends_in_lone_backslash(word: &str) -> bool {
+    let mut escaped = false;
+    for c in word.chars() {
+        escaped = !escaped && c == '\\';
+    }
+    escaped
 }
 
 /// `R,W` with both numbers non-negative, negative numbers (disabled), or
@@ -582,6 +704,50 @@ mod tests {
         assert_eq!(without_jobserver("-j --jobserver-fds=3,4 -s"), "-s");
         assert_eq!(without_jobserver("-J3,4 -k"), "-k");
         assert_eq!(without_jobserver("--jobserver-auth=fifo:/tmp/x -w"), "-w");
+    }
+
+    #[test]
+    fn outer_words_are_read_as_the_parser_reads_them() {
+        // A cluster's j or J goes with its value; a cluster's other letters
+        // stay; a letter that takes a value hides what follows it.
+        assert_eq!(without_jobserver("-kJ 3,4 -s"), "-k -s");
+        assert_eq!(without_jobserver("-kJ"), "-k");
+        assert_eq!(without_jobserver("-kj4 -w"), "-k -w");
+        assert_eq!(without_jobserver("-kj 4 -w"), "-k -w");
+        assert_eq!(without_jobserver("-fJ x"), "-fJ x");
+        assert_eq!(without_jobserver("kj -w"), "k -w");
+        // Tabs and newlines separate words as spaces do.
+        assert_eq!(without_jobserver("-j3\t--\tX=1"), "-- X=1");
+        // Escaped spaces stay inside their word; a lone final backslash is
+        // doubled so that nothing written after it is glued on.
+        assert_eq!(without_jobserver("A\\ B -j2"), "A\\ B");
+        assert_eq!(without_jobserver("-k \\"), "-k \\\\");
+    }
+
+    #[test]
+    fn makeflags_round_trip_what_the_fuzzer_found() {
+        for outer in [
+            "-kJ",
+            "-k --\tX=1",
+            "-k \\",
+            "-kJ\t-s",
+            "J 1",
+            "x\\ -- -s",
+            " J 171,65 J",
+            "-w - \\-\\- -s",
+            "-\\J 1 -s",
+            "D  -\\-",
+        ] {
+            for flavor in Flavor::ALL {
+                let js = Jobserver::new(Auth::Fds { read: 3, write: 4 }, flavor, Some(7));
+                let flags = js.makeflags(Some(OsStr::new(outer)));
+                let back = Jobserver::parse("MAKEFLAGS", &flags)
+                    .unwrap_or_else(|e| panic!("{outer:?} -> {flags:?}: {e}"))
+                    .unwrap_or_else(|| panic!("{outer:?} -> {flags:?} lost the jobserver"));
+                assert_eq!(back.auth(), js.auth(), "{outer:?} -> {flags:?}");
+                assert_eq!(back.jobs(), Some(7), "{outer:?} -> {flags:?}");
+            }
+        }
     }
 
     #[test]
