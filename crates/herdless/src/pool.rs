@@ -249,6 +249,9 @@ pub struct Pool {
     clients: BTreeMap<ClientId, ClientState>,
     queue: VecDeque<Waiter>,
     slots: HashMap<SlotKey, Slot>,
+    /// Slots lent now whose token counts (see [`Pool::slots_in_use`]),
+    /// kept so that the figure costs nothing however many slots exist.
+    counted_lent: usize,
     aborted: Option<AbortReason>,
     stopped: bool,
     next_id: u64,
@@ -266,6 +269,7 @@ impl Pool {
             clients: BTreeMap::new(),
             queue: VecDeque::new(),
             slots: HashMap::new(),
+            counted_lent: 0,
             aborted: None,
             stopped: false,
             next_id: 1,
@@ -293,10 +297,7 @@ impl Pool {
     /// Slots lent now whose token counts as one more in use (the top's
     /// implicit token).
     pub fn slots_in_use(&self) -> usize {
-        self.slots
-            .values()
-            .filter(|s| s.counts && s.borrower.is_some())
-            .count()
+        self.counted_lent
     }
 
     /// Slots the pool knows, lent or not.
@@ -371,6 +372,11 @@ impl Pool {
 
     /// Every non-observer client's holdings, in connection order.
     pub fn holdings(&self) -> Vec<Holding> {
+        self.holdings_iter().collect()
+    }
+
+    /// The same, one at a time, for a caller that keeps only some.
+    pub fn holdings_iter(&self) -> impl Iterator<Item = Holding> + '_ {
         self.clients
             .iter()
             .filter(|(_, c)| !c.info.observer)
@@ -381,7 +387,6 @@ impl Pool {
                 held: c.pool_held + u32::from(c.slot_held),
                 waiting: c.waiting,
             })
-            .collect()
     }
 
     /// Takes the effects produced since the last call, in order.
@@ -566,6 +571,9 @@ impl Pool {
         let Some(slot) = self.slots.get_mut(&key) else {
             return;
         };
+        if slot.counts && slot.borrower.is_some() {
+            self.counted_lent -= 1;
+        }
         slot.borrower = None;
         if slot.removable() {
             self.slots.remove(&key);
@@ -721,10 +729,11 @@ impl Pool {
             Source::Slot => {
                 client.slot_held = true;
                 let key = client.info.borrows.expect("a borrower names its slot");
-                self.slots
-                    .get_mut(&key)
-                    .expect("a lent slot exists")
-                    .borrower = Some(id);
+                let slot = self.slots.get_mut(&key).expect("a lent slot exists");
+                if slot.counts && slot.borrower.is_none() {
+                    self.counted_lent += 1;
+                }
+                slot.borrower = Some(id);
                 self.stats.slot_grants += 1;
             }
         }
@@ -824,6 +833,17 @@ impl Pool {
             }
         }
         // 5. One borrower per slot, and borrowers agree with the slots.
+        let counted_lent = self
+            .slots
+            .values()
+            .filter(|s| s.counts && s.borrower.is_some())
+            .count();
+        if counted_lent != self.counted_lent {
+            return Err(format!(
+                "{counted_lent} counted slots lent, {} recorded",
+                self.counted_lent
+            ));
+        }
         for (key, slot) in &self.slots {
             if let Some(holder) = slot.borrower {
                 let c = self
