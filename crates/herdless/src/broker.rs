@@ -67,8 +67,9 @@ pub mod limits;
 
 pub use limits::MAX_PENDING_ACQUIRES;
 use limits::{
-    Handshakes, Turns, ACCEPT_BUDGET, HANDSHAKE_DEADLINE, MAX_HANDSHAKING, MAX_PENDING_OUTPUT,
-    MAX_QUEUED_ACQUIRES, OUTPUT_PAUSE, READ_BUDGET, READ_CHUNK, TOTAL_OUTPUT_PAUSE,
+    HandshakeLog, Handshakes, Turns, ACCEPT_BUDGET, HANDSHAKE_DEADLINE, LISTEN_BACKLOG,
+    MAX_HANDSHAKING, MAX_PENDING_OUTPUT, MAX_QUEUED_ACQUIRES, OUTPUT_PAUSE, READ_BUDGET,
+    READ_CHUNK, TOTAL_OUTPUT_PAUSE,
 };
 
 const LISTENER: Token = Token(0);
@@ -216,6 +217,8 @@ pub struct Broker {
     controls: control::State,
     turns: Turns,
     handshakes: Handshakes,
+    /// Connections closed for their handshake, logged as counts.
+    handshake_log: HandshakeLog,
     /// Unsent reply bytes over all connections.
     output_total: usize,
     /// `accept` ran out of descriptors: try again when one is freed.
@@ -261,6 +264,17 @@ impl Broker {
         let listener = UnixListener::bind(socket).map_err(|e| {
             io::Error::new(
                 e.kind(),
+                format!("cannot listen on {}: {e}", socket.display()),
+            )
+        })?;
+        // A second `listen` on a listening socket sets its queue length.
+        nix::sys::socket::listen(
+            &listener,
+            nix::sys::socket::Backlog::new(LISTEN_BACKLOG).expect("a valid backlog"),
+        )
+        .map_err(|e| {
+            io::Error::new(
+                io::Error::from(e).kind(),
                 format!("cannot listen on {}: {e}", socket.display()),
             )
         })?;
@@ -334,6 +348,7 @@ impl Broker {
             max_in_use: 0,
             turns: Turns::default(),
             handshakes: Handshakes::default(),
+            handshake_log: HandshakeLog::default(),
             output_total: 0,
             accept_starved: false,
             fd_freed: false,
@@ -660,13 +675,26 @@ impl Broker {
             .handshakes
             .pop_oldest(None, |t| conns.get(&t).is_some_and(|c| c.client.is_none()))
         {
-            self.close(
+            self.close_handshake(
                 token,
-                Some(format!(
+                format!(
                     "{BUSY_PREFIX}more than {MAX_HANDSHAKING} connections have not sent their hello"
-                )),
+                ),
             );
         }
+    }
+
+    /// Closes a connection that has not sent its hello, telling it why;
+    /// the log gets a count of these (see [`limits::HANDSHAKE_LOG_EVERY`]),
+    /// not a line each.
+    fn close_handshake(&mut self, token: Token, reason: String) {
+        if let Some(n) = self.handshake_log.note(self.now()) {
+            log!(
+                Level::Warn,
+                "closed {n} connection(s) that had not sent their hello; the last: {reason}"
+            );
+        }
+        self.close_as(token, Some(reason), false, false);
     }
 
     /// Closes the connections whose handshake deadline has passed.
@@ -679,13 +707,11 @@ impl Broker {
             }) else {
                 return;
             };
-            self.close(
-                token,
-                Some(format!(
-                    "no hello within {} ms of connecting",
-                    self.config.handshake_deadline.as_millis()
-                )),
+            let reason = format!(
+                "no hello within {} ms of connecting",
+                self.config.handshake_deadline.as_millis()
             );
+            self.close_handshake(token, reason);
         }
     }
 
@@ -1187,17 +1213,19 @@ impl Broker {
     /// Closes a connection and returns its tokens to the pool. With a
     /// reason, the client is told why and the reason is logged.
     fn close(&mut self, token: Token, reason: Option<String>) {
-        self.close_as(token, reason, false);
+        self.close_as(token, reason, false, true);
     }
 
     /// Closes a connection the broker ends itself because it stops: the
     /// tokens it held count as held at shutdown, not as taken back from a
     /// client that died.
     fn close_at_stop(&mut self, token: Token) {
-        self.close_as(token, None, true);
+        self.close_as(token, None, true, true);
     }
 
-    fn close_as(&mut self, token: Token, reason: Option<String>, at_stop: bool) {
+    /// Closes a connection; `log_reason` says whether its reason is logged
+    /// here (the caller logs a count instead when it is not).
+    fn close_as(&mut self, token: Token, reason: Option<String>, at_stop: bool, log_reason: bool) {
         let Some(mut conn) = self.conns.remove(&token) else {
             return;
         };
@@ -1212,7 +1240,9 @@ impl Broker {
             _ => format!("connection {}", token.0),
         };
         if let Some(reason) = &reason {
-            log!(Level::Warn, "closing {who}: {reason}");
+            if log_reason {
+                log!(Level::Warn, "closing {who}: {reason}");
+            }
             Reply::Error {
                 message: reason.clone(),
             }
@@ -1221,7 +1251,12 @@ impl Broker {
         // Replies already owed (to a client that only half-closed) go out
         // before the connection does, as far as the socket takes them.
         let _ = flush(&mut conn);
-        let _ = self.poll.registry().deregister(&mut conn.stream);
+        // No `deregister`: closing the socket, dropped below, takes it out
+        // of the poll set, one system call fewer per connection (what a
+        // flood of connections costs). The broker holds its only
+        // descriptor; a command forked meanwhile holds a copy only until
+        // its exec (close-on-exec), and an event for the token then finds no
+        // connection, tokens being never reused.
         if let Some(fd) = conn.exit_fd.take() {
             use std::os::fd::AsRawFd;
             let _ = self
@@ -1247,10 +1282,40 @@ impl Broker {
         }
     }
 
-    fn status(&self) -> Status {
-        let (clients, clients_total) = Status::list_clients(
-            self.pool
-                .holdings()
+    /// The client lines of a status document (see
+    /// [`Status::list_clients`]) and the count of all clients, in one pass
+    /// over the clients that keeps at most the busy ones and the
+    /// [`MAX_STATUS_CLIENTS`](limits::MAX_STATUS_CLIENTS) oldest idle ones,
+    /// and makes lines only for those listed: with tens of thousands of
+    /// idle clients a status costs a walk over them, nothing more.
+    fn status_clients(&self) -> (Vec<ClientStatus>, u64) {
+        let max = limits::MAX_STATUS_CLIENTS;
+        let (mut total, mut idle) = (0u64, 0usize);
+        let mut picked: Vec<crate::pool::Holding> = Vec::new();
+        for h in self.pool.holdings_iter() {
+            total += 1;
+            // Clients come in connection order: an idle one after the
+            // first `max` idle ones ranks below every one kept.
+            if h.held == 0 && h.waiting == 0 {
+                if idle == max {
+                    continue;
+                }
+                idle += 1;
+            }
+            picked.push(h);
+        }
+        if picked.len() > max {
+            picked.select_nth_unstable_by_key(max - 1, |h| {
+                (
+                    std::cmp::Reverse(h.held),
+                    std::cmp::Reverse(h.waiting),
+                    h.client,
+                )
+            });
+            picked.truncate(max);
+        }
+        let (clients, _) = Status::list_clients(
+            picked
                 .into_iter()
                 .map(|h| ClientStatus {
                     id: h.client.0,
@@ -1261,6 +1326,11 @@ impl Broker {
                 })
                 .collect(),
         );
+        (clients, total)
+    }
+
+    fn status(&self) -> Status {
+        let (clients, clients_total) = self.status_clients();
         let stats = self.pool.stats();
         let free = self.pool.free();
         Status {
@@ -1323,6 +1393,13 @@ impl Broker {
         // waiter that is about to be closed too.
         self.stop_granting();
         self.read_what_was_sent();
+        let unlogged = self.handshake_log.take();
+        if unlogged > 0 {
+            log!(
+                Level::Warn,
+                "closed {unlogged} more connection(s) that had not sent their hello"
+            );
+        }
         let tokens: Vec<Token> = self.conns.keys().copied().collect();
         for token in tokens {
             self.close_at_stop(token);
