@@ -1283,27 +1283,13 @@ impl Broker {
     }
 
     /// The client lines of a status document (see
-    /// [`Status::list_clients`]) and the count of all clients, in one pass
-    /// over the clients that keeps at most the busy ones and the
-    /// [`MAX_STATUS_CLIENTS`](limits::MAX_STATUS_CLIENTS) oldest idle ones,
-    /// and makes lines only for those listed: with tens of thousands of
-    /// idle clients a status costs a walk over them, nothing more.
+    /// [`Status::list_clients`]) and the count of all clients. The pool
+    /// hands over only the clients that can be listed (the busy ones and
+    /// the oldest idle ones) and lines are made only for those listed: with
+    /// tens of thousands of idle clients a status costs what it lists.
     fn status_clients(&self) -> (Vec<ClientStatus>, u64) {
         let max = limits::MAX_STATUS_CLIENTS;
-        let (mut total, mut idle) = (0u64, 0usize);
-        let mut picked: Vec<crate::pool::Holding> = Vec::new();
-        for h in self.pool.holdings_iter() {
-            total += 1;
-            // Clients come in connection order: an idle one after the
-            // first `max` idle ones ranks below every one kept.
-            if h.held == 0 && h.waiting == 0 {
-                if idle == max {
-                    continue;
-                }
-                idle += 1;
-            }
-            picked.push(h);
-        }
+        let (mut picked, total) = self.pool.holdings_for_status(max);
         if picked.len() > max {
             picked.select_nth_unstable_by_key(max - 1, |h| {
                 (
@@ -1326,7 +1312,7 @@ impl Broker {
                 })
                 .collect(),
         );
-        (clients, total)
+        (clients, total as u64)
     }
 
     fn status(&self) -> Status {
