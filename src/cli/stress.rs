@@ -14,6 +14,7 @@ use anyhow::{bail, Context, Result};
 use herdless::client::{Client, Options};
 use herdless::protocol::{HelloFlags, Request, PROTOCOL_VERSION};
 use herdless::status::Status;
+use herdless_platform::{sched_count, SchedCount};
 
 /// What the misbehaving client does.
 #[derive(Clone, Copy, Debug, clap::ValueEnum)]
@@ -118,6 +119,8 @@ struct ProbeFigures {
     longest_parts: [Duration; 3],
     /// When that round began, counted from the end of the setup.
     longest_at: Duration,
+    /// Every round's time once the misbehaving client had set up.
+    times: Vec<Duration>,
     /// Its longest round while the misbehaving client set up.
     setup: Duration,
     rounds: u64,
@@ -147,6 +150,7 @@ fn probe(socket: &Path, set_up: Arc<AtomicBool>, stop: Arc<AtomicBool>) -> Probe
         let took = t.elapsed();
         if set_up.load(Ordering::Relaxed) {
             let since = *set_up_at.get_or_insert(t);
+            fig.times.push(took);
             if took > fig.longest {
                 fig.longest = took;
                 fig.longest_parts = parts;
@@ -174,6 +178,7 @@ pub fn stress(args: StressArgs) -> Result<u8> {
     let socket = args.socket.as_path();
     let (before, _) = status(socket).context("no broker to stress")?;
     let pid = before.pid;
+    let sched_start = sched_count(pid);
     let stop = Arc::new(AtomicBool::new(false));
     let sent = Arc::new(AtomicU64::new(0));
     let mut held: Vec<UnixStream> = Vec::new();
@@ -238,7 +243,9 @@ pub fn stress(args: StressArgs) -> Result<u8> {
     }
     extra.insert("connections_opened".into(), held.len().into());
     set_up.store(true, Ordering::Relaxed);
+    let sched_set_up = sched_count(pid);
     std::thread::sleep(Duration::from_secs_f64(args.seconds));
+    let sched_end = sched_count(pid);
     let during = status(socket);
     match &during {
         Ok((s, bytes)) => {
@@ -260,10 +267,25 @@ pub fn stress(args: StressArgs) -> Result<u8> {
         longest,
         longest_parts,
         longest_at,
+        mut times,
         setup,
         rounds,
         failures,
     } = probe_thread.join().expect("probe thread");
+    times.sort_unstable();
+    let quantile = |q: f64| {
+        times
+            .get(((times.len() as f64 * q) as usize).min(times.len().saturating_sub(1)))
+            .copied()
+            .unwrap_or_default()
+    };
+    let broker_cpu = |from: Option<SchedCount>, to: Option<SchedCount>| match (from, to) {
+        (Some(a), Some(b)) => serde_json::json!({
+            "cpu_ms": (b.cpu_ns - a.cpu_ns) as f64 / 1e6,
+            "runqueue_ms": (b.runqueue_ns - a.runqueue_ns) as f64 / 1e6,
+        }),
+        _ => serde_json::Value::Null,
+    };
     // Connections the broker closed on its own.
     let mut closed_by_broker = 0;
     for s in &mut held {
@@ -320,6 +342,16 @@ pub fn stress(args: StressArgs) -> Result<u8> {
         longest_parts.map(ms).to_vec().into(),
     );
     out.insert("probe_longest_wait_at_ms".into(), ms(longest_at).into());
+    out.insert("probe_p50_ms".into(), ms(quantile(0.5)).into());
+    out.insert("probe_p99_ms".into(), ms(quantile(0.99)).into());
+    out.insert(
+        "broker_during_setup".into(),
+        broker_cpu(sched_start, sched_set_up),
+    );
+    out.insert(
+        "broker_during_flood".into(),
+        broker_cpu(sched_set_up, sched_end),
+    );
     out.insert(
         "probe_longest_wait_setup_ms".into(),
         (setup.as_secs_f64() * 1000.0).into(),
