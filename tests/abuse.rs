@@ -152,6 +152,20 @@ fn the_listen_queue_is_bounded_and_every_queued_connection_is_served() {
     let serve = Serve::start(2);
     let _ = serve.status();
     common::signal(serve.pid(), libc::SIGSTOP);
+    // Every thread of it stopped, so that none accepts from here on.
+    let stopped = || {
+        std::fs::read_dir(format!("/proc/{}/task", serve.pid()))
+            .unwrap()
+            .all(|task| {
+                let tid = task.unwrap().file_name().to_string_lossy().parse().unwrap();
+                herdless_platform::process_state(tid) == Some('T')
+            })
+    };
+    let since = std::time::Instant::now();
+    while !stopped() {
+        assert!(since.elapsed() < PATIENCE, "the broker did not stop");
+        std::thread::sleep(Duration::from_millis(1));
+    }
     let addr = UnixAddr::new(&serve.socket).unwrap();
     let mut queued = Vec::new();
     let refused = loop {
@@ -204,7 +218,9 @@ fn the_listen_queue_is_bounded_and_every_queued_connection_is_served() {
     }
     well_behaved_rounds(&serve.socket, 5, false);
     // Every queued connection is a client still.
-    serve.wait_for("the queued clients alone", |s| s.clients_total as usize == n);
+    serve.wait_for("the queued clients alone", |s| {
+        s.clients_total as usize == n
+    });
     drop(queued);
     let status = serve.wait_for("everyone gone", |s| s.clients_total == 0);
     assert_eq!(status.lost, 0);
