@@ -4,9 +4,12 @@ use anyhow::{Context, Result};
 
 use std::os::fd::AsRawFd;
 
+use std::sync::atomic::Ordering;
+
+use herdless::backing::{Backing, Figures};
 use herdless::bridge::Bridge;
 use herdless::broker::{Broker, Config};
-use herdless::classic::{Flavor, Program};
+use herdless::classic::{Auth, Flavor, Jobserver, Program};
 use herdless::client::{slot_env_value, socket_from_env, Client, Options, SLOT_ENV, SOCKET_ENV};
 use herdless::rundir::RunDir;
 use herdless::status::Status;
@@ -29,8 +32,14 @@ use super::RunArgs;
 /// none starts after it. When the command ends, the broker stops for good.
 ///
 /// Under another herdless broker (`HERDLESS_SOCKET` set) it starts no pool
-/// of its own unless `--new-pool` says so: see [`run_joined`].
+/// of its own unless `--new-pool` says so: see [`run_joined`]. Under a
+/// classic jobserver (an outer make's `MAKEFLAGS`) its pool is *backed*
+/// by the outer one: the command's implicit token is the recipe's, and
+/// each of the N − 1 others is borrowed from the outer jobserver when a
+/// job waits for it and given back as soon as none does (see
+/// `herdless::backing`).
 pub fn run(args: RunArgs) -> Result<u8> {
+    let mut backing = None;
     if let Some(outer) = socket_from_env() {
         if !args.new_pool {
             return run_joined(args, &outer);
@@ -41,16 +50,8 @@ pub fn run(args: RunArgs) -> Result<u8> {
             args.jobs,
             outer.display()
         );
-    } else if herdless::classic::Jobserver::from_env()
-        .ok()
-        .flatten()
-        .is_some_and(|js| !matches!(js.auth(), herdless::classic::Auth::Disabled))
-    {
-        eprintln!(
-            "herdless: warning: -j{} forced: under a classic jobserver, herdless run starts a \
-             pool of its own, and the outer make's -j no longer bounds this subtree",
-            args.jobs
-        );
+    } else {
+        backing = outer_jobserver(&args);
     }
     // This process serves one connection per job from here on.
     super::raise_nofile_limit();
@@ -59,6 +60,12 @@ pub fn run(args: RunArgs) -> Result<u8> {
     config.admission = args.admission.admission()?;
     let mut broker = Broker::bind(dir.socket(), config)?;
     dir.set_bound();
+    if let Some(backing) = backing {
+        broker = broker
+            .with_backing(backing)
+            .context("cannot watch the outer jobserver")?;
+    }
+    let figures = broker.backing_figures();
     let mut env = vec![
         (SOCKET_ENV, dir.socket().as_os_str().to_owned()),
         (SLOT_ENV, slot_env_value(broker.top_slot()).into()),
@@ -100,11 +107,76 @@ pub fn run(args: RunArgs) -> Result<u8> {
     let outcome = outcome?;
     if args.stats {
         print_report(&report);
+        if let Some(f) = &figures {
+            print_outer(f);
+        }
     }
     if report.lost != 0 {
         eprintln!("herdless: {} token(s) lost", report.lost);
     }
+    if let Some(f) = &figures {
+        let lost = f.lost.load(Ordering::Relaxed);
+        if lost != 0 {
+            eprintln!("herdless: {lost} token(s) could not be given back to the outer jobserver");
+        }
+    }
     Ok(child::end(outcome.exit()))
+}
+
+/// The outer classic jobserver to borrow from, when `MAKEFLAGS` names one
+/// and `--new-pool` does not say otherwise. One that cannot be used (GNU
+/// make closes its descriptors for recipes not marked `+`) leaves the
+/// pool on its own, with a warning, as GNU make's "jobserver unavailable:
+/// using -j1" does.
+fn outer_jobserver(args: &RunArgs) -> Option<Backing> {
+    let js = match Jobserver::from_env() {
+        Ok(Some(js)) if !matches!(js.auth(), Auth::Disabled) => js,
+        Ok(_) => return None,
+        Err(e) => {
+            eprintln!(
+                "herdless: warning: jobserver unavailable: {e}; using a pool of its own, -j{}, \
+                 which the outer make's -j does not bound",
+                args.jobs
+            );
+            return None;
+        }
+    };
+    if args.new_pool {
+        eprintln!(
+            "herdless: warning: --new-pool: -j{} forced in a pool of its own; the outer \
+             jobserver ({}) no longer bounds this subtree",
+            args.jobs,
+            js.option()
+        );
+        return None;
+    }
+    match Backing::open(&js, args.jobs) {
+        Ok(backing) => Some(backing),
+        Err(e) => {
+            let rule = match js.flavor() {
+                Flavor::Gnu => "Add '+' to the parent make rule.",
+                Flavor::Bmake => "Mark the parent target .MAKE.",
+            };
+            eprintln!(
+                "herdless: warning: jobserver unavailable ({e}): using a pool of its own, \
+                 -j{}, which the outer make's -j does not bound. {rule}",
+                args.jobs
+            );
+            None
+        }
+    }
+}
+
+/// The `--stats` line of a pool backed by an outer jobserver.
+fn print_outer(f: &Figures) {
+    eprintln!(
+        "herdless: outer         {} token(s) borrowed from the outer jobserver ({} at once at \
+         most), {} given back, {} lost",
+        f.borrowed.load(Ordering::Relaxed),
+        f.max_held.load(Ordering::Relaxed),
+        f.returned.load(Ordering::Relaxed),
+        f.lost.load(Ordering::Relaxed)
+    );
 }
 
 /// `herdless run` under another herdless broker: the command becomes a job

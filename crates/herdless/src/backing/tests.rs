@@ -107,7 +107,11 @@ fn the_inner_limit_caps_what_is_borrowed() {
         p.acquire(id, t(0)).unwrap();
     }
     ledger.balance(&mut p, &mut outer, t(0));
-    assert_eq!(ledger.held(), 2, "-j3: two borrowed, the third is the top's");
+    assert_eq!(
+        ledger.held(),
+        2,
+        "-j3: two borrowed, the third is the top's"
+    );
     assert_eq!(p.waiting(), 4);
     assert_eq!(outer.pipe.len(), 8);
 }
