@@ -187,7 +187,7 @@ fn print_outer(f: &Figures) {
 /// broker's `Cap`, which follows process ancestry: Linux only), so the
 /// outer `-j` bounds everything and its own `-j` bounds its subtree.
 fn run_joined(args: RunArgs, outer: &std::path::Path) -> Result<u8> {
-    let client = Client::connect_with(outer, Options::default().job_of_parent(true))
+    let client = Client::connect_with(outer, Options::default().job_of_runner_above(true))
         .with_context(|| format!("cannot join the herdless pool at {}", outer.display()))?;
     let token = client
         .acquire()
