@@ -43,6 +43,22 @@
 //!   Every figure here counts grants, never time: nothing in the bridge
 //!   sleeps or uses a timer.
 //!
+//! # Backed pools
+//!
+//! When the pool's tokens are borrowed from an outer jobserver
+//! ([`crate::backing`]: `herdless run` in a make recipe), a token in the
+//! pipe is one the outer build cannot use, so the pipe never holds more
+//! than one ([`Bridge::set_backed`]). While natives wait, the offer rules
+//! above apply unchanged. While none waits, the whole free pool does *not*
+//! go to the pipe: one *standing offer* is kept there, and only while the
+//! classic side is live (the command is a classic client, a classic client
+//! was seen taking or returning a token, or no native client has connected
+//! yet, so that a make started by a script gets a first offer). Where the
+//! OS allows (Linux), the pipe is shrunk to one buffer, so a description
+//! opened for writing becomes writable, edge-triggered, exactly when a
+//! reader takes the last byte: the broker wakes and the next offer follows
+//! at once, and an inner make reaches the inner `-j` as fast as it reads.
+//!
 //! # Liveness
 //!
 //! While a native client waits, no token stays free, in the pool or unread

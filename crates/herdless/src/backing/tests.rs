@@ -208,16 +208,10 @@ proptest! {
                     let (id, _) = live.remove(i % live.len());
                     p.disconnect(id, at);
                 }
-                Op::SiblingTakes => {
-                    if outer.pipe.pop().is_some() {
-                        siblings += 1;
-                    }
-                }
-                Op::SiblingGives => {
-                    if siblings > 0 {
-                        siblings -= 1;
-                        outer.pipe.push(b'+');
-                    }
+                Op::SiblingTakes if outer.pipe.pop().is_some() => siblings += 1,
+                Op::SiblingGives if siblings > 0 => {
+                    siblings -= 1;
+                    outer.pipe.push(b'+');
                 }
                 Op::SetJobs(j) => {
                     ledger.set_jobs(j);
