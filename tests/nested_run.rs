@@ -486,3 +486,34 @@ fn sigint_gives_borrowed_tokens_back() {
 fn a_killed_command_gives_borrowed_tokens_back() {
     ending_gives_every_token_back(Ending::CommandKilled);
 }
+
+/// An outer bmake that aborted leaves its abort token in the pipe: the
+/// inner run reads it when it wants a token, writes it back for the other
+/// makes, and aborts its own pool, so its waiting jobs never start.
+#[test]
+fn an_outer_bmake_abort_token_aborts_the_inner_pool() {
+    let _serial = serial();
+    let tree = Tree::new("nested-abort");
+    let pipe = TokenPipe::new(b"E");
+    let mut cmd = clean(herdless());
+    cmd.args(["run", "-j", "3", "--stats", "--", "sh", "-c"])
+        .arg(format!(
+            "for i in 1 2 3 4 5 6; do {} exec -- {} & done; wait",
+            herdless(),
+            tree.job("a", 1)
+        ))
+        .env("MAKEFLAGS", format!("-j 4 -J {}", pipe.auth()));
+    let out = run(&mut cmd, "run under an aborted bmake");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("herdless: aborted       E"),
+        "the inner pool aborted\n{}",
+        text(&out)
+    );
+    assert!(
+        tree.done() < 6,
+        "jobs waiting for a token never started\n{}",
+        text(&out)
+    );
+    assert_eq!(pipe.drain(), b"E", "the abort token is back for the others");
+}
