@@ -59,8 +59,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::classic::pipe::{Pipe, Read};
+use crate::classic::pipe::{Claim, Pipe, Read};
 use crate::classic::{Flavor, Jobserver};
+use crate::error::{Error, ErrorKind};
 use crate::log;
 use crate::log::Level;
 use crate::pool::Pool;
@@ -267,9 +268,21 @@ impl Backing {
     /// Those of the classic client: the jobserver is disabled, or its
     /// descriptors are not open, not a pipe, or not one pipe's two ends
     /// (GNU make closes them for recipes not marked `+`), or its fifo is
-    /// gone.
+    /// gone; `Unsupported` for a blocking pipe this OS cannot reopen (the
+    /// BSDs and macOS under GNU make before 4.3).
     pub fn open(js: &Jobserver, jobs: u32) -> crate::error::Result<Backing> {
         let pipe = Pipe::open(js)?;
+        if pipe.claim_mode() == Claim::SharedBlocking {
+            // The broker's loop must never block on a read.
+            return Err(Error::new(
+                ErrorKind::Unsupported,
+                format!(
+                    "the outer jobserver's {} is blocking, and this OS cannot open a \
+                     description of it of its own",
+                    pipe.what()
+                ),
+            ));
+        }
         Ok(Backing {
             ledger: Ledger::new(js.flavor(), jobs),
             pipe,
