@@ -414,8 +414,9 @@ impl Broker {
     /// out what that changed.
     fn rebalance(&mut self) {
         // Each pass settles what the last one's effects changed (a grant
-        // to a process already gone frees its token); a few suffice.
-        for _ in 0..4 {
+        // to a process already gone frees its token, which a backed pool
+        // gives back); each frees fewer, so this ends.
+        for _ in 0..64 {
             let now = self.now();
             if let Some(bridge) = self.bridge.as_mut() {
                 bridge.balance(&mut self.pool, self.native_grants, now);
