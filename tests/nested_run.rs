@@ -55,7 +55,7 @@ const JOB: &str = r#"#!/bin/sh
 d=$1; s=$2; want=$3
 mkdir -p "$d/run-$s"
 : > "$d/run/$$"; : > "$d/run-$s/$$"
-count() { echo "$(ls "$d/run" | wc -l) $(ls "$d/run-$s" | wc -l) $s" >> "$d/peaks"; }
+count() { echo "$(ls "$d/run" | wc -l) $(ls "$d/run-$s" | wc -l) $s $(cat "$d/done" 2>/dev/null | wc -l)" >> "$d/peaks"; }
 count
 if [ "$(ls "$d/run" | wc -l)" -ge "$want" ]; then : > "$d/reached"; fi
 i=0
@@ -90,7 +90,7 @@ impl Tree {
         format!("sh {d}/job.sh {d} {subtree} {want}")
     }
 
-    fn peaks(&self) -> Vec<(u32, u32, String)> {
+    fn peaks(&self) -> Vec<(u32, u32, String, u32)> {
         fs::read_to_string(self.path().join("peaks"))
             .unwrap_or_default()
             .lines()
@@ -100,6 +100,7 @@ impl Tree {
                     w.next()?.parse().ok()?,
                     w.next()?.parse().ok()?,
                     w.next()?.to_string(),
+                    w.next()?.parse().ok()?,
                 ))
             })
             .collect()
@@ -118,6 +119,15 @@ impl Tree {
             .map(|p| p.1)
             .max()
             .unwrap_or(0)
+    }
+
+    /// Whether `subtree` ran `n` jobs at once before any job had ended:
+    /// it did not wait for a token to come back while tokens were to be
+    /// had.
+    fn reached_before_any_ended(&self, subtree: &str, n: u32) -> bool {
+        self.peaks()
+            .iter()
+            .any(|p| p.2 == subtree && p.1 >= n && p.3 == 0)
     }
 
     fn done(&self) -> usize {
@@ -516,4 +526,66 @@ fn an_outer_bmake_abort_token_aborts_the_inner_pool() {
         text(&out)
     );
     assert_eq!(pipe.drain(), b"E", "the abort token is back for the others");
+}
+
+/// A stock make alone in a `herdless run -j 3` under an outer jobserver
+/// with tokens to spare: it reads the inner pipe's offers (one at a time,
+/// each renewed as it is read) and reaches 3 jobs, never more; every outer
+/// byte is back afterwards.
+fn inner_make_reaches_its_j(make: Make) {
+    let _serial = serial();
+    let tree = Tree::new("nested-inner-make");
+    let sub = tree.path().join("sub.mk");
+    let targets: Vec<String> = (1..=9).map(|i| format!("s{i}")).collect();
+    let mut submk = format!(".PHONY: all {0}\nall: {0}\n", targets.join(" "));
+    for t in &targets {
+        writeln!(submk, "{t}:\n\t@{}", tree.job("m", 3)).unwrap();
+    }
+    fs::write(&sub, submk).unwrap();
+    let pipe = TokenPipe::new(b"+++++");
+    let mut cmd = clean(herdless());
+    cmd.args(["run", "-j", "3", "--stats", "--"])
+        .arg(make.program())
+        .arg("-f")
+        .arg(&sub)
+        .current_dir(tree.path());
+    let flags = match make {
+        Make::Bmake => format!("-j 6 -J {}", pipe.auth()),
+        _ => format!("-j6 --jobserver-auth={}", pipe.auth()),
+    };
+    cmd.env("MAKEFLAGS", flags);
+    let out = run(&mut cmd, &format!("run -j 3 -- {make:?}"));
+    assert!(out.status.success(), "{}", text(&out));
+    assert_eq!(tree.done(), 9, "{}", text(&out));
+    assert_eq!(
+        tree.peak_of("m"),
+        3,
+        "-j 3 reached, never passed\n{}",
+        text(&out)
+    );
+    if cfg!(target_os = "linux") {
+        // Each offer is renewed the moment it is read (the pipe's emptying
+        // is an event there), so the make needs no job to end first.
+        assert!(
+            tree.reached_before_any_ended("m", 3),
+            "the inner make waited for a job to end while tokens were to be had\n{}",
+            text(&out)
+        );
+    }
+    assert_eq!(
+        pipe.drain().len(),
+        5,
+        "every outer byte back\n{}",
+        text(&out)
+    );
+}
+
+#[test]
+fn inner_gnu_make_reaches_its_j() {
+    inner_make_reaches_its_j(Make::Gnu43);
+}
+
+#[test]
+fn inner_bmake_reaches_its_j() {
+    inner_make_reaches_its_j(Make::Bmake);
 }
