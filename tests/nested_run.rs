@@ -589,3 +589,64 @@ fn inner_gnu_make_reaches_its_j() {
 fn inner_bmake_reaches_its_j() {
     inner_make_reaches_its_j(Make::Bmake);
 }
+
+/// `herdless run -j 2 -- MAKE` inside `herdless run -j 8`: the nested run
+/// joins the outer pool, and its make reads a pipe of the nested run's
+/// own, whose tokens are borrowed from the outer pool: the inner -j 2
+/// caps the make (it would otherwise read the outer pipe, at -j 8), and
+/// the outer pool loses nothing.
+fn a_make_in_a_joined_run_is_capped(make: Make) {
+    let _serial = serial();
+    let tree = Tree::new("joined-make");
+    let sub = tree.path().join("sub.mk");
+    let targets: Vec<String> = (1..=8).map(|i| format!("s{i}")).collect();
+    let mut submk = format!(".PHONY: all {0}\nall: {0}\n", targets.join(" "));
+    for t in &targets {
+        writeln!(submk, "{t}:\n\t@{}", tree.job("m", 2)).unwrap();
+    }
+    fs::write(&sub, submk).unwrap();
+    let mut cmd = clean(herdless());
+    cmd.args(["run", "-j", "8", "--stats", "--", "sh", "-c"])
+        .arg(format!(
+            "{} run -j 2 --stats -- {} -f {}",
+            herdless(),
+            make.program().display(),
+            sub.display()
+        ))
+        .env_remove("HERDLESS_SLOT")
+        .current_dir(tree.path());
+    let out = run(&mut cmd, &format!("run -j 8 -- run -j 2 -- {make:?}"));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{}", text(&out));
+    assert_eq!(tree.done(), 8, "{}", text(&out));
+    assert_eq!(
+        tree.peak_of("m"),
+        2,
+        "the inner -j 2 caps the make, and is reached\n{}",
+        text(&out)
+    );
+    if cfg!(target_os = "linux") {
+        assert!(tree.reached_before_any_ended("m", 2), "{}", text(&out));
+    }
+    let lost: Vec<&str> = stderr
+        .lines()
+        .filter(|l| l.starts_with("herdless: tokens lost"))
+        .collect();
+    assert_eq!(lost.len(), 2, "both pools report\n{}", text(&out));
+    assert!(lost.iter().all(|l| l.ends_with(" 0")), "{}", text(&out));
+    assert!(
+        stderr.contains("given back, 0 lost"),
+        "the nested pool borrowed from the outer one\n{}",
+        text(&out)
+    );
+}
+
+#[test]
+fn a_gnu_make_in_a_joined_run_is_capped() {
+    a_make_in_a_joined_run_is_capped(Make::Gnu43);
+}
+
+#[test]
+fn a_bmake_in_a_joined_run_is_capped() {
+    a_make_in_a_joined_run_is_capped(Make::Bmake);
+}

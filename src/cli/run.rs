@@ -6,7 +6,7 @@ use std::os::fd::AsRawFd;
 
 use std::sync::atomic::Ordering;
 
-use herdless::backing::{Backing, Figures};
+use herdless::backing::{Backing, Broker as OuterBroker, Figures};
 use herdless::bridge::Bridge;
 use herdless::broker::{Broker, Config};
 use herdless::classic::{Auth, Flavor, Jobserver, Program};
@@ -76,20 +76,8 @@ pub fn run(args: RunArgs) -> Result<u8> {
     }
     let mut inherit = Vec::new();
     if !args.no_classic {
-        let program = &args.command[0];
-        let flavor = args.flavor.unwrap_or_else(|| Flavor::for_command(program));
-        let bridge = Bridge::create(
-            dir.dir(),
-            args.style,
-            flavor,
-            args.jobs,
-            Program::of(program).is_some_and(Program::reads_jobserver),
-        )
-        .context("cannot set up the classic jobserver")?;
-        let fds = bridge.inheritable_fds()?;
-        let raw = fds.as_ref().map(|(r, w)| (r.as_raw_fd(), w.as_raw_fd()));
-        env.extend(bridge.env(raw, std::env::var_os("MAKEFLAGS").as_deref()));
-        inherit.extend(fds.into_iter().flat_map(|(r, w)| [r, w]));
+        let (bridge, more) = classic_side(&args, &dir, &mut inherit)?;
+        env.extend(more);
         broker = broker.with_bridge(bridge)?;
     }
     let stopper = broker.stopper();
@@ -121,6 +109,31 @@ pub fn run(args: RunArgs) -> Result<u8> {
         }
     }
     Ok(child::end(outcome.exit()))
+}
+
+/// The classic jobserver of `run`'s pool, in `dir`: the bridge, the
+/// environment that names it, and (pipe style) the descriptors the
+/// command inherits, added to `inherit`.
+fn classic_side(
+    args: &RunArgs,
+    dir: &RunDir,
+    inherit: &mut Vec<std::os::fd::OwnedFd>,
+) -> Result<(Bridge, Vec<(&'static str, std::ffi::OsString)>)> {
+    let program = &args.command[0];
+    let flavor = args.flavor.unwrap_or_else(|| Flavor::for_command(program));
+    let bridge = Bridge::create(
+        dir.dir(),
+        args.style,
+        flavor,
+        args.jobs,
+        Program::of(program).is_some_and(Program::reads_jobserver),
+    )
+    .context("cannot set up the classic jobserver")?;
+    let fds = bridge.inheritable_fds()?;
+    let raw = fds.as_ref().map(|(r, w)| (r.as_raw_fd(), w.as_raw_fd()));
+    let env = bridge.env(raw, std::env::var_os("MAKEFLAGS").as_deref());
+    inherit.extend(fds.into_iter().flat_map(|(r, w)| [r, w]));
+    Ok((bridge, env))
 }
 
 /// The outer classic jobserver to borrow from, when `MAKEFLAGS` names one
@@ -186,6 +199,12 @@ fn print_outer(f: &Figures) {
 /// in `HERDLESS_SLOT`, and caps its own process subtree at `-j N` (the
 /// broker's `Cap`, which follows process ancestry: Linux only), so the
 /// outer `-j` bounds everything and its own `-j` bounds its subtree.
+///
+/// When the command is itself a classic client (a make, cargo: see
+/// `Program`), it gets a classic jobserver of this run's own, whose
+/// pool borrows its tokens from the outer pool (`herdless::backing`), so
+/// `-j` caps it too; a classic client started deeper (by a script) reads
+/// the outer jobserver, which the cap does not reach.
 fn run_joined(args: RunArgs, outer: &std::path::Path) -> Result<u8> {
     let client = Client::connect_with(outer, Options::default().job_of_runner_above(true))
         .with_context(|| format!("cannot join the herdless pool at {}", outer.display()))?;
@@ -207,7 +226,50 @@ fn run_joined(args: RunArgs, outer: &std::path::Path) -> Result<u8> {
     if let Ok(me) = std::env::current_exe() {
         env.push(("HERDLESS", me.into_os_string()));
     }
-    let outcome = child::run(&args.command, &env);
+    let program = &args.command[0];
+    let classic = !args.no_classic && Program::of(program).is_some_and(Program::reads_jobserver);
+    let mut inherit = Vec::new();
+    let mut inner = None;
+    if classic {
+        let mut dir = RunDir::create().context("cannot prepare the socket directory")?;
+        let borrower = Client::connect_with(outer, Options::default().implicit_token(false))
+            .with_context(|| format!("cannot join the herdless pool at {}", outer.display()))?;
+        let mut config = Config::new(args.jobs);
+        config.admission = args.admission.admission()?;
+        let mut broker = Broker::bind(dir.socket(), config)?;
+        dir.set_bound();
+        broker = broker
+            .with_backing(Backing::broker(
+                OuterBroker::new(borrower, outer),
+                args.jobs,
+            ))
+            .context("cannot watch the outer pool")?;
+        let (bridge, more) = classic_side(&args, &dir, &mut inherit)?;
+        env.extend(more);
+        broker = broker.with_bridge(bridge)?;
+        let figures = broker.backing_figures();
+        let stopper = broker.stopper();
+        let thread = std::thread::Builder::new()
+            .name("herdless-broker".into())
+            .spawn(move || broker.run())
+            .context("cannot start the broker thread")?;
+        inner = Some((dir, stopper, thread, figures));
+    }
+    let halter = inner.as_ref().map(|(_, s, _, _)| s.clone());
+    let outcome = child::run_inheriting(&args.command, &env, inherit, move || {
+        if let Some(h) = &halter {
+            h.halt();
+        }
+    });
+    let mut report = None;
+    if let Some((dir, stopper, thread, figures)) = inner {
+        stopper.stop();
+        let status = thread
+            .join()
+            .map_err(|_| anyhow::anyhow!("the broker thread panicked"))??;
+        drop(dir);
+        report = Some((status, figures));
+    }
     let uncapped = control.cap(me, None);
     drop(token);
     drop(client);
@@ -221,6 +283,18 @@ fn run_joined(args: RunArgs, outer: &std::path::Path) -> Result<u8> {
             outer.display(),
             args.jobs
         );
+        if let Some((status, figures)) = &report {
+            print_report(status);
+            if let Some(f) = figures {
+                print_outer(f);
+            }
+        }
+    }
+    if let Some((_, Some(f))) = &report {
+        let lost = f.lost.load(Ordering::Relaxed);
+        if lost != 0 {
+            eprintln!("herdless: {lost} token(s) could not be given back to the outer pool");
+        }
     }
     Ok(child::end(outcome.exit()))
 }

@@ -1,6 +1,8 @@
-//! A pool whose shared tokens are backed by an outer classic jobserver:
-//! what `herdless run` does when it is itself a job of a GNU make or a
-//! bmake.
+//! A pool whose shared tokens are backed by an outer pool: what `herdless
+//! run` does when it is itself a job of a GNU make or a bmake (the outer
+//! pool is their classic jobserver), and, for a classic command, when it
+//! joins another herdless broker ([`Broker`]: the outer pool is that
+//! broker's, reached as a native client).
 //!
 //! # The model
 //!
@@ -61,6 +63,7 @@ use std::time::Duration;
 
 use crate::classic::pipe::{Claim, Pipe, Read};
 use crate::classic::{Flavor, Jobserver};
+use crate::client::{Client, Token};
 use crate::error::{Error, ErrorKind};
 use crate::log;
 use crate::log::Level;
@@ -76,6 +79,8 @@ pub enum Taken {
     Empty,
     /// The outer jobserver is gone (no writer left) or unreadable.
     Closed,
+    /// The outer pool aborted (a herdless broker's abort).
+    Aborted(AbortReason),
 }
 
 /// The outer jobserver, as the ledger uses it.
@@ -84,6 +89,109 @@ pub trait Outer {
     fn take(&mut self) -> Taken;
     /// Writes one byte back.
     fn put(&mut self, byte: u8) -> io::Result<()>;
+    /// Called at the end of every step: `wanted` says whether the ledger
+    /// still wants a token it could not get. An outer pool that answers
+    /// requests later (a herdless broker) withdraws a pending one here
+    /// when it is no longer wanted.
+    fn settle(&mut self, wanted: bool) {
+        let _ = wanted;
+    }
+}
+
+/// An outer pool the broker can watch: its [`Outer`] side, and the
+/// descriptor that becomes readable when a token may be there.
+pub trait Source: Outer + Send + std::fmt::Debug {
+    /// The descriptor to watch for readability.
+    fn fd(&self) -> RawFd;
+    /// The outer pool, for messages.
+    fn what(&self) -> String;
+}
+
+impl Source for Pipe {
+    fn fd(&self) -> RawFd {
+        Pipe::fd(self).as_raw_fd()
+    }
+    fn what(&self) -> String {
+        Pipe::what(self).to_string()
+    }
+}
+
+/// An outer herdless broker, reached as a native client: the pool of a
+/// `herdless run` nested in another one borrows from it for the classic
+/// clients of its subtree (see `docs/ARCHITECTURE.md`, "Nested runs").
+/// Each token borrowed is a shared token of the outer pool, asked for
+/// without blocking ([`Client::request_grant`]); one request at most is
+/// pending, and it is withdrawn when no longer wanted.
+#[derive(Debug)]
+pub struct Broker {
+    client: Client,
+    held: Vec<Token>,
+    what: String,
+}
+
+impl Broker {
+    /// Borrows through `client`, a connection to the outer broker at
+    /// `socket` (made with the implicit token off: every token it hands
+    /// out must come from the outer pool).
+    pub fn new(client: Client, socket: &std::path::Path) -> Broker {
+        Broker {
+            client,
+            held: Vec::new(),
+            what: format!("herdless broker {}", socket.display()),
+        }
+    }
+}
+
+impl Outer for Broker {
+    fn take(&mut self) -> Taken {
+        match self.client.request_grant() {
+            Ok(Some(token)) => {
+                self.held.push(token);
+                Taken::Byte(b'+')
+            }
+            Ok(None) => Taken::Empty,
+            Err(e) => match e.kind() {
+                ErrorKind::Aborted(reason) => Taken::Aborted(reason),
+                _ => {
+                    log!(
+                        Level::Warn,
+                        "cannot take a token from the {}: {e}",
+                        self.what
+                    );
+                    Taken::Closed
+                }
+            },
+        }
+    }
+
+    fn put(&mut self, _byte: u8) -> io::Result<()> {
+        match self.held.pop() {
+            Some(token) => token.release().map_err(io::Error::other),
+            None => Err(io::Error::other("no token of the outer broker is held")),
+        }
+    }
+
+    fn settle(&mut self, wanted: bool) {
+        if !wanted && self.client.has_pending().unwrap_or(false) {
+            // A grant that arrived meanwhile goes back with it.
+            if let Err(e) = self.client.cancel_pending_nowait() {
+                log!(
+                    Level::Warn,
+                    "cannot withdraw a request from the {}: {e}",
+                    self.what
+                );
+            }
+        }
+    }
+}
+
+impl Source for Broker {
+    fn fd(&self) -> RawFd {
+        self.client.as_raw_fd()
+    }
+    fn what(&self) -> String {
+        self.what.clone()
+    }
 }
 
 impl Outer for Pipe {
@@ -175,7 +283,7 @@ impl Ledger {
     /// One step after an event: gives back what the pool no longer needs,
     /// then borrows for the waiters it cannot serve. `grow` adds one token
     /// to the pool (the broker also counts it for its statistics).
-    pub fn balance(&mut self, pool: &mut Pool, outer: &mut impl Outer, now: Duration) {
+    pub fn balance(&mut self, pool: &mut Pool, outer: &mut (impl Outer + ?Sized), now: Duration) {
         pool.give_up_free();
         self.give_back_surplus(pool, outer);
         while !self.closed
@@ -207,6 +315,11 @@ impl Ledger {
                         .fetch_max(self.held.len() as u64, Ordering::Relaxed);
                     pool.resize(pool.capacity() + 1, now);
                 }
+                Taken::Aborted(reason) => {
+                    log!(Level::Info, "the outer pool aborted ({reason}); aborting");
+                    self.aborted = Some(reason);
+                    pool.abort(reason);
+                }
                 Taken::Empty => break,
                 Taken::Closed => {
                     log!(
@@ -217,10 +330,15 @@ impl Ledger {
                 }
             }
         }
+        let wanted = !self.closed
+            && self.aborted.is_none()
+            && pool.short_of_shared()
+            && pool.capacity() < self.limit;
+        outer.settle(wanted);
     }
 
     /// Writes back every byte the pool no longer counts.
-    fn give_back_surplus(&mut self, pool: &Pool, outer: &mut impl Outer) {
+    fn give_back_surplus(&mut self, pool: &Pool, outer: &mut (impl Outer + ?Sized)) {
         let needed = pool.capacity() + pool.retiring();
         while self.held() > needed {
             let b = self.held.pop().expect("more held than needed");
@@ -228,7 +346,7 @@ impl Ledger {
         }
     }
 
-    fn put_back(&mut self, outer: &mut impl Outer, byte: u8) {
+    fn put_back(&mut self, outer: &mut (impl Outer + ?Sized), byte: u8) {
         match outer.put(byte) {
             Ok(()) => self.figures.returned.fetch_add(1, Ordering::Relaxed),
             Err(e) => {
@@ -243,20 +361,22 @@ impl Ledger {
 
     /// At the end: every byte still borrowed goes back, exactly once.
     /// Returns how many went back now.
-    pub fn give_back_all(&mut self, outer: &mut impl Outer) -> u32 {
+    pub fn give_back_all(&mut self, outer: &mut (impl Outer + ?Sized)) -> u32 {
         let n = self.held();
         while let Some(b) = self.held.pop() {
             self.put_back(outer, b);
         }
+        outer.settle(false);
         n
     }
 }
 
-/// A [`Ledger`] on the outer jobserver named in the environment.
+/// A [`Ledger`] on its outer pool: a classic jobserver's pipe or fifo, or
+/// a herdless broker.
 #[derive(Debug)]
 pub struct Backing {
     ledger: Ledger,
-    pipe: Pipe,
+    outer: Box<dyn Source>,
 }
 
 impl Backing {
@@ -285,19 +405,28 @@ impl Backing {
         }
         Ok(Backing {
             ledger: Ledger::new(js.flavor(), jobs),
-            pipe,
+            outer: Box::new(pipe),
         })
+    }
+
+    /// Borrows from an outer herdless broker through `outer`, for a pool
+    /// of `-j jobs`.
+    pub fn broker(outer: Broker, jobs: u32) -> Backing {
+        Backing {
+            ledger: Ledger::new(Flavor::Gnu, jobs),
+            outer: Box::new(outer),
+        }
     }
 
     /// The descriptor to watch for readability: a byte was written to the
     /// outer jobserver.
     pub fn fd(&self) -> RawFd {
-        self.pipe.fd().as_raw_fd()
+        self.outer.fd()
     }
 
-    /// The outer jobserver, for messages.
-    pub fn what(&self) -> &str {
-        self.pipe.what()
+    /// The outer pool, for messages.
+    pub fn what(&self) -> String {
+        self.outer.what()
     }
 
     /// The ledger.
@@ -312,12 +441,12 @@ impl Backing {
 
     /// See [`Ledger::balance`].
     pub fn balance(&mut self, pool: &mut Pool, now: Duration) {
-        self.ledger.balance(pool, &mut self.pipe, now);
+        self.ledger.balance(pool, &mut *self.outer, now);
     }
 
     /// See [`Ledger::give_back_all`].
     pub fn give_back_all(&mut self) -> u32 {
-        self.ledger.give_back_all(&mut self.pipe)
+        self.ledger.give_back_all(&mut *self.outer)
     }
 }
 
