@@ -261,18 +261,24 @@ fn run_joined(args: RunArgs, outer: &std::path::Path) -> Result<u8> {
             h.halt();
         }
     });
-    let mut report = None;
-    if let Some((dir, stopper, thread, figures)) = inner {
+    // The inner broker gives its borrowed tokens back as it ends; the cap
+    // is lifted and the command's token given back whatever that says.
+    let ended = inner.map(|(dir, stopper, thread, figures)| {
         stopper.stop();
-        let status = thread
-            .join()
-            .map_err(|_| anyhow::anyhow!("the broker thread panicked"))??;
+        let status = thread.join();
         drop(dir);
-        report = Some((status, figures));
-    }
+        (status, figures)
+    });
     let uncapped = control.cap(me, None);
     drop(token);
     drop(client);
+    let report = match ended {
+        Some((status, figures)) => Some((
+            status.map_err(|_| anyhow::anyhow!("the broker thread panicked"))??,
+            figures,
+        )),
+        None => None,
+    };
     let outcome = outcome?;
     if let Err(e) = uncapped {
         eprintln!("herdless: cannot lift this subtree's cap: {e}");
