@@ -248,3 +248,76 @@ proptest! {
         prop_assert_eq!(ledger.held(), 0);
     }
 }
+
+/// An outer pool that answers later (a herdless broker): one request at
+/// a time, withdrawn once nobody here wants it; its abort aborts here.
+struct Later {
+    pending: bool,
+    grant_ready: bool,
+    withdrawn: u32,
+    aborted: bool,
+}
+
+impl Outer for Later {
+    fn take(&mut self) -> Taken {
+        if self.aborted {
+            return Taken::Aborted(AbortReason::Interrupt);
+        }
+        if self.grant_ready {
+            self.grant_ready = false;
+            self.pending = false;
+            return Taken::Byte(b'+');
+        }
+        self.pending = true;
+        Taken::Empty
+    }
+    fn put(&mut self, _byte: u8) -> io::Result<()> {
+        Ok(())
+    }
+    fn settle(&mut self, wanted: bool) {
+        if !wanted && self.pending {
+            self.pending = false;
+            self.grant_ready = false;
+            self.withdrawn += 1;
+        }
+    }
+}
+
+#[test]
+fn a_request_nobody_wants_any_more_is_withdrawn() {
+    let mut outer = Later {
+        pending: false,
+        grant_ready: false,
+        withdrawn: 0,
+        aborted: false,
+    };
+    let mut ledger = Ledger::new(Flavor::Gnu, 3);
+    let mut p = backed_pool();
+    let a = p.connect(native(10));
+    p.acquire(a, t(0)).unwrap();
+    ledger.balance(&mut p, &mut outer, t(0));
+    assert!(outer.pending, "asked the outer pool");
+    // The grant arrives: the waiter gets it.
+    outer.grant_ready = true;
+    ledger.balance(&mut p, &mut outer, t(1));
+    assert_eq!((ledger.held(), p.waiting()), (1, 0));
+    // A second waiter asks, then leaves before the answer.
+    let b = p.connect(native(11));
+    p.acquire(b, t(2)).unwrap();
+    ledger.balance(&mut p, &mut outer, t(2));
+    assert!(outer.pending);
+    p.disconnect(b, t(3));
+    ledger.balance(&mut p, &mut outer, t(3));
+    assert!(!outer.pending, "withdrawn");
+    assert_eq!(outer.withdrawn, 1);
+    // The outer pool aborts: so does this one.
+    outer.aborted = true;
+    let c = p.connect(native(12));
+    p.acquire(c, t(4)).unwrap();
+    ledger.balance(&mut p, &mut outer, t(4));
+    assert_eq!(p.aborted(), Some(AbortReason::Interrupt));
+    assert_eq!(ledger.aborted(), Some(AbortReason::Interrupt));
+    p.release(a, t(5)).unwrap();
+    ledger.balance(&mut p, &mut outer, t(5));
+    assert_eq!(ledger.held(), 0, "given back after the abort too");
+}
