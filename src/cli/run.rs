@@ -94,9 +94,16 @@ pub fn run(args: RunArgs) -> Result<u8> {
     drop(dir);
     let outcome = outcome?;
     if args.stats {
-        print_report(&report);
-        if let Some(f) = &figures {
-            print_outer(f);
+        match &figures {
+            Some(f) => {
+                // A backed pool ends with no shared token: say how many it
+                // could borrow.
+                let mut shown = report.clone();
+                shown.capacity = args.jobs - 1;
+                print_report(&shown);
+                print_outer(f);
+            }
+            None => print_report(&report),
         }
     }
     if report.lost != 0 {
