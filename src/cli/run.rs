@@ -297,7 +297,9 @@ fn run_joined(args: RunArgs, outer: &std::path::Path) -> Result<u8> {
             args.jobs
         );
         if let Some((status, figures)) = &report {
-            print_report(status);
+            let mut shown = status.clone();
+            shown.capacity = args.jobs - 1;
+            print_report(&shown);
             if let Some(f) = figures {
                 print_outer(f);
             }
