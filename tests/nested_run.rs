@@ -493,6 +493,11 @@ fn sigint_gives_borrowed_tokens_back() {
 }
 
 #[test]
+fn sighup_gives_borrowed_tokens_back() {
+    ending_gives_every_token_back(Ending::Signal(libc::SIGHUP));
+}
+
+#[test]
 fn a_killed_command_gives_borrowed_tokens_back() {
     ending_gives_every_token_back(Ending::CommandKilled);
 }
