@@ -258,6 +258,9 @@ pub struct Pool {
     /// Slots lent now whose token counts (see [`Pool::slots_in_use`]),
     /// kept so that the figure costs nothing however many slots exist.
     counted_lent: usize,
+    /// The slots whose token counts (the top command's), which a cap may
+    /// withhold: few, so that a release under a cap need not walk them all.
+    counting: BTreeSet<SlotKey>,
     aborted: Option<AbortReason>,
     stopped: bool,
     next_id: u64,
@@ -278,6 +281,7 @@ impl Pool {
             queue: VecDeque::new(),
             slots: HashMap::new(),
             counted_lent: 0,
+            counting: BTreeSet::new(),
             aborted: None,
             stopped: false,
             next_id: 1,
@@ -468,6 +472,9 @@ impl Pool {
             };
             c.owns.push(key);
         }
+        if counts {
+            self.counting.insert(key);
+        }
         self.slots.insert(
             key,
             Slot {
@@ -640,6 +647,7 @@ impl Pool {
         slot.borrower = None;
         if slot.removable() {
             self.slots.remove(&key);
+            self.counting.remove(&key);
         } else {
             self.dispatch_slot(key, now);
         }
@@ -690,6 +698,7 @@ impl Pool {
                 slot.orphaned = true;
                 if slot.removable() {
                     self.slots.remove(key);
+                    self.counting.remove(key);
                 }
             }
         }
@@ -702,6 +711,7 @@ impl Pool {
                 self.give_back_slot(key, now);
             } else if self.slots.get(&key).is_some_and(Slot::removable) {
                 self.slots.remove(&key);
+                self.counting.remove(&key);
             }
         }
         self.dispatch_pool(now);
@@ -858,12 +868,7 @@ impl Pool {
         // A cap may have held a waiter back from the top slot; whatever
         // let a shared token go may let it go too.
         if self.has_caps() {
-            let counting: Vec<SlotKey> = self
-                .slots
-                .iter()
-                .filter(|(_, s)| s.counts && s.borrower.is_none())
-                .map(|(&k, _)| k)
-                .collect();
+            let counting: Vec<SlotKey> = self.counting.iter().copied().collect();
             for key in counting {
                 self.dispatch_slot(key, now);
             }
@@ -953,6 +958,18 @@ impl Pool {
             return Err(format!(
                 "{counted_lent} counted slots lent, {} recorded",
                 self.counted_lent
+            ));
+        }
+        let counting: BTreeSet<SlotKey> = self
+            .slots
+            .iter()
+            .filter(|(_, s)| s.counts)
+            .map(|(&k, _)| k)
+            .collect();
+        if counting != self.counting {
+            return Err(format!(
+                "counting slots {counting:?}, {:?} recorded",
+                self.counting
             ));
         }
         for (key, slot) in &self.slots {
