@@ -26,7 +26,8 @@
 //! # Fairness and bounds
 //!
 //! Each wake-up gives every ready connection one *turn*: at most
-//! [`READ_BUDGET`] requests and [`READ_CHUNK`] bytes. A connection with more
+//! [`READ_BUDGET`] requests (fewer when many connections are ready at once:
+//! they share [`limits::ROUND_BUDGET`]) and [`READ_CHUNK`] bytes. A connection with more
 //! to read queues for another turn after the others, and the loop polls
 //! without sleeping until none is left, so one client flooding requests
 //! cannot hold the loop. A connection is not read while its replies wait
@@ -527,6 +528,8 @@ impl Broker {
             // A timeout (no events) is the slow re-check: sample now.
             self.check_admission(events.is_empty());
             self.flush_dirty();
+            // The connections ready in this batch share a round's budget.
+            let event_budget = limits::turn_budget(events.iter().count());
             for event in events.iter() {
                 // A stop that came in during this batch (a signal, a
                 // stopper) takes effect before the next event is handled.
@@ -554,7 +557,12 @@ impl Broker {
                     token if token.0 & EXIT_BIT != 0 => {
                         self.process_exited(Token(token.0 & !EXIT_BIT));
                     }
-                    token => self.conn_event(token, event.is_readable(), event.is_writable()),
+                    token => self.conn_event(
+                        token,
+                        event.is_readable(),
+                        event.is_writable(),
+                        event_budget,
+                    ),
                 }
                 self.rebalance();
                 self.flush_dirty();
@@ -723,8 +731,9 @@ impl Broker {
             .start(token, now, self.config.handshake_deadline);
         // The client may have written its hello already; with
         // edge-triggered readiness the registration reports it, but reading
-        // now saves a trip through the loop.
-        self.conn_event(token, true, false);
+        // now saves a trip through the loop. Up to ACCEPT_BUDGET
+        // connections come in one turn of the listener: they share a round.
+        self.conn_event(token, true, false, limits::turn_budget(ACCEPT_BUDGET));
         if self.handshakes.live() > MAX_HANDSHAKING {
             self.evict_oldest_handshake();
         }
@@ -824,7 +833,7 @@ impl Broker {
     fn process_exited(&mut self, token: Token) {
         // What it wrote before it died comes first (a release, say); that
         // read also closes a connection whose socket has ended.
-        self.conn_event(token, true, false);
+        self.conn_event(token, true, false, READ_BUDGET);
         let Some(conn) = self.conns.get(&token) else {
             return;
         };
@@ -838,7 +847,7 @@ impl Broker {
         self.close(token, None);
     }
 
-    fn conn_event(&mut self, token: Token, readable: bool, writable: bool) {
+    fn conn_event(&mut self, token: Token, readable: bool, writable: bool, budget: usize) {
         let paused = self.conns.get(&token).is_some_and(|c| c.paused);
         if writable || paused {
             // A paused connection is not read, so a peer that went away
@@ -847,16 +856,19 @@ impl Broker {
             self.dirty.push(token);
         }
         if readable {
-            self.turn(token);
+            self.turn(token, budget);
         }
     }
 
-    /// Gives every connection queued for a turn one more.
+    /// Gives every connection queued for a turn one more, sharing
+    /// [`limits::ROUND_BUDGET`] among them.
     fn take_turns(&mut self) {
-        for token in self.turns.round() {
+        let round = self.turns.round();
+        let budget = limits::turn_budget(round.len());
+        for token in round {
             if let Some(conn) = self.conns.get_mut(&token) {
                 conn.queued = false;
-                self.turn(token);
+                self.turn(token, budget);
             }
         }
     }
@@ -870,11 +882,11 @@ impl Broker {
             || (!conn.tx.is_empty() && output_total > TOTAL_OUTPUT_PAUSE)
     }
 
-    /// One turn of a connection: handles up to [`READ_BUDGET`] requests,
-    /// reading at most [`READ_CHUNK`] bytes, then queues the connection for
-    /// another turn if it may have more.
-    fn turn(&mut self, token: Token) {
-        let mut budget = READ_BUDGET;
+    /// One turn of a connection: handles up to `budget` requests (at most
+    /// [`READ_BUDGET`]), reading at most [`READ_CHUNK`] bytes, then queues
+    /// the connection for another turn if it may have more.
+    fn turn(&mut self, token: Token, budget: usize) {
+        let mut budget = budget;
         let mut read = 0;
         let mut buf = [0u8; READ_CHUNK];
         loop {
@@ -1427,7 +1439,7 @@ impl Broker {
         let tokens: Vec<Token> = self.conns.keys().copied().collect();
         for token in tokens {
             for _ in 0..STOP_TURNS {
-                self.turn(token);
+                self.turn(token, READ_BUDGET);
                 if !self.conns.get(&token).is_some_and(|c| c.queued) {
                     break;
                 }

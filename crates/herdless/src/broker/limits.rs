@@ -3,7 +3,7 @@
 //!
 //! | bound | value | what a client that hits it sees |
 //! |---|---|---|
-//! | [`READ_BUDGET`] requests per connection per turn | 64 | nothing: its next requests wait for its next turn, after every other ready connection's |
+//! | [`READ_BUDGET`] requests per connection per turn | 64; with more than 16 connections ready, [`ROUND_BUDGET`] (1024) shared among them, at least [`MIN_TURN_BUDGET`] (4) each | nothing: its next requests wait for its next turn, after every other ready connection's |
 //! | [`READ_CHUNK`] bytes read per connection per turn | 4 KiB | the same |
 //! | [`ACCEPT_BUDGET`] connections accepted per turn | 64 | nothing: the next ones wait in the listen queue for the listener's next turn |
 //! | [`LISTEN_BACKLOG`] connections in the listen queue | 256 | its `connect` waits in the kernel until the broker accepts one ahead of it |
@@ -24,9 +24,38 @@ use mio::Token;
 
 use crate::protocol::MAX_REPLY_PAYLOAD;
 
+#[cfg(test)]
+mod budget_tests {
+    use super::*;
+
+    #[test]
+    fn a_round_shares_its_budget() {
+        assert_eq!(turn_budget(0), READ_BUDGET);
+        assert_eq!(turn_budget(1), READ_BUDGET);
+        assert_eq!(turn_budget(16), READ_BUDGET);
+        assert_eq!(turn_budget(200), 5);
+        assert_eq!(turn_budget(100_000), MIN_TURN_BUDGET);
+    }
+}
+
 /// Requests handled from one connection before the loop moves on to the
 /// others; the rest wait in the connection's buffer for its next turn.
 pub const READ_BUDGET: usize = 64;
+
+/// Requests handled in one round of turns, shared by the connections that
+/// are ready: with many of them flooding at once, each turn is shorter
+/// (down to [`MIN_TURN_BUDGET`]), so a round, and a quiet client's wait for
+/// its own turn, stays about as long with 200 flooding connections as with
+/// a few.
+pub const ROUND_BUDGET: usize = 1024;
+
+/// The fewest requests a turn handles, however many connections are ready.
+pub const MIN_TURN_BUDGET: usize = 4;
+
+/// The budget of each turn in a round of `ready` connections.
+pub(super) fn turn_budget(ready: usize) -> usize {
+    (ROUND_BUDGET / ready.max(1)).clamp(MIN_TURN_BUDGET, READ_BUDGET)
+}
 
 /// Connections accepted per turn of the listener.
 pub const ACCEPT_BUDGET: usize = 64;
