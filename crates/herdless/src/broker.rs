@@ -2,7 +2,9 @@
 //!
 //! Every readiness source is edge-triggered (mio's only mode): a source is
 //! read until `WouldBlock`, a connection over as many turns as it takes
-//! (see *Fairness and bounds*). A grant is one frame written to one
+//! (see *Fairness and bounds*), or until a read shorter than asked, which
+//! empties a stream socket (the next byte is a new edge) unless the peer
+//! has closed its end. A grant is one frame written to one
 //! client's socket, so exactly one process wakes per token. There is no
 //! timer anywhere in the hand-off path: the loop sleeps in `epoll_wait` /
 //! `kevent` and wakes only for I/O, a signal or a stop request (the
@@ -84,6 +86,13 @@ const FIRST_CONN: usize = 16;
 /// Set in the token of a connection's process-exit descriptor (its pidfd):
 /// the rest of the bits are the connection's own token.
 const EXIT_BIT: usize = 1 << (usize::BITS - 2);
+/// Process-exit descriptors kept, registered, by connections that hold no
+/// token at the moment: a client that takes and gives back tokens in turn
+/// then costs no `pidfd_open`, `epoll_ctl` and `close` per grant. Past this
+/// many, or when `accept` runs out of descriptors, they are closed on
+/// release as before, so the broker never spends more than this many
+/// descriptors beyond one per connection and one per holder.
+const IDLE_EXIT_FDS: usize = 1024;
 
 /// How a broker is set up.
 #[derive(Clone, Debug)]
@@ -173,6 +182,14 @@ struct Conn {
     /// keeps the socket open. Held only while the connection holds tokens,
     /// so the broker spends one more descriptor per holder, not per client.
     exit_fd: Option<std::os::fd::OwnedFd>,
+    /// `exit_fd` is kept while the connection holds no token (counted in
+    /// `Broker::idle_exit_fds`).
+    exit_fd_idle: bool,
+    /// The kernel reported the peer's end of the socket closed (or an
+    /// error): read it to the end. Otherwise a read shorter than asked
+    /// means the socket is empty, and the next byte to arrive is a new
+    /// edge, so the turn ends without the read that would fail `EAGAIN`.
+    read_closed: bool,
     /// In `Broker::turns`, waiting for a turn.
     queued: bool,
     /// Not read until its replies drain (see [`Broker::reading_paused`]).
@@ -224,6 +241,8 @@ pub struct Broker {
     fd_freed: bool,
     /// The last turn of the listener left connections pending.
     accept_more: bool,
+    /// Connections keeping their `exit_fd` while holding no token.
+    idle_exit_fds: usize,
 }
 
 fn ns_to_us(ns: u64) -> f64 {
@@ -338,6 +357,7 @@ impl Broker {
             accept_starved: false,
             fd_freed: false,
             accept_more: false,
+            idle_exit_fds: 0,
             controls,
         };
         broker.check_admission(true);
@@ -477,7 +497,14 @@ impl Broker {
                     token if token.0 & EXIT_BIT != 0 => {
                         self.process_exited(Token(token.0 & !EXIT_BIT));
                     }
-                    token => self.conn_event(token, event.is_readable(), event.is_writable()),
+                    token => {
+                        if event.is_read_closed() || event.is_error() {
+                            if let Some(conn) = self.conns.get_mut(&token) {
+                                conn.read_closed = true;
+                            }
+                        }
+                        self.conn_event(token, event.is_readable(), event.is_writable())
+                    }
                 }
                 self.rebalance();
                 self.flush_dirty();
@@ -543,6 +570,9 @@ impl Broker {
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) if e.raw_os_error() == Some(libc::ECONNABORTED) => {}
                 Err(e) if matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE)) => {
+                    if self.close_idle_exit_fds() {
+                        continue;
+                    }
                     if !self.refuse_for_lack_of_fds(&e) {
                         // No reserve left: try again when a connection
                         // closes, or on the listener's next edge, rather
@@ -636,6 +666,8 @@ impl Broker {
                 watching_writes: false,
                 version: PROTOCOL_VERSION,
                 exit_fd: None,
+                exit_fd_idle: false,
+                read_closed: false,
                 queued: false,
                 paused: false,
                 status_owed: 0,
@@ -699,6 +731,10 @@ impl Broker {
         let Some(conn) = self.conns.get_mut(&token) else {
             return;
         };
+        if conn.exit_fd_idle {
+            conn.exit_fd_idle = false;
+            self.idle_exit_fds -= 1;
+        }
         let (None, Some(pid)) = (&conn.exit_fd, conn.pid) else {
             return;
         };
@@ -719,15 +755,51 @@ impl Broker {
     }
 
     /// The connection of `token` holds no token any more: stop watching
-    /// its process.
+    /// its process, or keep the watch for its next token while fewer than
+    /// [`IDLE_EXIT_FDS`] are kept. A kept watch that fires closes the
+    /// connection, which is what a holder's would do: a fork of the process
+    /// cannot use it.
     fn unwatch_holder(&mut self, token: Token) {
         use std::os::fd::AsRawFd;
-        if let Some(fd) = self.conns.get_mut(&token).and_then(|c| c.exit_fd.take()) {
+        let idle = self.idle_exit_fds;
+        let Some(conn) = self.conns.get_mut(&token) else {
+            return;
+        };
+        if conn.exit_fd.is_some() && !conn.exit_fd_idle && idle < IDLE_EXIT_FDS {
+            conn.exit_fd_idle = true;
+            self.idle_exit_fds += 1;
+            return;
+        }
+        if let Some(fd) = conn.exit_fd.take() {
+            if conn.exit_fd_idle {
+                conn.exit_fd_idle = false;
+                self.idle_exit_fds -= 1;
+            }
             let _ = self
                 .poll
                 .registry()
                 .deregister(&mut mio::unix::SourceFd(&fd.as_raw_fd()));
         }
+    }
+
+    /// Closes every process-exit descriptor kept by a connection holding no
+    /// token, for `accept` to have them. Returns whether it closed any.
+    fn close_idle_exit_fds(&mut self) -> bool {
+        use std::os::fd::AsRawFd;
+        if self.idle_exit_fds == 0 {
+            return false;
+        }
+        for conn in self.conns.values_mut().filter(|c| c.exit_fd_idle) {
+            conn.exit_fd_idle = false;
+            if let Some(fd) = conn.exit_fd.take() {
+                let _ = self
+                    .poll
+                    .registry()
+                    .deregister(&mut mio::unix::SourceFd(&fd.as_raw_fd()));
+            }
+        }
+        self.idle_exit_fds = 0;
+        true
     }
 
     /// The process that opened a connection has exited, while the socket
@@ -736,6 +808,9 @@ impl Broker {
     fn process_exited(&mut self, token: Token) {
         // What it wrote before it died comes first (a release, say); that
         // read also closes a connection whose socket has ended.
+        if let Some(conn) = self.conns.get_mut(&token) {
+            conn.read_closed = true;
+        }
         self.conn_event(token, true, false);
         let Some(conn) = self.conns.get(&token) else {
             return;
@@ -788,6 +863,7 @@ impl Broker {
     fn turn(&mut self, token: Token) {
         let mut budget = READ_BUDGET;
         let mut read = 0;
+        let mut drained = false;
         let mut buf = [0u8; READ_CHUNK];
         loop {
             let total = self.output_total;
@@ -826,7 +902,12 @@ impl Broker {
                 self.queue_turn(token);
                 return;
             }
-            match conn.stream.read(&mut buf[..READ_CHUNK - read]) {
+            if drained {
+                conn.rx.shrink_if_empty();
+                return;
+            }
+            let want = READ_CHUNK - read;
+            match conn.stream.read(&mut buf[..want]) {
                 Ok(0) => {
                     let reason = (!conn.rx.is_empty()).then(|| {
                         format!(
@@ -840,6 +921,9 @@ impl Broker {
                 Ok(n) => {
                     read += n;
                     conn.rx.extend(&buf[..n]);
+                    // A short read emptied the socket: what comes next is
+                    // a new edge (see `Conn::read_closed`).
+                    drained = n < want && !conn.read_closed;
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                     conn.rx.shrink_if_empty();
@@ -1222,6 +1306,9 @@ impl Broker {
         // before the connection does, as far as the socket takes them.
         let _ = flush(&mut conn);
         let _ = self.poll.registry().deregister(&mut conn.stream);
+        if conn.exit_fd_idle {
+            self.idle_exit_fds -= 1;
+        }
         if let Some(fd) = conn.exit_fd.take() {
             use std::os::fd::AsRawFd;
             let _ = self
