@@ -58,12 +58,14 @@ use crate::log::Level;
 use crate::pool::{ClientId, ClientInfo, Effect, Pool, SlotKey};
 use crate::protocol::{
     FrameBuffer, HelloFlags, ProtocolError, Reply, Request, BUSY_PREFIX, CONTROL_VERSION,
-    PROTOCOL_VERSION,
+    FAST_VERSION, PROTOCOL_VERSION,
 };
 use crate::status::{ClientStatus, Status};
 
 mod control;
 pub use control::{Admission, SYSTEM_HOOK_ENV};
+
+mod fast;
 
 pub mod limits;
 
@@ -109,6 +111,20 @@ pub struct Config {
     /// How long a new connection may take to send its `Hello` before it
     /// is closed ([`limits::HANDSHAKE_DEADLINE`] unless changed).
     pub handshake_deadline: Duration,
+    /// Offer the shared token table to native clients that ask for it
+    /// (protocol version 4, `crate::fast`), where the OS can make one and
+    /// no classic bridge is attached. On unless `HERDLESS_FAST_PATH=0`.
+    pub fast_path: bool,
+}
+
+/// The environment variable that turns the shared token table off: `0`
+/// in a broker's environment offers it to nobody, in a client's makes the
+/// client keep to the socket.
+pub const FAST_PATH_ENV: &str = "HERDLESS_FAST_PATH";
+
+/// Whether `HERDLESS_FAST_PATH` leaves the table on.
+pub fn fast_path_wanted() -> bool {
+    std::env::var_os(FAST_PATH_ENV).map_or(true, |v| v != "0")
 }
 
 impl Config {
@@ -119,6 +135,7 @@ impl Config {
             handle_signals: false,
             admission: Admission::default(),
             handshake_deadline: HANDSHAKE_DEADLINE,
+            fast_path: fast_path_wanted(),
         }
     }
 }
@@ -190,6 +207,8 @@ struct Conn {
     /// means the socket is empty, and the next byte to arrive is a new
     /// edge, so the turn ends without the read that would fail `EAGAIN`.
     read_closed: bool,
+    /// This connection's owner id in the shared table; 0 when it has none.
+    fast_owner: u32,
     /// In `Broker::turns`, waiting for a turn.
     queued: bool,
     /// Not read until its replies drain (see [`Broker::reading_paused`]).
@@ -243,6 +262,8 @@ pub struct Broker {
     accept_more: bool,
     /// Connections keeping their `exit_fd` while holding no token.
     idle_exit_fds: usize,
+    /// The shared token table, when there is one (`broker/fast.rs`).
+    fast: Option<fast::FastState>,
 }
 
 fn ns_to_us(ns: u64) -> f64 {
@@ -358,8 +379,22 @@ impl Broker {
             fd_freed: false,
             accept_more: false,
             idle_exit_fds: 0,
+            fast: None,
             controls,
         };
+        if broker.config.fast_path && broker.config.jobs > 1 {
+            match herdless_platform::segment_support()
+                .map_err(io::Error::other)
+                .and_then(|()| {
+                    fast::FastState::new(
+                        &mut broker.pool,
+                        (broker.config.jobs - 1).min(fast::MAX_TABLE_WORDS),
+                    )
+                }) {
+                Ok(state) => broker.fast = Some(state),
+                Err(e) => log!(Level::Info, "no shared token table: {e}"),
+            }
+        }
         broker.check_admission(true);
         Ok(broker)
     }
@@ -367,6 +402,12 @@ impl Broker {
     /// Serves classic jobserver clients from the same pool through
     /// `bridge` (see [`crate::bridge`]).
     pub fn with_bridge(mut self, mut bridge: Bridge) -> io::Result<Broker> {
+        // Classic clients keep to the pipe, and the table would compete
+        // with the pipe for free tokens: no table under a bridge.
+        if let Some(fast) = self.fast.take() {
+            let now = self.now();
+            self.pool.disconnect(fast.client(), now);
+        }
         bridge.attach(&mut self.pool);
         let (offers, returns) = bridge.watched_fds();
         let registry = self.poll.registry();
@@ -396,6 +437,7 @@ impl Broker {
             self.apply_effects();
         }
         self.retire_from_pipe();
+        self.fast_balance();
         self.note_in_use();
     }
 
@@ -435,6 +477,9 @@ impl Broker {
     fn stop_granting(&mut self) {
         if !self.pool.stop() {
             return;
+        }
+        if let Some(fast) = self.fast.as_ref() {
+            fast.table.close_gate();
         }
         log!(Level::Info, "stopping: no more tokens are granted");
         let now = self.now();
@@ -668,6 +713,7 @@ impl Broker {
                 exit_fd: None,
                 exit_fd_idle: false,
                 read_closed: false,
+                fast_owner: 0,
                 queued: false,
                 paused: false,
                 status_owed: 0,
@@ -765,6 +811,11 @@ impl Broker {
         let Some(conn) = self.conns.get_mut(&token) else {
             return;
         };
+        if conn.fast_owner != 0 {
+            // A client of the shared table may hold tokens the pool does
+            // not see: watched while connected.
+            return;
+        }
         if conn.exit_fd.is_some() && !conn.exit_fd_idle && idle < IDLE_EXIT_FDS {
             conn.exit_fd_idle = true;
             self.idle_exit_fds += 1;
@@ -969,7 +1020,7 @@ impl Broker {
         else {
             return Err(format!("expected a hello frame first, got {req}"));
         };
-        if !(PROTOCOL_VERSION..=CONTROL_VERSION).contains(&version) {
+        if !(PROTOCOL_VERSION..=FAST_VERSION).contains(&version) {
             return Err(format!(
                 "unsupported protocol version {version} (broker speaks {PROTOCOL_VERSION}); \
                  versions before 3 named a job's parent by process id, which this broker \
@@ -977,6 +1028,11 @@ impl Broker {
             ));
         }
         conn.version = version;
+        if flags.contains(HelloFlags::FAST) && version < FAST_VERSION {
+            return Err(format!(
+                "the hello flag FAST needs protocol version {FAST_VERSION}; this hello speaks {version}"
+            ));
+        }
         let observer = flags.contains(HelloFlags::OBSERVER);
         let borrows = match (
             flags.contains(HelloFlags::JOB),
@@ -1021,6 +1077,13 @@ impl Broker {
                 slot: own,
             },
         );
+        if flags.contains(HelloFlags::FAST) {
+            if observer {
+                self.send(token, &Reply::Segment { owner: 0, words: 0 });
+            } else {
+                self.send_segment(token, id, borrows.is_some());
+            }
+        }
         log!(
             Level::Debug,
             "client {id} (pid {pid}) connected{}",
@@ -1055,8 +1118,21 @@ impl Broker {
                     "the broker already has {MAX_QUEUED_ACQUIRES} acquires waiting"
                 ));
             }
-            Request::Acquire => self.pool.acquire(id, now),
-            Request::TryAcquire => self.try_acquire(id, now),
+            Request::Acquire => {
+                self.fast_take_back_for_socket();
+                self.pool.acquire(id, now)
+            }
+            Request::TryAcquire => {
+                self.fast_take_back_for_socket();
+                self.try_acquire(id, now)
+            }
+            Request::Returned if conn.fast_owner == 0 => {
+                return Err("returned to a shared table this connection does not have".into());
+            }
+            Request::Returned => {
+                self.fast_returned();
+                Ok(())
+            }
             Request::Cancel => self.pool.cancel(id),
             Request::Release => {
                 let released = self.pool.release(id, now);
@@ -1066,6 +1142,9 @@ impl Broker {
                 released
             }
             Request::Abort { reason } => {
+                if let Some(fast) = self.fast.as_ref() {
+                    fast.table.close_gate();
+                }
                 if self.pool.abort(reason) {
                     log!(Level::Info, "client {id} aborted the tree ({reason})");
                 }
@@ -1146,16 +1225,40 @@ impl Broker {
     /// Tokens running jobs now: held by native clients, lent as parent
     /// slots, or taken by classic clients (tokens unread in the pipe are
     /// not in use).
+    /// Tokens in use as the broker sees them: not those in the classic
+    /// pipe, nor those lent to the shared table (which counts its own).
     fn in_use(&self) -> u32 {
         let in_pipe = self.bridge.as_ref().map_or(0, Bridge::in_pipe_estimate);
-        (self.pool.shared_in_use() + self.pool.slots_in_use() as u32).saturating_sub(in_pipe)
+        let lent = self.fast.as_ref().map_or(0, fast::FastState::lent);
+        (self.pool.shared_in_use() + self.pool.slots_in_use() as u32)
+            .saturating_sub(in_pipe)
+            .saturating_sub(lent)
     }
 
     fn note_in_use(&mut self) {
-        self.max_in_use = self.max_in_use.max(self.in_use());
+        let in_use = self.in_use();
+        self.max_in_use = self.max_in_use.max(in_use);
+        self.fast_note_in_use(in_use);
     }
 
     fn apply(&mut self, effect: Effect) {
+        if let Some(table) = self.fast.as_ref().map(fast::FastState::client) {
+            match effect {
+                Effect::Grant { client, .. } if client == table => {
+                    self.fast_on_grant();
+                    return;
+                }
+                Effect::Denied { client }
+                | Effect::Cancelled { client, .. }
+                | Effect::Aborted { client, .. }
+                | Effect::Stopped { client }
+                    if client == table =>
+                {
+                    return;
+                }
+                _ => {}
+            }
+        }
         let bridge_id = self.bridge.as_ref().and_then(Bridge::client);
         let now = self.now();
         match (&effect, self.bridge.as_mut()) {
@@ -1316,14 +1419,20 @@ impl Broker {
                 .registry()
                 .deregister(&mut mio::unix::SourceFd(&fd.as_raw_fd()));
         }
+        let in_table = if conn.fast_owner != 0 {
+            self.fast_forget(conn.fast_owner, conn.client, at_stop)
+        } else {
+            0
+        };
         if let Some(id) = conn.client {
             self.by_client.remove(&id);
             let now = self.now();
-            let reclaimed = if at_stop {
-                self.pool.close_at_shutdown(id, now)
-            } else {
-                self.pool.disconnect(id, now)
-            };
+            let reclaimed = in_table
+                + if at_stop {
+                    self.pool.close_at_shutdown(id, now)
+                } else {
+                    self.pool.disconnect(id, now)
+                };
             if reclaimed > 0 && !at_stop {
                 log!(
                     Level::Info,
@@ -1335,42 +1444,70 @@ impl Broker {
     }
 
     fn status(&self) -> Status {
+        let table_client = self.fast.as_ref().map(fast::FastState::client);
+        let table_held = self.fast_held_by_client();
         let (clients, clients_total) = Status::list_clients(
             self.pool
                 .holdings()
                 .into_iter()
+                .filter(|h| Some(h.client) != table_client)
                 .map(|h| ClientStatus {
                     id: h.client.0,
                     pid: h.pid,
                     kind: h.label.to_string(),
-                    held: h.held,
+                    held: h.held + table_held.get(&h.client).copied().unwrap_or(0),
                     waiting: h.waiting,
                 })
                 .collect(),
         );
         let stats = self.pool.stats();
-        let free = self.pool.free();
+        let fast = self.fast.as_ref().map(|f| {
+            let (free, held) = f.free_and_held();
+            crate::status::FastStatus {
+                open: f.table.is_open(),
+                clients: f.clients() as u64,
+                lent: f.lent(),
+                free,
+                held,
+                grants: f.table.grant_count(),
+                lends: f.lends,
+                reclaimed: f.reclaimed,
+                cut_off: f.cut_off,
+            }
+        });
+        let (lends, table_grants, table_free, table_held, table_reclaimed) =
+            fast.as_ref().map_or((0, 0, 0, 0, 0), |f| {
+                (f.lends, f.grants, f.free, f.held, f.reclaimed)
+            });
+        // The table's clients write its peak: it is believed only up to
+        // what the pool could have had in use.
+        let table_peak = self
+            .fast
+            .as_ref()
+            .map_or(0, |f| f.table.peak().min(self.config.jobs));
+        let free = self.pool.free() + table_free;
         Status {
             pid: std::process::id(),
             jobs: self.config.jobs,
             capacity: self.pool.capacity(),
             free,
-            in_use: self.in_use(),
+            in_use: self.in_use() + table_held,
             waiting: self.pool.waiting() as u32,
             aborted: self.pool.aborted().map(|r| (r.byte() as char).to_string()),
-            grants: stats.grants,
-            immediate: stats.immediate,
+            grants: (stats.grants - lends).saturating_add(table_grants),
+            immediate: (stats.immediate - lends).saturating_add(table_grants),
             waits: stats.waits,
             wakeups: self.native_wakeups,
             denied: stats.denied,
             cancelled: stats.cancelled,
-            reclaimed: stats.reclaimed,
-            connections: stats.connections,
+            reclaimed: stats.reclaimed + table_reclaimed,
+            connections: stats.connections - u64::from(self.fast.is_some()),
             stopped: self.pool.stopped(),
             refused_after_stop: stats.refused_after_stop,
-            held_at_shutdown: stats.held_at_shutdown,
+            held_at_shutdown: stats.held_at_shutdown
+                + self.fast.as_ref().map_or(0, |f| f.held_at_shutdown),
             slots: self.pool.slot_count() as u32,
-            max_in_use: self.max_in_use,
+            max_in_use: self.max_in_use.max(table_peak),
             wait_p50_us: ns_to_us(stats.wait_ns.quantile(0.5)),
             wait_p99_us: ns_to_us(stats.wait_ns.quantile(0.99)),
             wait_max_us: ns_to_us(stats.wait_ns.max()),
@@ -1381,6 +1518,7 @@ impl Broker {
             clients,
             clients_total,
             handshaking: self.handshakes.live() as u32,
+            fast,
         }
     }
 
@@ -1413,6 +1551,11 @@ impl Broker {
         let tokens: Vec<Token> = self.conns.keys().copied().collect();
         for token in tokens {
             self.close_at_stop(token);
+        }
+        // Every client of the shared table is gone: its words come back.
+        if let Some(fast) = self.fast.as_ref() {
+            fast.table.close_gate();
+            self.fast_sweep(true);
         }
         let now = self.now();
         let mut classic = None;

@@ -336,6 +336,19 @@ impl Pool {
         self.clients.get(&client).map_or(0, |c| c.waiting)
     }
 
+    /// Whether nothing but FIFO order would decide who gets a free shared
+    /// token now, and the pool is in service: nobody waits, no cap, no
+    /// admission limit holding, no shrink under way, no abort, no stop.
+    /// Only then does the broker lend free tokens to the shared table
+    /// (`crate::fast`), which hands them out first come, first served.
+    pub fn plain(&self) -> bool {
+        self.queue.is_empty()
+            && self.unrestricted()
+            && self.retiring() == 0
+            && self.aborted.is_none()
+            && !self.stopped
+    }
+
     /// Whether `client` would be lent its slot now.
     pub fn slot_free_for(&self, client: ClientId) -> bool {
         self.clients

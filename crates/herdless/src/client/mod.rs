@@ -388,6 +388,17 @@ impl Client {
         }
     }
 
+    /// How this client takes tokens: `"shared table"` (the broker's shared
+    /// token table, with the socket for waits and everything else),
+    /// `"socket"` (the broker's socket alone) or `"classic"` (a classic
+    /// jobserver's pipe or fifo).
+    pub fn token_path(&self) -> &'static str {
+        match &self.inner.backend {
+            Backend::Native(n) => n.path_in_use(),
+            Backend::Classic(_) => "classic",
+        }
+    }
+
     /// The broker's socket; `None` on a classic jobserver.
     pub fn socket(&self) -> Option<&Path> {
         match &self.inner.backend {
