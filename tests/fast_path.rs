@@ -260,3 +260,125 @@ fn tempfile_dir(name: &str) -> PathBuf {
     std::fs::create_dir_all(&dir).unwrap();
     dir
 }
+
+/// A client of the table that breaks its rules: reads the broker's table
+/// like any client, then writes what it likes into it.
+struct Hostile {
+    stream: std::os::unix::net::UnixStream,
+    table: herdless::fast::Table,
+    owner: u32,
+}
+
+impl Hostile {
+    fn connect(socket: &Path) -> Hostile {
+        use herdless::protocol::{decode_reply, HelloFlags, Reply, Request, FAST_VERSION};
+        use std::os::fd::AsFd;
+        let mut stream = std::os::unix::net::UnixStream::connect(socket).expect("connect");
+        let mut hello = Vec::new();
+        Request::Hello {
+            version: FAST_VERSION,
+            flags: HelloFlags::FAST,
+            pid: std::process::id(),
+            slot: 0,
+        }
+        .encode(&mut hello);
+        stream.write_all(&hello).unwrap();
+        let mut got = Vec::new();
+        let mut fd = None;
+        loop {
+            let mut buf = [0u8; 256];
+            let (n, f) = herdless_platform::recv_with_fd(stream.as_fd(), &mut buf).unwrap();
+            assert!(n > 0, "the broker closed the connection");
+            got.extend_from_slice(&buf[..n]);
+            fd = fd.or(f);
+            let Ok(Some((Reply::Welcome { .. }, used))) = decode_reply(&got) else {
+                continue;
+            };
+            if let Ok(Some((Reply::Segment { owner, words }, _))) = decode_reply(&got[used..]) {
+                let table = herdless::fast::Table::open(fd.expect("the table's descriptor"), words)
+                    .expect("map the table");
+                return Hostile {
+                    stream,
+                    table,
+                    owner,
+                };
+            }
+        }
+    }
+
+    /// Takes a token over the socket (`TryAcquire`): the broker takes a
+    /// free word back out of the table for it.
+    fn try_acquire_by_socket(&mut self) -> bool {
+        use herdless::protocol::{decode_reply, Reply, Request};
+        use std::io::Read;
+        let mut frame = Vec::new();
+        Request::TryAcquire.encode(&mut frame);
+        self.stream.write_all(&frame).unwrap();
+        let mut got = Vec::new();
+        loop {
+            let mut buf = [0u8; 64];
+            let n = self.stream.read(&mut buf).unwrap();
+            assert!(n > 0, "the broker closed the connection");
+            got.extend_from_slice(&buf[..n]);
+            match decode_reply(&got) {
+                Ok(Some((Reply::Grant, _))) => return true,
+                Ok(Some((Reply::Denied, _))) => return false,
+                Ok(None) => {}
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+    }
+
+    /// Asks the broker to look at the table (`Returned`).
+    fn poke(&mut self) {
+        let mut frame = Vec::new();
+        herdless::protocol::Request::Returned.encode(&mut frame);
+        let _ = self.stream.write_all(&frame);
+    }
+}
+
+#[test]
+fn a_hostile_table_client_gets_no_extra_token_and_is_cut_off() {
+    use std::sync::atomic::Ordering::SeqCst;
+    // -j 3: two shared tokens.
+    let serve = Serve::start(3);
+    let mut honest = Helper::spawn(&serve.socket, "hold", 1);
+    assert_eq!(honest.line(), "held 1");
+    let mut bad = Hostile::connect(&serve.socket);
+    // The other token, over the socket: its word goes back out of the
+    // table.
+    assert!(bad.try_acquire_by_socket());
+    let words = bad.table.words();
+    // Garbage owners in every lent word it can see free, and its own id in
+    // every word the broker never lent.
+    for i in 0..words {
+        let w = bad.table.word(i);
+        match w.load(SeqCst) {
+            herdless::fast::FREE => w.store(0x7777_0000, SeqCst),
+            herdless::fast::OUT => w.store(bad.owner, SeqCst),
+            _ => {}
+        }
+    }
+    bad.poke();
+    let s = serve.wait_for("the hostile client cut off", |s| {
+        s.fast.as_ref().is_some_and(|f| f.cut_off == 1)
+    });
+    assert_eq!(s.lost, 0, "{s:#?}");
+    assert_eq!(s.clients.len(), 1, "only the honest client is left: {s:#?}");
+    assert_eq!(s.clients[0].held, 1, "{s:#?}");
+    // Exactly the one other token can still be had, and no more.
+    let c = Client::connect_with(&serve.socket, Options::default().implicit_token(false))
+        .expect("connect");
+    let one = c.try_acquire().expect("try").expect("the free token");
+    assert!(c.try_acquire().expect("try").is_none(), "no third token");
+    drop(one);
+    drop(c);
+    honest.finish();
+    let s = serve.wait_for("all free", |s| s.clients.is_empty() && s.free == 2);
+    assert_eq!(s.lost, 0, "{s:#?}");
+    assert!(s.max_in_use <= 3, "{s:#?}");
+    let (status, log) = serve.stop();
+    assert!(status.success(), "{log}");
+    assert!(log.contains("tokens lost   0"), "{log}");
+    assert!(log.contains("cut off"), "{log}");
+}

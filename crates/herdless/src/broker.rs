@@ -478,9 +478,7 @@ impl Broker {
         if !self.pool.stop() {
             return;
         }
-        if let Some(fast) = self.fast.as_ref() {
-            fast.table.close_gate();
-        }
+        self.fast_close();
         log!(Level::Info, "stopping: no more tokens are granted");
         let now = self.now();
         if let Some(bridge) = self.bridge.as_mut() {
@@ -1142,9 +1140,7 @@ impl Broker {
                 released
             }
             Request::Abort { reason } => {
-                if let Some(fast) = self.fast.as_ref() {
-                    fast.table.close_gate();
-                }
+                self.fast_close();
                 if self.pool.abort(reason) {
                     log!(Level::Info, "client {id} aborted the tree ({reason})");
                 }
@@ -1193,6 +1189,10 @@ impl Broker {
     /// Answers a status request; the connection is read no more until the
     /// document has gone out.
     fn send_status(&mut self, token: Token) {
+        // What the table says is checked before it is reported.
+        if let Some(open) = self.fast.as_ref().map(|f| f.table.is_open()) {
+            self.fast_sweep(!open);
+        }
         let json = self.status().to_json();
         self.send(token, &Reply::Status { json });
         if let Some(conn) = self.conns.get_mut(&token) {

@@ -402,3 +402,14 @@ impl Broker {
         held
     }
 }
+
+impl Broker {
+    /// Closes the table at once (an abort, a stop): no take succeeds from
+    /// the next instruction on; the next balance takes free words back.
+    pub(super) fn fast_close(&mut self) {
+        if let Some(fast) = self.fast.as_mut() {
+            fast.table.close_gate();
+            fast.dirty = true;
+        }
+    }
+}
