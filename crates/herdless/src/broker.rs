@@ -264,6 +264,8 @@ pub struct Broker {
     idle_exit_fds: usize,
     /// The shared token table, when there is one (`broker/fast.rs`).
     fast: Option<fast::FastState>,
+    /// Whether a table was made (its pool client is no connection).
+    table_made: bool,
 }
 
 fn ns_to_us(ns: u64) -> f64 {
@@ -380,6 +382,7 @@ impl Broker {
             accept_more: false,
             idle_exit_fds: 0,
             fast: None,
+            table_made: false,
             controls,
         };
         if broker.config.fast_path && broker.config.jobs > 1 {
@@ -391,9 +394,14 @@ impl Broker {
                         (broker.config.jobs - 1).min(fast::MAX_TABLE_WORDS),
                     )
                 }) {
-                Ok(state) => broker.fast = Some(state),
+                Ok(state) => {
+                    broker.fast = Some(state);
+                    broker.table_made = true;
+                }
                 Err(e) => log!(Level::Info, "no shared token table: {e}"),
             }
+            // Lent before the first client connects.
+            broker.fast_balance();
         }
         broker.check_admission(true);
         Ok(broker)
@@ -404,9 +412,14 @@ impl Broker {
     pub fn with_bridge(mut self, mut bridge: Bridge) -> io::Result<Broker> {
         // Classic clients keep to the pipe, and the table would compete
         // with the pipe for free tokens: no table under a bridge.
-        if let Some(fast) = self.fast.take() {
+        if self.fast.is_some() {
+            // No client has connected: every lent word is free.
+            self.fast_close();
+            self.fast_sweep(true);
             let now = self.now();
-            self.pool.disconnect(fast.client(), now);
+            if let Some(fast) = self.fast.take() {
+                self.pool.disconnect(fast.client(), now);
+            }
         }
         bridge.attach(&mut self.pool);
         let (offers, returns) = bridge.watched_fds();
@@ -1501,7 +1514,7 @@ impl Broker {
             denied: stats.denied,
             cancelled: stats.cancelled,
             reclaimed: stats.reclaimed + table_reclaimed,
-            connections: stats.connections - u64::from(self.fast.is_some()),
+            connections: stats.connections - u64::from(self.table_made),
             stopped: self.pool.stopped(),
             refused_after_stop: stats.refused_after_stop,
             held_at_shutdown: stats.held_at_shutdown
