@@ -384,3 +384,62 @@ fn a_hostile_table_client_gets_no_extra_token_and_is_cut_off() {
     assert!(log.contains("tokens lost   0"), "{log}");
     assert!(log.contains("cut off"), "{log}");
 }
+
+#[test]
+fn a_broker_that_predates_the_table_is_asked_again_without_it() {
+    use herdless::protocol::{decode_request, HelloFlags, Reply, Request, PROTOCOL_VERSION};
+    use std::io::Read;
+    let dir = tempfile_dir("old-broker");
+    let socket = dir.join("broker.sock");
+    let listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+    let old = std::thread::spawn(move || {
+        let mut hellos = Vec::new();
+        for answer in 0..2 {
+            let (mut s, _) = listener.accept().unwrap();
+            let mut got = Vec::new();
+            let hello = loop {
+                let mut buf = [0u8; 64];
+                let n = s.read(&mut buf).unwrap();
+                got.extend_from_slice(&buf[..n]);
+                if let Ok(Some((req, _))) = decode_request(&got) {
+                    break req;
+                }
+                assert!(n > 0);
+            };
+            let Request::Hello { version, flags, .. } = hello else {
+                panic!("not a hello");
+            };
+            hellos.push((version, flags));
+            let mut out = Vec::new();
+            if answer == 0 {
+                // What a version 3 broker's decoder says to the flag.
+                Reply::Error {
+                    message: "malformed frame: hello has unknown flag bits 0x08".into(),
+                }
+                .encode(&mut out);
+                s.write_all(&out).unwrap();
+            } else {
+                Reply::Welcome {
+                    version: PROTOCOL_VERSION,
+                    capacity: 3,
+                    client_id: 1,
+                    slot: 9,
+                }
+                .encode(&mut out);
+                s.write_all(&out).unwrap();
+                // Keep the connection until the client has looked.
+                let _ = s.read(&mut [0u8; 1]);
+            }
+        }
+        hellos
+    });
+    let c = Client::connect_with(&socket, Options::default().implicit_token(false))
+        .expect("connected the second time");
+    assert_eq!(c.token_path(), "socket");
+    assert_eq!(c.capacity(), Some(3));
+    drop(c);
+    let hellos = old.join().unwrap();
+    assert!(hellos[0].1.contains(HelloFlags::FAST), "{hellos:?}");
+    assert_eq!(hellos[1], (PROTOCOL_VERSION, HelloFlags::empty()));
+    let _ = std::fs::remove_dir_all(&dir);
+}

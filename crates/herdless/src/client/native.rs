@@ -161,12 +161,11 @@ impl Native {
             return Native::connect_version(path, flags, slot, PROTOCOL_VERSION);
         }
         match Native::connect_version(path, flags | HelloFlags::FAST, slot, FAST_VERSION) {
-            // A broker older than the table refuses the version: speak the
-            // socket's alone.
-            Err(e)
-                if e.kind() == ErrorKind::Refused
-                    && e.to_string().contains("unsupported protocol version") =>
-            {
+            // A broker older than the table refuses the hello (by its
+            // version, or by the flag `FAST`, which its decoder does not
+            // know): ask again as a client of the socket alone. A refusal
+            // for any other reason comes again, and is reported then.
+            Err(e) if e.kind() == ErrorKind::Refused => {
                 Native::connect_version(path, flags, slot, PROTOCOL_VERSION)
             }
             other => other,
