@@ -400,8 +400,6 @@ impl Broker {
                 }
                 Err(e) => log!(Level::Info, "no shared token table: {e}"),
             }
-            // Lent before the first client connects.
-            broker.fast_balance();
         }
         broker.check_admission(true);
         Ok(broker)
@@ -412,14 +410,10 @@ impl Broker {
     pub fn with_bridge(mut self, mut bridge: Bridge) -> io::Result<Broker> {
         // Classic clients keep to the pipe, and the table would compete
         // with the pipe for free tokens: no table under a bridge.
-        if self.fast.is_some() {
-            // No client has connected: every lent word is free.
-            self.fast_close();
-            self.fast_sweep(true);
+        if let Some(fast) = self.fast.take() {
+            // Nothing was lent yet: that starts with `run`.
             let now = self.now();
-            if let Some(fast) = self.fast.take() {
-                self.pool.disconnect(fast.client(), now);
-            }
+            self.pool.disconnect(fast.client(), now);
         }
         bridge.attach(&mut self.pool);
         let (offers, returns) = bridge.watched_fds();
@@ -505,6 +499,8 @@ impl Broker {
     /// every token and returns the final report.
     pub fn run(mut self) -> io::Result<Status> {
         let mut events = Events::with_capacity(256);
+        // The table's tokens are lent before the first client connects.
+        self.fast_balance();
         while !self.stop.load(Ordering::SeqCst) {
             if self.halt.load(Ordering::SeqCst) {
                 self.stop_granting();
@@ -1418,6 +1414,13 @@ impl Broker {
             }
             .encode(&mut conn.tx);
         }
+        // Its table words are free before its last frames go out: a client
+        // that reads them finds them taken back.
+        let in_table = if conn.fast_owner != 0 {
+            self.fast_forget(conn.fast_owner, conn.client, at_stop)
+        } else {
+            0
+        };
         // Replies already owed (to a client that only half-closed) go out
         // before the connection does, as far as the socket takes them.
         let _ = flush(&mut conn);
@@ -1432,11 +1435,6 @@ impl Broker {
                 .registry()
                 .deregister(&mut mio::unix::SourceFd(&fd.as_raw_fd()));
         }
-        let in_table = if conn.fast_owner != 0 {
-            self.fast_forget(conn.fast_owner, conn.client, at_stop)
-        } else {
-            0
-        };
         if let Some(id) = conn.client {
             self.by_client.remove(&id);
             let now = self.now();

@@ -866,10 +866,12 @@ impl Native {
     }
 
     pub(crate) fn release(&self) -> Result<()> {
+        // A connection known to be over holds nothing: the broker took its
+        // table words back when it closed it.
+        self.alive()?;
         if self.fast_give_back()? {
             return Ok(());
         }
-        self.alive()?;
         self.send(&Request::Release)
     }
 
