@@ -339,3 +339,53 @@ pub fn recv_with_fd(sock: BorrowedFd<'_>, buf: &mut [u8]) -> io::Result<(usize, 
     }
     Ok((msg.bytes, got))
 }
+
+/// How many times this process's line has forked since the count began: a
+/// handle that records it when it opens can tell, without a system call,
+/// whether it is still in the process that opened it (a `getpid` per call
+/// would cost one). `None` where the count is not kept (every OS but
+/// Linux): compare process ids instead.
+///
+/// The count is bumped by a `pthread_atfork` child handler registered on
+/// the first call, so a fork made by `fork(3)` (and everything built on
+/// it) is seen; a raw `clone(2)` that skips the C library's handlers is
+/// not.
+pub fn fork_generation() -> Option<u64> {
+    imp::fork_generation()
+}
+
+#[cfg(target_os = "linux")]
+mod imp {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::Once;
+
+    static GENERATION: AtomicU64 = AtomicU64::new(0);
+    static REGISTER: Once = Once::new();
+    static REGISTERED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+    extern "C" fn child() {
+        // Async-signal-safe: one atomic add, no allocation, no lock.
+        GENERATION.fetch_add(1, Ordering::SeqCst);
+    }
+
+    pub(super) fn fork_generation() -> Option<u64> {
+        REGISTER.call_once(|| {
+            // SAFETY: `child` is an `extern "C"` function with no
+            // arguments that only touches a static atomic, which is valid
+            // to run in the child of a fork; the other two handlers are
+            // absent.
+            let rc = unsafe { libc::pthread_atfork(None, None, Some(child)) };
+            REGISTERED.store(rc == 0, Ordering::SeqCst);
+        });
+        REGISTERED
+            .load(Ordering::SeqCst)
+            .then(|| GENERATION.load(Ordering::SeqCst))
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+mod imp {
+    pub(super) fn fork_generation() -> Option<u64> {
+        None
+    }
+}
