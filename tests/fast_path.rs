@@ -125,9 +125,17 @@ impl Rng {
 
 #[test]
 fn killing_table_clients_at_random_points_loses_and_duplicates_nothing() {
-    let jobs = 4; // three shared tokens
+    // Fewer clients than tokens: nobody waits, the table stays open, and
+    // the kills land in takes and give-backs from it.
+    kill_churners(8, 5, "open");
+    // More clients than tokens: the table opens and closes as waiters come
+    // and go, and kills land in waits, grants and give-backs too.
+    kill_churners(4, 6, "contended");
+}
+
+fn kill_churners(jobs: u32, churners: usize, name: &str) {
     let serve = Serve::start(jobs);
-    let dir = tempfile_dir("fast-kill");
+    let dir = tempfile_dir(&format!("fast-kill-{name}"));
     std::fs::create_dir_all(dir.join("held")).unwrap();
     std::fs::write(dir.join("peaks"), b"").unwrap();
     let seed = std::time::SystemTime::now()
@@ -137,10 +145,10 @@ fn killing_table_clients_at_random_points_loses_and_duplicates_nothing() {
         | 1;
     eprintln!("seed {seed}");
     let mut rng = Rng(seed);
-    let mut workers: Vec<Child> = (0..6).map(|_| churner(&serve, &dir)).collect();
+    let mut workers: Vec<Child> = (0..churners).map(|_| churner(&serve, &dir)).collect();
     let mut kills = 0;
     let start = Instant::now();
-    while kills < 150 && start.elapsed() < Duration::from_secs(60) {
+    while kills < 200 && start.elapsed() < Duration::from_secs(60) {
         std::thread::sleep(Duration::from_micros(rng.next() % 3000));
         let i = (rng.next() % workers.len() as u64) as usize;
         let mut victim = std::mem::replace(&mut workers[i], churner(&serve, &dir));
@@ -165,6 +173,11 @@ fn killing_table_clients_at_random_points_loses_and_duplicates_nothing() {
     let fast = s.fast.clone().expect("a table");
     assert_eq!(fast.held, 0, "{s:#?}");
     assert_eq!(fast.cut_off, 0, "no honest client is cut off: {s:#?}");
+    assert!(s.reclaimed > 0, "kills landed on holders: {s:#?}");
+    eprintln!(
+        "{name}: {kills} kills, {} taken back ({} from the table), {} table grants",
+        s.reclaimed, fast.reclaimed, fast.grants
+    );
     let peaks = std::fs::read_to_string(dir.join("peaks")).unwrap();
     let most = peaks
         .lines()
