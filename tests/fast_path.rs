@@ -456,3 +456,33 @@ fn a_broker_that_predates_the_table_is_asked_again_without_it() {
     assert_eq!(hellos[1], (PROTOCOL_VERSION, HelloFlags::empty()));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn a_cap_counts_what_a_subtree_holds_from_the_table() {
+    // -j 5: four shared tokens, lent to the table while nobody waits.
+    let serve = Serve::start(5);
+    let mut a = Helper::spawn(&serve.socket, "hold", 3);
+    assert_eq!(a.line(), "held 3");
+    let s = serve.status();
+    assert_eq!(s.fast.as_ref().map(|f| f.held), Some(3), "{s:#?}");
+    // Every helper descends from this process: cap its subtree at 3.
+    let ctl = Client::control(&serve.socket).expect("control");
+    ctl.cap(std::process::id(), Some(3)).expect("cap");
+    let mut w = Helper::spawn(&serve.socket, "acquire", 1);
+    assert_eq!(w.line(), "waiting");
+    let s = serve.wait_for("the capped waiter queued", |s| s.waiting == 1);
+    assert_eq!(s.free, 1, "one token free, held back by the cap: {s:#?}");
+    let caps = s.controls.clone().expect("controls").caps;
+    assert_eq!(caps.len(), 1);
+    assert_eq!(caps[0].held, 3, "the table's tokens count: {s:#?}");
+    // One of the three back: the waiter may have one.
+    drop(a.stdin.take());
+    assert_eq!(w.line(), "got");
+    a.finish();
+    w.finish();
+    ctl.cap(std::process::id(), None).expect("uncap");
+    let s = serve.wait_for("all free", |s| s.clients.is_empty() && s.free == 4);
+    assert_eq!(s.lost, 0, "{s:#?}");
+    let (status, log) = serve.stop();
+    assert!(status.success(), "{log}");
+}

@@ -1088,7 +1088,7 @@ impl Broker {
             if observer {
                 self.send(token, &Reply::Segment { owner: 0, words: 0 });
             } else {
-                self.send_segment(token, id, borrows.is_some());
+                self.send_segment(token, id);
             }
         }
         log!(
@@ -1165,6 +1165,12 @@ impl Broker {
                         "control requests need protocol version {CONTROL_VERSION}; \
                          this connection speaks {conn_version}"
                     ));
+                }
+                // A cap counts what the subtree holds from the shared
+                // table: read it, and close the table, before the cap.
+                if self.fast.is_some() {
+                    self.fast_close();
+                    self.fast_sweep(true);
                 }
                 self.control(id, op)?;
                 self.send(token, &Reply::Controlled);

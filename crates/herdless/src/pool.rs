@@ -159,6 +159,10 @@ struct ClientState {
     waiting: u32,
     /// Slots minted for this client's own job (its command's subtree).
     owns: Vec<SlotKey>,
+    /// Tokens it holds from the shared table, as the broker last read them
+    /// (`Pool::set_table_held`): the table's client holds them in these
+    /// books, but a cap counts them as this client's.
+    table_held: u32,
 }
 
 /// One job runner's implicit token.
@@ -349,6 +353,25 @@ impl Pool {
             && !self.stopped
     }
 
+    /// Records that `id` holds `n` tokens from the shared table (held, in
+    /// these books, by the table's client): caps count them as `id`'s. A
+    /// lower figure may let a waiter held back by a cap take a free token.
+    pub fn set_table_held(&mut self, id: ClientId, n: u32, now: Duration) {
+        let Some(c) = self.clients.get_mut(&id) else {
+            return;
+        };
+        let lower = n < c.table_held;
+        c.table_held = n;
+        if lower {
+            self.dispatch_pool(now);
+        }
+    }
+
+    /// Whether slot `key` exists and is lent to nobody.
+    pub fn slot_lendable(&self, key: SlotKey) -> bool {
+        self.slots.get(&key).is_some_and(|s| s.borrower.is_none())
+    }
+
     /// Whether `client` would be lent its slot now.
     pub fn slot_free_for(&self, client: ClientId) -> bool {
         self.clients
@@ -469,6 +492,7 @@ impl Pool {
                 slot_held: false,
                 waiting: 0,
                 owns: Vec::new(),
+                table_held: 0,
             },
         );
         if let (Some(reason), false) = (self.aborted, observer) {

@@ -20,7 +20,7 @@ use super::Broker;
 use crate::fast::{Table, FREE, OUT};
 use crate::log;
 use crate::log::Level;
-use crate::pool::{ClientId, ClientInfo};
+use crate::pool::{ClientId, ClientInfo, SlotKey};
 use crate::protocol::Reply;
 
 /// The most words a table has: lending more tokens than this leaves the
@@ -39,9 +39,15 @@ pub(super) struct FastState {
     /// Table owner id → connection.
     owners: HashMap<u32, Token>,
     next_owner: u32,
-    /// Table clients that name a slot: while one of their slots is free,
-    /// the table stays closed (the slot goes first, ARCHITECTURE §4.5).
-    slot_namers: Vec<ClientId>,
+    /// The slots that table clients name, with how many name each: while
+    /// one of them is free, the table stays closed (the slot goes first,
+    /// ARCHITECTURE §4.5).
+    named_slots: HashMap<SlotKey, u32>,
+    /// Which slot each table client names.
+    names: HashMap<ClientId, SlotKey>,
+    /// What the pool was last told each client holds from the table
+    /// (`Pool::set_table_held`, for caps).
+    told_held: HashMap<ClientId, u32>,
     /// The table must be read: a client gave back while it was closed, a
     /// client of it closed, or the gate just closed.
     dirty: bool,
@@ -75,7 +81,9 @@ impl FastState {
             client,
             owners: HashMap::new(),
             next_owner: 1,
-            slot_namers: Vec::new(),
+            named_slots: HashMap::new(),
+            names: HashMap::new(),
+            told_held: HashMap::new(),
             dirty: false,
             lends: 0,
             reclaimed: 0,
@@ -117,10 +125,26 @@ impl FastState {
     }
 }
 
+impl FastState {
+    /// Client `id` leaves the table: the slot it names counts one client
+    /// less.
+    fn forget_name(&mut self, id: ClientId) {
+        if let Some(key) = self.names.remove(&id) {
+            if let Some(n) = self.named_slots.get_mut(&key) {
+                *n -= 1;
+                if *n == 0 {
+                    self.named_slots.remove(&key);
+                }
+            }
+        }
+    }
+}
+
 impl Broker {
     /// Admits connection `token` (client `id`) to the table: its owner id,
     /// or 0 when there is no table.
-    fn fast_admit(&mut self, token: Token, id: ClientId, names_slot: bool) -> u32 {
+    fn fast_admit(&mut self, token: Token, id: ClientId) -> u32 {
+        let key = self.pool.borrows(id);
         let Some(fast) = self.fast.as_mut() else {
             return 0;
         };
@@ -130,8 +154,9 @@ impl Broker {
         }
         fast.next_owner = owner.wrapping_add(1);
         fast.owners.insert(owner, token);
-        if names_slot {
-            fast.slot_namers.push(id);
+        if let Some(key) = key {
+            *fast.named_slots.entry(key).or_insert(0) += 1;
+            fast.names.insert(id, key);
         }
         owner
     }
@@ -140,8 +165,8 @@ impl Broker {
     /// table's descriptor when the client gets it. The `Welcome` is
     /// already queued: it must reach the socket before the descriptor, so
     /// a client without a table is told so in the stream instead.
-    pub(super) fn send_segment(&mut self, token: Token, id: ClientId, names_slot: bool) {
-        let owner = self.fast_admit(token, id, names_slot);
+    pub(super) fn send_segment(&mut self, token: Token, id: ClientId) {
+        let owner = self.fast_admit(token, id);
         let sent = owner != 0 && {
             let words = self.fast.as_ref().map_or(0, |f| f.table.words());
             let fast = self.fast.as_ref();
@@ -184,7 +209,7 @@ impl Broker {
         if owner != 0 {
             if let Some(fast) = self.fast.as_mut() {
                 fast.owners.remove(&owner);
-                fast.slot_namers.retain(|&c| c != id);
+                fast.forget_name(id);
             }
         }
         self.send(token, &Reply::Segment { owner: 0, words: 0 });
@@ -199,9 +224,9 @@ impl Broker {
         };
         self.pool.plain()
             && fast
-                .slot_namers
-                .iter()
-                .all(|&c| !self.pool.slot_free_for(c))
+                .named_slots
+                .keys()
+                .all(|&key| !self.pool.slot_lendable(key))
     }
 
     /// Brings the table in line with the pool: open and lend free tokens,
@@ -271,6 +296,7 @@ impl Broker {
         fast.dirty = false;
         let mut returned = 0;
         let mut cut = Vec::new();
+        let mut held: HashMap<u32, u32> = HashMap::new();
         for i in 0..fast.table.words() {
             let v = fast.table.word(i).load(SeqCst);
             if fast.lent[i as usize] {
@@ -287,6 +313,8 @@ impl Broker {
                     fast.lent[i as usize] = false;
                     fast.lent_count -= 1;
                     returned += 1;
+                } else if v != FREE {
+                    *held.entry(v).or_insert(0) += 1;
                 }
             } else if v != OUT {
                 if let Some(&token) = fast.owners.get(&v) {
@@ -295,13 +323,40 @@ impl Broker {
                 fast.table.restore_out(i, v);
             }
         }
+        // Caps count what each client holds from the table: the pool
+        // learns it before the returned tokens reach its waiters.
+        let mut counts: HashMap<ClientId, u32> = HashMap::new();
+        for (owner, n) in held {
+            let client = fast
+                .owners
+                .get(&owner)
+                .and_then(|t| self.conns.get(t))
+                .and_then(|c| c.client);
+            if let Some(client) = client {
+                counts.insert(client, n);
+            }
+        }
+        let mut changes: Vec<(ClientId, u32)> = fast
+            .told_held
+            .keys()
+            .filter(|c| !counts.contains_key(c))
+            .map(|&c| (c, 0))
+            .collect();
+        changes.extend(
+            counts
+                .iter()
+                .filter(|(c, n)| fast.told_held.get(c) != Some(n))
+                .map(|(&c, &n)| (c, n)),
+        );
+        fast.told_held = counts;
         let client = fast.client;
+        for (c, n) in changes {
+            self.pool.set_table_held(c, n, now);
+        }
         for _ in 0..returned {
             let _ = self.pool.release(client, now);
         }
-        if returned > 0 {
-            self.apply_effects();
-        }
+        self.apply_effects();
         for token in cut {
             if let Some(fast) = self.fast.as_mut() {
                 fast.cut_off += 1;
@@ -329,7 +384,7 @@ impl Broker {
         };
         fast.owners.remove(&owner);
         if let Some(id) = id {
-            fast.slot_namers.retain(|&c| c != id);
+            fast.forget_name(id);
         }
         let mut freed = 0;
         for i in 0..fast.table.words() {
