@@ -103,6 +103,28 @@ impl Pool {
         }
     }
 
+    /// Whether a waiter that may take a shared token waits because none is
+    /// free: the demand a pool whose tokens are backed on demand (see
+    /// `crate::backing`) answers by adding one. False after a stop or an
+    /// abort, and while a shrink still waits for tokens.
+    pub fn short_of_shared(&self) -> bool {
+        self.free == 0
+            && self.controls.retiring == 0
+            && self.aborted.is_none()
+            && !self.stopped
+            && self.first_eligible().is_some()
+    }
+
+    /// Removes every free shared token from the pool (the capacity shrinks
+    /// by as many) and returns how many: tokens a backed pool gives back
+    /// to where they came from as soon as nobody here may take them.
+    pub fn give_up_free(&mut self) -> u32 {
+        let n = self.free;
+        self.free = 0;
+        self.capacity -= n;
+        n
+    }
+
     /// Called by `release` and `disconnect` for each shared token given
     /// back: true when a shrink takes it (it does not become free).
     pub(super) fn retire_returned(&mut self) -> bool {
