@@ -87,6 +87,17 @@ pub fn status(args: StatusArgs) -> Result<u8> {
             );
         }
     }
+    if let Some(f) = &s.fast {
+        println!(
+            "table     {}, {} client(s); {} lent ({} free, {} held); {} grant(s) from it",
+            if f.open { "open" } else { "closed" },
+            f.clients,
+            f.lent,
+            f.free,
+            f.held,
+            f.grants
+        );
+    }
     if s.clients_total > s.clients.len() as u64 {
         println!(
             "clients   {} ({} listed: the busiest)",

@@ -321,7 +321,7 @@ fn check_cell(cfg: &CellConfig) -> io::Result<()> {
             "waiters, grants and tokens must all be at least 1",
         ));
     }
-    let fds = if cfg.mode == BenchMode::Herdless {
+    let fds = if matches!(cfg.mode, BenchMode::Herdless | BenchMode::HerdlessSocket) {
         u64::from(cfg.waiters)
     } else {
         0

@@ -50,9 +50,12 @@ pub enum BenchMode {
     /// Waiters share a pipe (a FIFO each opens) and wait in this mode; the
     /// futex mode shares a word in a mapped file instead.
     Kernel(Mode),
-    /// Waiters are native clients of a broker, which writes each grant to
-    /// one of them.
+    /// Waiters are native clients of a broker, with its shared token
+    /// table where the OS has one (the fast path).
     Herdless,
+    /// Waiters are native clients of a broker that offers no shared table:
+    /// every grant is one frame the broker writes to one of them.
+    HerdlessSocket,
 }
 
 impl BenchMode {
@@ -61,7 +64,7 @@ impl BenchMode {
         Mode::ALL
             .into_iter()
             .map(BenchMode::Kernel)
-            .chain([BenchMode::Herdless])
+            .chain([BenchMode::Herdless, BenchMode::HerdlessSocket])
             .collect()
     }
 
@@ -73,11 +76,12 @@ impl BenchMode {
             .collect()
     }
 
-    /// The mode's name: a [`Mode`] name, or "herdless".
+    /// The mode's name: a [`Mode`] name, "herdless" or "herdless-socket".
     pub fn name(self) -> &'static str {
         match self {
             BenchMode::Kernel(m) => m.name(),
             BenchMode::Herdless => "herdless",
+            BenchMode::HerdlessSocket => "herdless-socket",
         }
     }
 
@@ -89,7 +93,7 @@ impl BenchMode {
     pub fn available(self) -> Result<(), String> {
         match self {
             BenchMode::Kernel(m) => m.available().map_err(|e| e.reason().to_owned()),
-            BenchMode::Herdless => Ok(()),
+            BenchMode::Herdless | BenchMode::HerdlessSocket => Ok(()),
         }
     }
 }
@@ -104,12 +108,14 @@ impl FromStr for BenchMode {
     type Err = String;
 
     fn from_str(s: &str) -> Result<BenchMode, String> {
-        if s == "herdless" {
-            return Ok(BenchMode::Herdless);
+        match s {
+            "herdless" => return Ok(BenchMode::Herdless),
+            "herdless-socket" => return Ok(BenchMode::HerdlessSocket),
+            _ => {}
         }
         s.parse::<Mode>()
             .map(BenchMode::Kernel)
-            .map_err(|e| format!("{e}, herdless"))
+            .map_err(|e| format!("{e}, herdless, herdless-socket"))
     }
 }
 

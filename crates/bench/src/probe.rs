@@ -56,6 +56,11 @@ pub struct Capabilities {
     pub futex: bool,
     /// kqueue.
     pub kqueue: bool,
+    /// Which way native clients of a broker on this host take tokens:
+    /// `"shared table"` (a sealed memfd and a shared futex: the fast
+    /// path), or `"socket"` with the reason the table is not available.
+    #[serde(default)]
+    pub token_path: String,
 }
 
 /// One mode's line.
@@ -142,6 +147,11 @@ pub fn probe(exe: PathBuf, progress: &mut dyn FnMut(&str)) -> io::Result<ProbeRe
             exclusive_pipe_read: caps.exclusive_pipe_read,
             futex: caps.futex,
             kqueue: caps.kqueue,
+            token_path: match herdless_platform::segment_support() {
+                Ok(()) if herdless::broker::fast_path_wanted() => "shared table".to_owned(),
+                Ok(()) => format!("socket ({}=0)", herdless::broker::FAST_PATH_ENV),
+                Err(why) => format!("socket ({why})"),
+            },
         },
         modes,
     })
@@ -168,6 +178,7 @@ pub fn table(r: &ProbeReport) -> String {
         yes(c.futex),
         yes(c.kqueue)
     );
+    let _ = writeln!(out, "token path    {}", c.token_path);
     let _ = writeln!(out);
     let _ = writeln!(
         out,

@@ -243,11 +243,13 @@ impl Shared {
                 fifo: FifoOut::open(&scratch.fifo(TOKENS)?)?,
                 left: grants,
             }),
-            BenchMode::Herdless => {
+            BenchMode::Herdless | BenchMode::HerdlessSocket => {
                 let socket = scratch.socket().to_path_buf();
                 // T tokens to circulate and one for the stop; the pool of
                 // `-j N` holds N − 1.
-                let broker = Broker::bind(&socket, Config::new(tokens + 2))?;
+                let mut config = Config::new(tokens + 2);
+                config.fast_path = mode == BenchMode::Herdless && config.fast_path;
+                let broker = Broker::bind(&socket, config)?;
                 scratch.dir.set_bound();
                 let stopper = broker.stopper();
                 let (tid_tx, tid_rx) = mpsc::channel();

@@ -42,7 +42,7 @@ pub(super) fn main(args: &WorkerArgs) -> io::Result<()> {
     let result = match mode {
         BenchMode::Kernel(Mode::Futex) => futex_waiter(dir, idx, &mut out),
         BenchMode::Kernel(m) => pipe_waiter(m, dir, idx, &mut out),
-        BenchMode::Herdless => herdless_waiter(dir, idx, &mut out),
+        BenchMode::Herdless | BenchMode::HerdlessSocket => herdless_waiter(dir, idx, &mut out),
     };
     if let Err(e) = &result {
         let _ = out.send(&Record::Failed {

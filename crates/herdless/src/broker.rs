@@ -2,7 +2,9 @@
 //!
 //! Every readiness source is edge-triggered (mio's only mode): a source is
 //! read until `WouldBlock`, a connection over as many turns as it takes
-//! (see *Fairness and bounds*). A grant is one frame written to one
+//! (see *Fairness and bounds*), or until a read shorter than asked, which
+//! empties a stream socket (the next byte is a new edge) unless the peer
+//! has closed its end. A grant is one frame written to one
 //! client's socket, so exactly one process wakes per token. There is no
 //! timer anywhere in the hand-off path: the loop sleeps in `epoll_wait` /
 //! `kevent` and wakes only for I/O, a signal or a stop request (the
@@ -58,12 +60,14 @@ use crate::log::Level;
 use crate::pool::{ClientId, ClientInfo, Effect, Pool, SlotKey};
 use crate::protocol::{
     FrameBuffer, HelloFlags, ProtocolError, Reply, Request, BUSY_PREFIX, CONTROL_VERSION,
-    PROTOCOL_VERSION,
+    FAST_VERSION, PROTOCOL_VERSION,
 };
 use crate::status::{ClientStatus, Status};
 
 mod control;
 pub use control::{Admission, SYSTEM_HOOK_ENV};
+
+mod fast;
 
 pub mod limits;
 
@@ -91,6 +95,13 @@ const FIRST_CONN: usize = 16;
 /// Set in the token of a connection's process-exit descriptor (its pidfd):
 /// the rest of the bits are the connection's own token.
 const EXIT_BIT: usize = 1 << (usize::BITS - 2);
+/// Process-exit descriptors kept, registered, by connections that hold no
+/// token at the moment: a client that takes and gives back tokens in turn
+/// then costs no `pidfd_open`, `epoll_ctl` and `close` per grant. Past this
+/// many, or when `accept` runs out of descriptors, they are closed on
+/// release as before, so the broker never spends more than this many
+/// descriptors beyond one per connection and one per holder.
+const IDLE_EXIT_FDS: usize = 1024;
 
 /// How a broker is set up.
 #[derive(Clone, Debug)]
@@ -107,6 +118,20 @@ pub struct Config {
     /// How long a new connection may take to send its `Hello` before it
     /// is closed ([`limits::HANDSHAKE_DEADLINE`] unless changed).
     pub handshake_deadline: Duration,
+    /// Offer the shared token table to native clients that ask for it
+    /// (protocol version 4, `crate::fast`), where the OS can make one and
+    /// no classic bridge is attached. On unless `HERDLESS_FAST_PATH=0`.
+    pub fast_path: bool,
+}
+
+/// The environment variable that turns the shared token table off: `0`
+/// in a broker's environment offers it to nobody, in a client's makes the
+/// client keep to the socket.
+pub const FAST_PATH_ENV: &str = "HERDLESS_FAST_PATH";
+
+/// Whether `HERDLESS_FAST_PATH` leaves the table on.
+pub fn fast_path_wanted() -> bool {
+    std::env::var_os(FAST_PATH_ENV).map_or(true, |v| v != "0")
 }
 
 impl Config {
@@ -117,6 +142,7 @@ impl Config {
             handle_signals: false,
             admission: Admission::default(),
             handshake_deadline: HANDSHAKE_DEADLINE,
+            fast_path: fast_path_wanted(),
         }
     }
 }
@@ -180,6 +206,16 @@ struct Conn {
     /// keeps the socket open. Held only while the connection holds tokens,
     /// so the broker spends one more descriptor per holder, not per client.
     exit_fd: Option<std::os::fd::OwnedFd>,
+    /// `exit_fd` is kept while the connection holds no token (counted in
+    /// `Broker::idle_exit_fds`).
+    exit_fd_idle: bool,
+    /// The kernel reported the peer's end of the socket closed (or an
+    /// error): read it to the end. Otherwise a read shorter than asked
+    /// means the socket is empty, and the next byte to arrive is a new
+    /// edge, so the turn ends without the read that would fail `EAGAIN`.
+    read_closed: bool,
+    /// This connection's owner id in the shared table; 0 when it has none.
+    fast_owner: u32,
     /// In `Broker::turns`, waiting for a turn.
     queued: bool,
     /// Not read until its replies drain (see [`Broker::reading_paused`]).
@@ -235,6 +271,12 @@ pub struct Broker {
     fd_freed: bool,
     /// The last turn of the listener left connections pending.
     accept_more: bool,
+    /// Connections keeping their `exit_fd` while holding no token.
+    idle_exit_fds: usize,
+    /// The shared token table, when there is one (`broker/fast.rs`).
+    fast: Option<fast::FastState>,
+    /// Whether a table was made (its pool client is no connection).
+    table_made: bool,
 }
 
 fn ns_to_us(ns: u64) -> f64 {
@@ -362,8 +404,27 @@ impl Broker {
             accept_starved: false,
             fd_freed: false,
             accept_more: false,
+            idle_exit_fds: 0,
+            fast: None,
+            table_made: false,
             controls,
         };
+        if broker.config.fast_path && broker.config.jobs > 1 {
+            match herdless_platform::segment_support()
+                .map_err(io::Error::other)
+                .and_then(|()| {
+                    fast::FastState::new(
+                        &mut broker.pool,
+                        (broker.config.jobs - 1).min(fast::MAX_TABLE_WORDS),
+                    )
+                }) {
+                Ok(state) => {
+                    broker.fast = Some(state);
+                    broker.table_made = true;
+                }
+                Err(e) => log!(Level::Info, "no shared token table: {e}"),
+            }
+        }
         broker.check_admission(true);
         Ok(broker)
     }
@@ -371,6 +432,9 @@ impl Broker {
     /// Serves classic jobserver clients from the same pool through
     /// `bridge` (see [`crate::bridge`]).
     pub fn with_bridge(mut self, mut bridge: Bridge) -> io::Result<Broker> {
+        // Classic clients keep to the pipe, and the table would compete
+        // with the pipe for free tokens: no table under a bridge.
+        self.drop_table();
         if self.backing.is_some() {
             bridge.set_backed()?;
         }
@@ -401,12 +465,25 @@ impl Broker {
         Ok(self)
     }
 
+    /// Gives up the shared token table before the broker runs (nothing
+    /// is lent to it before [`Broker::run`]).
+    fn drop_table(&mut self) {
+        if let Some(fast) = self.fast.take() {
+            let now = self.now();
+            self.pool.disconnect(fast.client(), now);
+        }
+    }
+
     /// Borrows this pool's shared tokens from an outer classic jobserver,
     /// on demand, instead of owning them (see [`crate::backing`]): the
     /// pool starts with none, and every one it hands out was read from
     /// the outer jobserver and goes back there once nobody here may take
     /// it. Call before [`Broker::with_bridge`].
     pub fn with_backing(mut self, mut backing: Backing) -> io::Result<Broker> {
+        // A borrowed token goes back to the outer pool as soon as nobody
+        // here may take it; lent to the table it would stay: no table for
+        // a backed pool.
+        self.drop_table();
         let now = self.now();
         self.pool.resize(0, now);
         backing.set_jobs(self.config.jobs);
@@ -448,6 +525,7 @@ impl Broker {
             }
         }
         self.retire_from_pipe();
+        self.fast_balance();
         self.note_in_use();
     }
 
@@ -494,6 +572,7 @@ impl Broker {
         if !self.pool.stop() {
             return;
         }
+        self.fast_close();
         log!(Level::Info, "stopping: no more tokens are granted");
         let now = self.now();
         if let Some(bridge) = self.bridge.as_mut() {
@@ -507,6 +586,8 @@ impl Broker {
     /// every token and returns the final report.
     pub fn run(mut self) -> io::Result<Status> {
         let mut events = Events::with_capacity(256);
+        // The table's tokens are lent before the first client connects.
+        self.fast_balance();
         while !self.stop.load(Ordering::SeqCst) {
             if self.halt.load(Ordering::SeqCst) {
                 self.stop_granting();
@@ -557,12 +638,19 @@ impl Broker {
                     token if token.0 & EXIT_BIT != 0 => {
                         self.process_exited(Token(token.0 & !EXIT_BIT));
                     }
-                    token => self.conn_event(
-                        token,
-                        event.is_readable(),
-                        event.is_writable(),
-                        event_budget,
-                    ),
+                    token => {
+                        if event.is_read_closed() || event.is_error() {
+                            if let Some(conn) = self.conns.get_mut(&token) {
+                                conn.read_closed = true;
+                            }
+                        }
+                        self.conn_event(
+                            token,
+                            event.is_readable(),
+                            event.is_writable(),
+                            event_budget,
+                        )
+                    }
                 }
                 self.rebalance();
                 self.flush_dirty();
@@ -628,6 +716,9 @@ impl Broker {
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) if e.raw_os_error() == Some(libc::ECONNABORTED) => {}
                 Err(e) if matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE)) => {
+                    if self.close_idle_exit_fds() {
+                        continue;
+                    }
                     if !self.refuse_for_lack_of_fds(&e) {
                         // No reserve left: try again when a connection
                         // closes, or on the listener's next edge, rather
@@ -721,6 +812,9 @@ impl Broker {
                 watching_writes: false,
                 version: PROTOCOL_VERSION,
                 exit_fd: None,
+                exit_fd_idle: false,
+                read_closed: false,
+                fast_owner: 0,
                 queued: false,
                 paused: false,
                 status_owed: 0,
@@ -796,6 +890,10 @@ impl Broker {
         let Some(conn) = self.conns.get_mut(&token) else {
             return;
         };
+        if conn.exit_fd_idle {
+            conn.exit_fd_idle = false;
+            self.idle_exit_fds -= 1;
+        }
         let (None, Some(pid)) = (&conn.exit_fd, conn.pid) else {
             return;
         };
@@ -816,15 +914,56 @@ impl Broker {
     }
 
     /// The connection of `token` holds no token any more: stop watching
-    /// its process.
+    /// its process, or keep the watch for its next token while fewer than
+    /// [`IDLE_EXIT_FDS`] are kept. A kept watch that fires closes the
+    /// connection, which is what a holder's would do: a fork of the process
+    /// cannot use it.
     fn unwatch_holder(&mut self, token: Token) {
         use std::os::fd::AsRawFd;
-        if let Some(fd) = self.conns.get_mut(&token).and_then(|c| c.exit_fd.take()) {
+        let idle = self.idle_exit_fds;
+        let Some(conn) = self.conns.get_mut(&token) else {
+            return;
+        };
+        if conn.fast_owner != 0 {
+            // A client of the shared table may hold tokens the pool does
+            // not see: watched while connected.
+            return;
+        }
+        if conn.exit_fd.is_some() && !conn.exit_fd_idle && idle < IDLE_EXIT_FDS {
+            conn.exit_fd_idle = true;
+            self.idle_exit_fds += 1;
+            return;
+        }
+        if let Some(fd) = conn.exit_fd.take() {
+            if conn.exit_fd_idle {
+                conn.exit_fd_idle = false;
+                self.idle_exit_fds -= 1;
+            }
             let _ = self
                 .poll
                 .registry()
                 .deregister(&mut mio::unix::SourceFd(&fd.as_raw_fd()));
         }
+    }
+
+    /// Closes every process-exit descriptor kept by a connection holding no
+    /// token, for `accept` to have them. Returns whether it closed any.
+    fn close_idle_exit_fds(&mut self) -> bool {
+        use std::os::fd::AsRawFd;
+        if self.idle_exit_fds == 0 {
+            return false;
+        }
+        for conn in self.conns.values_mut().filter(|c| c.exit_fd_idle) {
+            conn.exit_fd_idle = false;
+            if let Some(fd) = conn.exit_fd.take() {
+                let _ = self
+                    .poll
+                    .registry()
+                    .deregister(&mut mio::unix::SourceFd(&fd.as_raw_fd()));
+            }
+        }
+        self.idle_exit_fds = 0;
+        true
     }
 
     /// The process that opened a connection has exited, while the socket
@@ -833,6 +972,9 @@ impl Broker {
     fn process_exited(&mut self, token: Token) {
         // What it wrote before it died comes first (a release, say); that
         // read also closes a connection whose socket has ended.
+        if let Some(conn) = self.conns.get_mut(&token) {
+            conn.read_closed = true;
+        }
         self.conn_event(token, true, false, READ_BUDGET);
         let Some(conn) = self.conns.get(&token) else {
             return;
@@ -888,6 +1030,7 @@ impl Broker {
     fn turn(&mut self, token: Token, budget: usize) {
         let mut budget = budget;
         let mut read = 0;
+        let mut drained = false;
         let mut buf = [0u8; READ_CHUNK];
         loop {
             let total = self.output_total;
@@ -926,7 +1069,12 @@ impl Broker {
                 self.queue_turn(token);
                 return;
             }
-            match conn.stream.read(&mut buf[..READ_CHUNK - read]) {
+            if drained {
+                conn.rx.shrink_if_empty();
+                return;
+            }
+            let want = READ_CHUNK - read;
+            match conn.stream.read(&mut buf[..want]) {
                 Ok(0) => {
                     let reason = (!conn.rx.is_empty()).then(|| {
                         format!(
@@ -940,6 +1088,9 @@ impl Broker {
                 Ok(n) => {
                     read += n;
                     conn.rx.extend(&buf[..n]);
+                    // A short read emptied the socket: what comes next is
+                    // a new edge (see `Conn::read_closed`).
+                    drained = n < want && !conn.read_closed;
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                     conn.rx.shrink_if_empty();
@@ -985,7 +1136,7 @@ impl Broker {
         else {
             return Err(format!("expected a hello frame first, got {req}"));
         };
-        if !(PROTOCOL_VERSION..=CONTROL_VERSION).contains(&version) {
+        if !(PROTOCOL_VERSION..=FAST_VERSION).contains(&version) {
             return Err(format!(
                 "unsupported protocol version {version} (broker speaks {PROTOCOL_VERSION}); \
                  versions before 3 named a job's parent by process id, which this broker \
@@ -993,6 +1144,11 @@ impl Broker {
             ));
         }
         conn.version = version;
+        if flags.contains(HelloFlags::FAST) && version < FAST_VERSION {
+            return Err(format!(
+                "the hello flag FAST needs protocol version {FAST_VERSION}; this hello speaks {version}"
+            ));
+        }
         let observer = flags.contains(HelloFlags::OBSERVER);
         let borrows = match (
             flags.contains(HelloFlags::JOB),
@@ -1037,6 +1193,13 @@ impl Broker {
                 slot: own,
             },
         );
+        if flags.contains(HelloFlags::FAST) {
+            if observer {
+                self.send(token, &Reply::Segment { owner: 0, words: 0 });
+            } else {
+                self.send_segment(token, id);
+            }
+        }
         log!(
             Level::Debug,
             "client {id} (pid {pid}) connected{}",
@@ -1071,8 +1234,21 @@ impl Broker {
                     "the broker already has {MAX_QUEUED_ACQUIRES} acquires waiting"
                 ));
             }
-            Request::Acquire => self.pool.acquire(id, now),
-            Request::TryAcquire => self.try_acquire(id, now),
+            Request::Acquire => {
+                self.fast_take_back_for_socket();
+                self.pool.acquire(id, now)
+            }
+            Request::TryAcquire => {
+                self.fast_take_back_for_socket();
+                self.try_acquire(id, now)
+            }
+            Request::Returned if conn.fast_owner == 0 => {
+                return Err("returned to a shared table this connection does not have".into());
+            }
+            Request::Returned => {
+                self.fast_returned();
+                Ok(())
+            }
             Request::Cancel => self.pool.cancel(id),
             Request::Release => {
                 let released = self.pool.release(id, now);
@@ -1082,6 +1258,7 @@ impl Broker {
                 released
             }
             Request::Abort { reason } => {
+                self.fast_close();
                 if self.pool.abort(reason) {
                     log!(Level::Info, "client {id} aborted the tree ({reason})");
                 }
@@ -1097,6 +1274,12 @@ impl Broker {
                         "control requests need protocol version {CONTROL_VERSION}; \
                          this connection speaks {conn_version}"
                     ));
+                }
+                // A cap counts what the subtree holds from the shared
+                // table: read it, and close the table, before the cap.
+                if self.fast.is_some() {
+                    self.fast_close();
+                    self.fast_sweep(true);
                 }
                 self.control(id, op)?;
                 self.send(token, &Reply::Controlled);
@@ -1130,6 +1313,10 @@ impl Broker {
     /// Answers a status request; the connection is read no more until the
     /// document has gone out.
     fn send_status(&mut self, token: Token) {
+        // What the table says is checked before it is reported.
+        if let Some(open) = self.fast.as_ref().map(|f| f.table.is_open()) {
+            self.fast_sweep(!open);
+        }
         let json = self.status().to_json();
         self.send(token, &Reply::Status { json });
         if let Some(conn) = self.conns.get_mut(&token) {
@@ -1162,16 +1349,40 @@ impl Broker {
     /// Tokens running jobs now: held by native clients, lent as parent
     /// slots, or taken by classic clients (tokens unread in the pipe are
     /// not in use).
+    /// Tokens in use as the broker sees them: not those in the classic
+    /// pipe, nor those lent to the shared table (which counts its own).
     fn in_use(&self) -> u32 {
         let in_pipe = self.bridge.as_ref().map_or(0, Bridge::in_pipe_estimate);
-        (self.pool.shared_in_use() + self.pool.slots_in_use() as u32).saturating_sub(in_pipe)
+        let lent = self.fast.as_ref().map_or(0, fast::FastState::lent);
+        (self.pool.shared_in_use() + self.pool.slots_in_use() as u32)
+            .saturating_sub(in_pipe)
+            .saturating_sub(lent)
     }
 
     fn note_in_use(&mut self) {
-        self.max_in_use = self.max_in_use.max(self.in_use());
+        let in_use = self.in_use();
+        self.max_in_use = self.max_in_use.max(in_use);
+        self.fast_note_in_use(in_use);
     }
 
     fn apply(&mut self, effect: Effect) {
+        if let Some(table) = self.fast.as_ref().map(fast::FastState::client) {
+            match effect {
+                Effect::Grant { client, .. } if client == table => {
+                    self.fast_on_grant();
+                    return;
+                }
+                Effect::Denied { client }
+                | Effect::Cancelled { client, .. }
+                | Effect::Aborted { client, .. }
+                | Effect::Stopped { client }
+                    if client == table =>
+                {
+                    return;
+                }
+                _ => {}
+            }
+        }
         let bridge_id = self.bridge.as_ref().and_then(Bridge::client);
         let now = self.now();
         match (&effect, self.bridge.as_mut()) {
@@ -1322,6 +1533,13 @@ impl Broker {
             }
             .encode(&mut conn.tx);
         }
+        // Its table words are free before its last frames go out: a client
+        // that reads them finds them taken back.
+        let in_table = if conn.fast_owner != 0 {
+            self.fast_forget(conn.fast_owner, conn.client, at_stop)
+        } else {
+            0
+        };
         // Replies already owed (to a client that only half-closed) go out
         // before the connection does, as far as the socket takes them.
         let _ = flush(&mut conn);
@@ -1331,6 +1549,9 @@ impl Broker {
         // descriptor; a command forked meanwhile holds a copy only until
         // its exec (close-on-exec), and an event for the token then finds no
         // connection, tokens being never reused.
+        if conn.exit_fd_idle {
+            self.idle_exit_fds -= 1;
+        }
         if let Some(fd) = conn.exit_fd.take() {
             use std::os::fd::AsRawFd;
             let _ = self
@@ -1341,11 +1562,12 @@ impl Broker {
         if let Some(id) = conn.client {
             self.by_client.remove(&id);
             let now = self.now();
-            let reclaimed = if at_stop {
-                self.pool.close_at_shutdown(id, now)
-            } else {
-                self.pool.disconnect(id, now)
-            };
+            let reclaimed = in_table
+                + if at_stop {
+                    self.pool.close_at_shutdown(id, now)
+                } else {
+                    self.pool.disconnect(id, now)
+                };
             if reclaimed > 0 && !at_stop {
                 log!(
                     Level::Info,
@@ -1361,19 +1583,26 @@ impl Broker {
     /// hands over only the clients that can be listed (the busy ones and
     /// the oldest idle ones) and lines are made only for those listed: with
     /// tens of thousands of idle clients a status costs what it lists.
+    /// Tokens a client holds in the shared table count as held; the
+    /// table's own bookkeeping client is not listed.
     fn status_clients(&self) -> (Vec<ClientStatus>, u64) {
         let max = limits::MAX_STATUS_CLIENTS;
-        let (mut picked, total) = self.pool.holdings_for_status(max);
-        if picked.len() > max {
-            picked.select_nth_unstable_by_key(max - 1, |h| {
-                (
-                    std::cmp::Reverse(h.held),
-                    std::cmp::Reverse(h.waiting),
-                    h.client,
-                )
-            });
-            picked.truncate(max);
+        let table_client = self.fast.as_ref().map(fast::FastState::client);
+        let table_held = self.fast_held_by_client();
+        let (picked, mut total) = self.pool.holdings_for_status(max);
+        if table_client.is_some_and(|c| self.pool.holding_of(c).is_some()) {
+            total -= 1;
         }
+        let mut picked: Vec<_> = picked
+            .into_iter()
+            .filter(|h| Some(h.client) != table_client && !table_held.contains_key(&h.client))
+            .collect();
+        // Holders in the table may look idle to the pool: add them all.
+        picked.extend(table_held.iter().filter_map(|(&id, &n)| {
+            let mut h = self.pool.holding_of(id)?;
+            h.held += n;
+            Some(h)
+        }));
         let (clients, _) = Status::list_clients(
             picked
                 .into_iter()
@@ -1392,28 +1621,53 @@ impl Broker {
     fn status(&self) -> Status {
         let (clients, clients_total) = self.status_clients();
         let stats = self.pool.stats();
-        let free = self.pool.free();
+        let fast = self.fast.as_ref().map(|f| {
+            let (free, held) = f.free_and_held();
+            crate::status::FastStatus {
+                open: f.table.is_open(),
+                clients: f.clients() as u64,
+                lent: f.lent(),
+                free,
+                held,
+                grants: f.table.grant_count(),
+                lends: f.lends,
+                reclaimed: f.reclaimed,
+                cut_off: f.cut_off,
+            }
+        });
+        let (lends, table_grants, table_free, table_held, table_reclaimed) =
+            fast.as_ref().map_or((0, 0, 0, 0, 0), |f| {
+                (f.lends, f.grants, f.free, f.held, f.reclaimed)
+            });
+        // The table's clients write its peak: it is believed only up to
+        // what the pool could have had in use.
+        let table_peak = self
+            .fast
+            .as_ref()
+            .map_or(0, |f| f.table.peak().min(self.config.jobs));
+        let free = self.pool.free() + table_free;
         Status {
             pid: std::process::id(),
             jobs: self.config.jobs,
             capacity: self.pool.capacity(),
             free,
-            in_use: self.in_use(),
+            in_use: self.in_use() + table_held,
             waiting: self.pool.waiting() as u32,
             aborted: self.pool.aborted().map(|r| (r.byte() as char).to_string()),
-            grants: stats.grants,
-            immediate: stats.immediate,
+            grants: (stats.grants - lends).saturating_add(table_grants),
+            immediate: (stats.immediate - lends).saturating_add(table_grants),
             waits: stats.waits,
             wakeups: self.native_wakeups,
             denied: stats.denied,
             cancelled: stats.cancelled,
-            reclaimed: stats.reclaimed,
-            connections: stats.connections,
+            reclaimed: stats.reclaimed + table_reclaimed,
+            connections: stats.connections - u64::from(self.table_made),
             stopped: self.pool.stopped(),
             refused_after_stop: stats.refused_after_stop,
-            held_at_shutdown: stats.held_at_shutdown,
+            held_at_shutdown: stats.held_at_shutdown
+                + self.fast.as_ref().map_or(0, |f| f.held_at_shutdown),
             slots: self.pool.slot_count() as u32,
-            max_in_use: self.max_in_use,
+            max_in_use: self.max_in_use.max(table_peak),
             wait_p50_us: ns_to_us(stats.wait_ns.quantile(0.5)),
             wait_p99_us: ns_to_us(stats.wait_ns.quantile(0.99)),
             wait_max_us: ns_to_us(stats.wait_ns.max()),
@@ -1424,6 +1678,7 @@ impl Broker {
             clients,
             clients_total,
             handshaking: self.handshakes.live() as u32,
+            fast,
         }
     }
 
@@ -1463,6 +1718,11 @@ impl Broker {
         let tokens: Vec<Token> = self.conns.keys().copied().collect();
         for token in tokens {
             self.close_at_stop(token);
+        }
+        // Every client of the shared table is gone: its words come back.
+        if let Some(fast) = self.fast.as_ref() {
+            fast.table.close_gate();
+            self.fast_sweep(true);
         }
         let now = self.now();
         let mut classic = None;

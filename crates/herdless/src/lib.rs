@@ -13,6 +13,7 @@ pub mod broker;
 pub mod classic;
 pub mod client;
 pub mod error;
+pub mod fast;
 pub mod log;
 pub mod pool;
 pub mod protocol;

@@ -159,6 +159,10 @@ struct ClientState {
     waiting: u32,
     /// Slots minted for this client's own job (its command's subtree).
     owns: Vec<SlotKey>,
+    /// Tokens it holds from the shared table, as the broker last read them
+    /// (`Pool::set_table_held`): the table's client holds them in these
+    /// books, but a cap counts them as this client's.
+    table_held: u32,
 }
 
 /// One job runner's implicit token.
@@ -349,6 +353,38 @@ impl Pool {
         self.clients.get(&client).map_or(0, |c| c.waiting)
     }
 
+    /// Whether nothing but FIFO order would decide who gets a free shared
+    /// token now, and the pool is in service: nobody waits, no cap, no
+    /// admission limit holding, no shrink under way, no abort, no stop.
+    /// Only then does the broker lend free tokens to the shared table
+    /// (`crate::fast`), which hands them out first come, first served.
+    pub fn plain(&self) -> bool {
+        self.queue.is_empty()
+            && self.unrestricted()
+            && self.retiring() == 0
+            && self.aborted.is_none()
+            && !self.stopped
+    }
+
+    /// Records that `id` holds `n` tokens from the shared table (held, in
+    /// these books, by the table's client): caps count them as `id`'s. A
+    /// lower figure may let a waiter held back by a cap take a free token.
+    pub fn set_table_held(&mut self, id: ClientId, n: u32, now: Duration) {
+        let Some(c) = self.clients.get_mut(&id) else {
+            return;
+        };
+        let lower = n < c.table_held;
+        c.table_held = n;
+        if lower {
+            self.dispatch_pool(now);
+        }
+    }
+
+    /// Whether slot `key` exists and is lent to nobody.
+    pub fn slot_lendable(&self, key: SlotKey) -> bool {
+        self.slots.get(&key).is_some_and(|s| s.borrower.is_none())
+    }
+
     /// Whether `client` would be lent its slot now.
     pub fn slot_free_for(&self, client: ClientId) -> bool {
         self.clients
@@ -427,6 +463,11 @@ impl Pool {
         );
         out.sort_unstable_by_key(|h| h.client);
         (out, self.clients.len() - self.observers)
+    }
+
+    /// One client's holding, if it is connected.
+    pub fn holding_of(&self, id: ClientId) -> Option<Holding> {
+        self.clients.get(&id).map(|c| Self::holding(id, c))
     }
 
     fn holding(id: ClientId, c: &ClientState) -> Holding {
@@ -528,6 +569,7 @@ impl Pool {
                 slot_held: false,
                 waiting: 0,
                 owns: Vec::new(),
+                table_held: 0,
             },
         );
         if let (Some(reason), false) = (self.aborted, observer) {

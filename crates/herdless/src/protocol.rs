@@ -35,6 +35,13 @@ pub const PROTOCOL_VERSION: u16 = 3;
 /// the client asked for; today that is version 3 alone.
 pub const CONTROL_VERSION: u16 = 3;
 
+/// The version that adds the shared token table (the fast path): the
+/// `Hello` flag [`HelloFlags::FAST`], the reply [`Reply::Segment`] and the
+/// request [`Request::Returned`]. A broker speaks versions
+/// [`PROTOCOL_VERSION`] to this one; a client asks for it only to ask for
+/// the table, and otherwise speaks [`PROTOCOL_VERSION`].
+pub const FAST_VERSION: u16 = 4;
+
 /// The message of the `Error` a broker sends, before it closes the
 /// connection, to a client that waits or asks for a token after the broker
 /// stopped granting. A client reports it as the broker going away.
@@ -63,8 +70,8 @@ pub const BUSY_PREFIX: &str = "busy: ";
 
 /// The `kind` byte of each frame.
 ///
-/// Requests use `0x01..=0x08`, replies `0x81..=0x88` (`0x08` and `0x88`
-/// from version 2); each decoder knows
+/// Requests use `0x01..=0x09`, replies `0x81..=0x89` (`0x08` and `0x88`
+/// from version 2, `0x09` and `0x89` from version 4); each decoder knows
 /// only its own direction's kinds.
 pub mod kind {
     /// [`Request::Hello`](super::Request::Hello).
@@ -83,6 +90,8 @@ pub mod kind {
     pub const STATUS: u8 = 0x07;
     /// [`Request::Control`](super::Request::Control) (version 2).
     pub const CONTROL: u8 = 0x08;
+    /// [`Request::Returned`](super::Request::Returned) (version 4).
+    pub const RETURNED: u8 = 0x09;
 
     /// [`Reply::Welcome`](super::Reply::Welcome).
     pub const WELCOME: u8 = 0x81;
@@ -100,6 +109,8 @@ pub mod kind {
     pub const ERROR: u8 = 0x87;
     /// [`Reply::Controlled`](super::Reply::Controlled) (version 2).
     pub const CONTROLLED: u8 = 0x88;
+    /// [`Reply::Segment`](super::Reply::Segment) (version 4).
+    pub const SEGMENT: u8 = 0x89;
 }
 
 /// Payload length of `Hello`: magic, version, flags, pid, slot.
@@ -111,6 +122,8 @@ const HELLO_OLD_LEN: usize = 4 + 2 + 1 + 4 + 4;
 const WELCOME_LEN: usize = 2 + 4 + 8 + 8;
 /// `Control`: op, pid, value.
 const CONTROL_LEN: usize = 1 + 4 + 4;
+/// `Segment`: owner id, table words.
+const SEGMENT_LEN: usize = 4 + 4;
 
 bitflags! {
     /// The flags byte of [`Request::Hello`].
@@ -129,6 +142,9 @@ bitflags! {
         /// process id of the recipe's root process, whose slot all the
         /// recipe's jobs share.
         const RECIPE_JOB = 0x04;
+        /// The client asks for the shared token table (version 4 only):
+        /// the broker answers [`Reply::Segment`] right after `Welcome`.
+        const FAST = 0x08;
     }
 }
 
@@ -208,6 +224,9 @@ pub enum Request {
     Status,
     /// Change the running pool (version 2 only); answered by `Controlled`.
     Control(ControlOp),
+    /// The client gave tokens back into the shared table while the table
+    /// was closed (version 4): the broker should look at it. No reply.
+    Returned,
 }
 
 /// What a [`Request::Control`] changes.
@@ -276,6 +295,16 @@ pub enum Reply {
     },
     /// The answer to `Control`: the change is made (version 2).
     Controlled,
+    /// Sent right after `Welcome` to a client that asked for the shared
+    /// token table (version 4). With a non-zero `owner` the table's memory
+    /// file comes with the frame's first byte (`SCM_RIGHTS`); 0 means the
+    /// broker offers no table and the client uses this socket alone.
+    Segment {
+        /// The client's id in the table's words; 0 for "no table".
+        owner: u32,
+        /// The table's words.
+        words: u32,
+    },
 }
 
 /// Why bytes are not a valid frame.
@@ -357,6 +386,7 @@ impl Request {
             Request::Abort { .. } => kind::ABORT,
             Request::Status => kind::STATUS,
             Request::Control(_) => kind::CONTROL,
+            Request::Returned => kind::RETURNED,
         }
     }
 
@@ -371,6 +401,7 @@ impl Request {
             Request::Abort { .. } => "Abort",
             Request::Status => "Status",
             Request::Control(_) => "Control",
+            Request::Returned => "Returned",
         }
     }
 
@@ -398,6 +429,7 @@ impl Request {
             | Request::TryAcquire
             | Request::Cancel
             | Request::Release
+            | Request::Returned
             | Request::Status => put_header(out, self.kind(), 0),
             Request::Abort { reason } => {
                 put_header(out, self.kind(), 1);
@@ -439,6 +471,7 @@ impl Reply {
             Reply::Status { .. } => kind::STATUS_REPLY,
             Reply::Error { .. } => kind::ERROR,
             Reply::Controlled => kind::CONTROLLED,
+            Reply::Segment { .. } => kind::SEGMENT,
         }
     }
 
@@ -453,6 +486,7 @@ impl Reply {
             Reply::Status { .. } => "Status",
             Reply::Error { .. } => "Error",
             Reply::Controlled => "Controlled",
+            Reply::Segment { .. } => "Segment",
         }
     }
 
@@ -496,6 +530,11 @@ impl Reply {
                 let message = truncate_str(message, MAX_ERROR_MESSAGE);
                 put_header(out, self.kind(), message.len());
                 out.extend_from_slice(message.as_bytes());
+            }
+            Reply::Segment { owner, words } => {
+                put_header(out, self.kind(), SEGMENT_LEN);
+                out.extend_from_slice(&owner.to_le_bytes());
+                out.extend_from_slice(&words.to_le_bytes());
             }
         }
     }
@@ -541,7 +580,12 @@ fn header(buf: &[u8]) -> Option<(u8, usize)> {
 fn request_payload_len(kind: u8) -> Option<usize> {
     match kind {
         kind::HELLO => Some(HELLO_LEN),
-        kind::ACQUIRE | kind::TRY_ACQUIRE | kind::CANCEL | kind::RELEASE | kind::STATUS => Some(0),
+        kind::ACQUIRE
+        | kind::TRY_ACQUIRE
+        | kind::CANCEL
+        | kind::RELEASE
+        | kind::STATUS
+        | kind::RETURNED => Some(0),
         kind::ABORT => Some(1),
         kind::CONTROL => Some(CONTROL_LEN),
         _ => None,
@@ -559,6 +603,7 @@ fn reply_payload_len(kind: u8) -> Option<ReplyLen> {
         kind::WELCOME => Some(ReplyLen::Exact(WELCOME_LEN)),
         kind::GRANT | kind::DENIED | kind::CONTROLLED => Some(ReplyLen::Exact(0)),
         kind::CANCELLED | kind::ABORTED => Some(ReplyLen::Exact(1)),
+        kind::SEGMENT => Some(ReplyLen::Exact(SEGMENT_LEN)),
         kind::STATUS_REPLY => Some(ReplyLen::AtMost(MAX_REPLY_PAYLOAD)),
         kind::ERROR => Some(ReplyLen::AtMost(MAX_ERROR_MESSAGE)),
         _ => None,
@@ -661,6 +706,7 @@ pub fn decode_request(buf: &[u8]) -> Result<Option<(Request, usize)>, ProtocolEr
         kind::TRY_ACQUIRE => Request::TryAcquire,
         kind::CANCEL => Request::Cancel,
         kind::RELEASE => Request::Release,
+        kind::RETURNED => Request::Returned,
         kind::ABORT => {
             let [byte] = *fixed::<1>(kind, payload)?;
             Request::Abort {
@@ -741,6 +787,13 @@ pub fn decode_reply(buf: &[u8]) -> Result<Option<(Reply, usize)>, ProtocolError>
         }
         kind::GRANT => Reply::Grant,
         kind::CONTROLLED => Reply::Controlled,
+        kind::SEGMENT => {
+            let p = fixed::<SEGMENT_LEN>(kind, payload)?;
+            Reply::Segment {
+                owner: u32::from_le_bytes([p[0], p[1], p[2], p[3]]),
+                words: u32::from_le_bytes([p[4], p[5], p[6], p[7]]),
+            }
+        }
         kind::DENIED => Reply::Denied,
         kind::CANCELLED => {
             let [byte] = *fixed::<1>(kind, payload)?;
@@ -1166,13 +1219,13 @@ mod tests {
 
     #[test]
     fn unknown_kinds_are_rejected_from_the_header() {
-        for kind in [0x00, 0x09, 0x7f, 0x80, 0x81, 0x87, 0x88, 0xff] {
+        for kind in [0x00, 0x0a, 0x7f, 0x80, 0x81, 0x87, 0x88, 0x89, 0xff] {
             assert_eq!(
                 decode_request(&[0, 0, 0, 0, kind]),
                 Err(ProtocolError::UnknownKind(kind))
             );
         }
-        for kind in [0x00, 0x01, 0x08, 0x80, 0x89, 0xff] {
+        for kind in [0x00, 0x01, 0x08, 0x09, 0x80, 0x8a, 0xff] {
             assert_eq!(
                 decode_reply(&[0, 0, 0, 0, kind]),
                 Err(ProtocolError::UnknownKind(kind))
@@ -1277,11 +1330,11 @@ mod tests {
 
     #[test]
     fn unknown_flags_are_rejected() {
-        for flags in 0x08..=0xff_u8 {
+        for flags in 0x10..=0xff_u8 {
             let bytes = frame(kind::HELLO, &hello_payload(&MAGIC, flags));
             assert_eq!(
                 decode_request(&bytes),
-                Err(ProtocolError::UnknownFlags(flags & !0x07)),
+                Err(ProtocolError::UnknownFlags(flags & !0x0f)),
             );
         }
         assert_eq!(
@@ -1499,6 +1552,7 @@ mod tests {
             Just(Request::Release),
             any_abort_reason().prop_map(|reason| Request::Abort { reason }),
             Just(Request::Status),
+            Just(Request::Returned),
         ]
     }
 
@@ -1518,6 +1572,7 @@ mod tests {
             any_abort_reason().prop_map(|reason| Reply::Aborted { reason }),
             ".{0,200}".prop_map(|json| Reply::Status { json }),
             ".{0,600}".prop_map(|message| Reply::Error { message }),
+            (any::<u32>(), any::<u32>()).prop_map(|(owner, words)| Reply::Segment { owner, words }),
         ]
     }
 
@@ -1528,7 +1583,7 @@ mod tests {
             proptest::collection::vec(any::<u8>(), 0..64),
             (
                 0u32..80,
-                prop_oneof![0x01u8..=0x07, 0x81u8..=0x87, any::<u8>()],
+                prop_oneof![0x01u8..=0x09, 0x81u8..=0x89, any::<u8>()],
                 proptest::collection::vec(any::<u8>(), 0..80),
             )
                 .prop_map(|(len, kind, rest)| {

@@ -138,6 +138,34 @@ pub struct Status {
     /// predates it).
     #[cfg_attr(feature = "serde", serde(default))]
     pub wait_histogram: Option<WaitHistogram>,
+    /// The shared token table, when the broker has one.
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub fast: Option<FastStatus>,
+}
+
+/// The shared token table (the fast path for native clients on the host).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+pub struct FastStatus {
+    /// Whether clients may take tokens from it now.
+    pub open: bool,
+    /// Clients that map it.
+    pub clients: u64,
+    /// Tokens lent to it now (free or held there).
+    pub lent: u32,
+    /// Of those, free.
+    pub free: u32,
+    /// Of those, held by its clients.
+    pub held: u32,
+    /// Tokens taken from it by its clients (counted in `grants`).
+    pub grants: u64,
+    /// Tokens lent to it over the broker's life.
+    pub lends: u64,
+    /// Tokens freed in it from connections that closed holding them
+    /// (counted in `reclaimed`).
+    pub reclaimed: u64,
+    /// Clients cut off for holding a word the broker never lent.
+    pub cut_off: u64,
 }
 
 /// What the operator controls: admission by load and memory, caps per
@@ -265,6 +293,22 @@ impl Status {
         match &self.wait_histogram {
             Some(h) => o.raw("wait_histogram", &h.to_json()),
             None => o.raw("wait_histogram", "null"),
+        }
+        match &self.fast {
+            Some(f) => {
+                let mut t = Object::new();
+                t.raw("open", if f.open { "true" } else { "false" });
+                t.num("clients", f.clients);
+                t.num("lent", f.lent);
+                t.num("free", f.free);
+                t.num("held", f.held);
+                t.num("grants", f.grants);
+                t.num("lends", f.lends);
+                t.num("reclaimed", f.reclaimed);
+                t.num("cut_off", f.cut_off);
+                o.raw("fast", &t.finish());
+            }
+            None => o.raw("fast", "null"),
         }
         o.finish()
     }
@@ -509,6 +553,17 @@ mod tests {
                     max: 2,
                     held: 1,
                 }],
+            }),
+            fast: classic.then_some(FastStatus {
+                open: true,
+                clients: 2,
+                lent: 3,
+                free: 1,
+                held: 2,
+                grants: 40,
+                lends: 5,
+                reclaimed: 1,
+                cut_off: 0,
             }),
             wait_histogram: classic.then(|| WaitHistogram {
                 le_us: vec![10.0, 100.0],

@@ -73,6 +73,7 @@ mod kernel;
 mod nofile;
 mod pipe;
 mod process;
+mod segment;
 mod shared_word;
 mod signal;
 mod system;
@@ -90,6 +91,9 @@ pub use pipe::{
 pub use process::{
     current_tid, die_with_parent, parse_stat, process_exit_fd, process_state, resident_kib,
     sched_count, thread_cpu_ns, ProcessTable, SchedCount,
+};
+pub use segment::{
+    fork_generation, recv_with_fd, segment_support, send_with_fd, Segment, HEADER_WORDS, MAX_WORDS,
 };
 pub use shared_word::SharedWord;
 pub use signal::{sent_by_kernel, signal_ignored};

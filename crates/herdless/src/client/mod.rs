@@ -206,6 +206,10 @@ struct Inner {
     options: Options,
     /// The process that opened the handle: the only one that may use it.
     opened_by: u32,
+    /// The fork count when it was opened, where the OS keeps one
+    /// (`herdless_platform::fork_generation`): checked instead of the
+    /// process id, without a system call.
+    opened_gen: Option<u64>,
     implicit_in_use: AtomicBool,
     /// The implicit token was forgotten while in use: the next
     /// `release_raw` gives it back, locally.
@@ -292,6 +296,13 @@ impl Client {
     /// handle (a fork): acting for the parent would take or give back its
     /// tokens, or read its grants.
     fn same_process(&self) -> Result<()> {
+        if let (Some(then), Some(now)) =
+            (self.inner.opened_gen, herdless_platform::fork_generation())
+        {
+            if then == now {
+                return Ok(());
+            }
+        }
         let me = std::process::id();
         if me == self.inner.opened_by {
             return Ok(());
@@ -312,6 +323,7 @@ impl Client {
                 backend,
                 options,
                 opened_by: std::process::id(),
+                opened_gen: herdless_platform::fork_generation(),
                 implicit_in_use: AtomicBool::new(false),
                 implicit_forgotten: AtomicBool::new(false),
             }),
@@ -387,6 +399,17 @@ impl Client {
         match &self.inner.backend {
             Backend::Native(n) => Some(n.capacity()),
             Backend::Classic(c) => c.jobserver().jobs().map(|j| j.saturating_sub(1)),
+        }
+    }
+
+    /// How this client takes tokens: `"shared table"` (the broker's shared
+    /// token table, with the socket for waits and everything else),
+    /// `"socket"` (the broker's socket alone) or `"classic"` (a classic
+    /// jobserver's pipe or fifo).
+    pub fn token_path(&self) -> &'static str {
+        match &self.inner.backend {
+            Backend::Native(n) => n.path_in_use(),
+            Backend::Classic(_) => "classic",
         }
     }
 

@@ -16,10 +16,13 @@ use std::time::{Duration, Instant};
 
 use nix::poll::{PollFd, PollFlags, PollTimeout};
 
+use std::sync::atomic::{AtomicU32, Ordering};
+
 use super::Wait;
 use crate::error::{Error, ErrorKind, Result};
+use crate::fast::Table;
 use crate::protocol::{
-    AbortReason, ControlOp, FrameBuffer, HelloFlags, Reply, Request, PROTOCOL_VERSION,
+    AbortReason, ControlOp, FrameBuffer, HelloFlags, Reply, Request, FAST_VERSION, PROTOCOL_VERSION,
 };
 use crate::sync::lock;
 
@@ -80,6 +83,19 @@ pub(crate) struct Native {
     /// The slot the broker minted for this client's own job.
     slot: u64,
     version: u16,
+    /// The shared token table, when the broker gave this client one.
+    fast: Option<Fast>,
+}
+
+/// This client's part of the shared token table (`crate::fast`).
+struct Fast {
+    table: Table,
+    /// This client's id in the table's words.
+    owner: u32,
+    /// Words this client holds.
+    held: AtomicU32,
+    /// The word taken last: where the next give-back looks first.
+    last: AtomicU32,
 }
 
 /// Waits until `fd` is readable or writable. `Ok(false)` on timeout.
@@ -138,7 +154,31 @@ impl Native {
     /// broker that is busy (see [`is_busy`]) is tried again with growing
     /// pauses for up to [`BUSY_RETRY_FOR`].
     pub(crate) fn connect(path: &Path, flags: HelloFlags, slot: u64) -> Result<Native> {
-        Native::connect_version(path, flags, slot, PROTOCOL_VERSION)
+        let fast = !flags.contains(HelloFlags::OBSERVER)
+            && crate::broker::fast_path_wanted()
+            && herdless_platform::segment_support().is_ok();
+        if !fast {
+            return Native::connect_version(path, flags, slot, PROTOCOL_VERSION);
+        }
+        match Native::connect_version(path, flags | HelloFlags::FAST, slot, FAST_VERSION) {
+            // A broker older than the table refuses the hello (by its
+            // version, or by the flag `FAST`, which its decoder does not
+            // know): ask again as a client of the socket alone. A refusal
+            // for any other reason comes again, and is reported then.
+            Err(e) if e.kind() == ErrorKind::Refused => {
+                Native::connect_version(path, flags, slot, PROTOCOL_VERSION)
+            }
+            other => other,
+        }
+    }
+
+    /// Which way this client takes tokens: `"shared table"` or `"socket"`.
+    pub(crate) fn path_in_use(&self) -> &'static str {
+        if self.fast.is_some() {
+            "shared table"
+        } else {
+            "socket"
+        }
     }
 
     /// Connects speaking protocol `version` (the broker must speak it),
@@ -239,6 +279,7 @@ impl Native {
             client_id: 0,
             slot: 0,
             version,
+            fast: None,
         };
         native.send(&Request::Hello {
             version,
@@ -246,12 +287,16 @@ impl Native {
             pid: std::process::id(),
             slot,
         })?;
-        native.handshake()
+        native.handshake(flags.contains(HelloFlags::FAST))
     }
 
-    fn handshake(mut self) -> Result<Native> {
+    /// Reads the `Welcome`, and with `fast` the `Segment` after it, whose
+    /// first byte carries the table's descriptor.
+    fn handshake(mut self, fast: bool) -> Result<Native> {
         let deadline = Instant::now() + HANDSHAKE_TIMEOUT;
         let state = self.state.get_mut().unwrap_or_else(|e| e.into_inner());
+        let mut welcomed = false;
+        let mut fd = None;
         loop {
             let reply = state.rx.next_reply().map_err(|e| {
                 Error::new(
@@ -259,14 +304,97 @@ impl Native {
                     format!("bad frame from the broker: {e}"),
                 )
             })?;
-            if let Some(reply) = reply {
-                let (capacity, client_id, slot) = welcome(reply, self.version, &self.path)?;
-                self.capacity = capacity;
-                self.client_id = client_id;
-                self.slot = slot;
-                return Ok(self);
+            match reply {
+                Some(reply) if !welcomed => {
+                    let (capacity, client_id, slot) = welcome(reply, self.version, &self.path)?;
+                    self.capacity = capacity;
+                    self.client_id = client_id;
+                    self.slot = slot;
+                    welcomed = true;
+                    if !fast {
+                        return Ok(self);
+                    }
+                    continue;
+                }
+                Some(Reply::Segment { owner, words }) => {
+                    if let (true, Some(fd)) = (owner != 0, fd.take()) {
+                        // A table that cannot be mapped leaves the socket,
+                        // which works on its own.
+                        if let Ok(table) = Table::open(fd, words) {
+                            self.fast = Some(Fast {
+                                table,
+                                owner,
+                                held: AtomicU32::new(0),
+                                last: AtomicU32::new(owner),
+                            });
+                        }
+                    }
+                    return Ok(self);
+                }
+                Some(Reply::Error { message }) => {
+                    return Err(Error::new(
+                        ErrorKind::Refused,
+                        format!(
+                            "the broker at {} refused this client: {message}",
+                            self.path.display()
+                        ),
+                    ))
+                }
+                Some(other) => {
+                    return Err(Error::new(
+                        ErrorKind::Protocol,
+                        format!("expected the shared table from the broker, got {other}"),
+                    ))
+                }
+                None => {}
             }
-            read_during_handshake(&self.stream, &mut state.rx, &self.path, deadline)?;
+            if let Some(got) =
+                read_during_handshake(&self.stream, &mut state.rx, &self.path, deadline)?
+            {
+                fd = Some(got);
+            }
+        }
+    }
+
+    /// Takes a token from the shared table, if there is one and it is open.
+    fn fast_take(&self) -> bool {
+        let Some(f) = &self.fast else {
+            return false;
+        };
+        match f.table.take(f.owner, f.last.load(Ordering::Relaxed)) {
+            Some(i) => {
+                f.last.store(i, Ordering::Relaxed);
+                f.held.fetch_add(1, Ordering::SeqCst);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Gives back a token taken from the shared table, if this client holds
+    /// one; tells the broker when the table has closed meanwhile.
+    fn fast_give_back(&self) -> Result<bool> {
+        let Some(f) = &self.fast else {
+            return Ok(false);
+        };
+        if f.held
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |h| h.checked_sub(1))
+            .is_err()
+        {
+            return Ok(false);
+        }
+        match f
+            .table
+            .give_back(f.owner, Some(f.last.load(Ordering::Relaxed)))
+        {
+            Some(false) => Ok(true),
+            Some(true) => {
+                self.send(&Request::Returned)?;
+                Ok(true)
+            }
+            // The broker took this client's words back (it closed the
+            // connection, or stopped): the socket says why.
+            None => Ok(false),
         }
     }
 
@@ -450,10 +578,10 @@ impl Native {
                     format!("the broker closed this client: {message}"),
                 ));
             }
-            Reply::Welcome { .. } => {
+            Reply::Welcome { .. } | Reply::Segment { .. } => {
                 st.dead = Some((
                     ErrorKind::Protocol,
-                    "a second welcome from the broker".into(),
+                    format!("a second {reply} from the broker"),
                 ));
             }
         }
@@ -540,6 +668,9 @@ impl Native {
     /// when the deadline passed (the request is withdrawn first, so no
     /// token is left behind at the broker).
     pub(crate) fn acquire(&self, wait: Wait) -> Result<bool> {
+        if self.fast_take() {
+            return Ok(true);
+        }
         let mut st = lock(&self.state);
         self.drain(&mut st);
         let mut st = self.settle_nowait(st);
@@ -604,6 +735,9 @@ impl Native {
 
     /// Asks for a token without waiting for one to be released.
     pub(crate) fn try_acquire(&self) -> Result<bool> {
+        if self.fast_take() {
+            return Ok(true);
+        }
         let mut st = lock(&self.state);
         self.drain(&mut st);
         let mut st = self.settle_nowait(st);
@@ -635,6 +769,9 @@ impl Native {
         let mut st = self.settle_nowait(st);
         Self::check(&st)?;
         if take_spare(&mut st) {
+            return Ok(true);
+        }
+        if self.fast_take() {
             return Ok(true);
         }
         if st.acquires + st.ready > st.wanting || st.tries > 0 {
@@ -729,7 +866,12 @@ impl Native {
     }
 
     pub(crate) fn release(&self) -> Result<()> {
+        // A connection known to be over holds nothing: the broker took its
+        // table words back when it closed it.
         self.alive()?;
+        if self.fast_give_back()? {
+            return Ok(());
+        }
         self.send(&Request::Release)
     }
 
@@ -823,31 +965,44 @@ fn welcome(reply: Reply, want: u16, path: &Path) -> Result<(u32, u64, u64)> {
 /// Reads what the broker sent during the handshake into `rx`, waiting for
 /// it until `deadline`.
 fn read_during_handshake(
-    mut stream: &UnixStream,
+    stream: &UnixStream,
     rx: &mut FrameBuffer,
     path: &Path,
     deadline: Instant,
-) -> Result<()> {
+) -> Result<Option<std::os::fd::OwnedFd>> {
     let mut buf = [0u8; 256];
-    match stream.read(&mut buf) {
-        Ok(0) => Err(Error::new(
+    // `recvmsg`, not `read`: the table's descriptor may come with these
+    // bytes, and a plain read would drop it.
+    match herdless_platform::recv_with_fd(stream.as_fd(), &mut buf) {
+        Ok((0, _)) => Err(Error::new(
             ErrorKind::BrokerGone,
             format!(
                 "the broker at {} closed the connection during the handshake",
                 path.display()
             ),
         )),
-        Ok(n) => {
+        Ok((n, fd)) => {
             rx.extend(&buf[..n]);
-            Ok(())
+            Ok(fd)
         }
-        Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+        Err(e) => read_error_during_handshake(stream, e, path, deadline),
+    }
+}
+
+fn read_error_during_handshake(
+    stream: &UnixStream,
+    e: io::Error,
+    path: &Path,
+    deadline: Instant,
+) -> Result<Option<std::os::fd::OwnedFd>> {
+    match e {
+        e if e.kind() == io::ErrorKind::WouldBlock => {
             let ready = match wait_fd(stream.as_fd(), PollFlags::POLLIN, Some(deadline)) {
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => true,
                 r => r.map_err(|e| Error::io(ErrorKind::Io, "poll on the broker socket", e))?,
             };
             if ready {
-                return Ok(());
+                return Ok(None);
             }
             Err(Error::new(
                 ErrorKind::Connect,
@@ -858,8 +1013,8 @@ fn read_during_handshake(
                 ),
             ))
         }
-        Err(e) if e.kind() == io::ErrorKind::Interrupted => Ok(()),
-        Err(e) => Err(Error::io(
+        e if e.kind() == io::ErrorKind::Interrupted => Ok(None),
+        e => Err(Error::io(
             ErrorKind::BrokerGone,
             "reading the broker's welcome",
             e,

@@ -217,7 +217,7 @@ impl Pool {
         self.clients
             .iter()
             .filter(|(&id, _)| self.in_subtree(id, pid))
-            .map(|(_, c)| c.pool_held + u32::from(c.slot_held))
+            .map(|(_, c)| c.pool_held + u32::from(c.slot_held) + c.table_held)
             .sum()
     }
 

@@ -270,6 +270,7 @@ mod tests {
             classic: None,
             controls: None,
             wait_histogram: None,
+            fast: None,
         };
         s.wait_histogram = Some(WaitHistogram {
             le_us: vec![10.0, 1e6],

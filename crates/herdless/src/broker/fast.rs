@@ -1,0 +1,470 @@
+//! The broker's side of the shared token table (`crate::fast`): which
+//! clients map it, lending free tokens to it while nothing but FIFO order
+//! would decide who gets them, taking them back when that changes, taking
+//! back what a closed connection held, and checking what it reads.
+//!
+//! The table is one client of the pool (like the classic bridge): the
+//! tokens lent to it, free or held by a client of the table, are that
+//! client's in the pool's books, so the pool's conservation holds as it
+//! is. The broker never trusts the table: it keeps its own list of the
+//! words it lent, reads every word as a value that may be anything, frees
+//! a lent word held by an id that is not a connected client of the table,
+//! and cuts off a client found holding a word it was never lent.
+
+use std::collections::HashMap;
+use std::os::fd::AsFd;
+
+use mio::Token;
+
+use super::Broker;
+use crate::fast::{Table, FREE, OUT};
+use crate::log;
+use crate::log::Level;
+use crate::pool::{ClientId, ClientInfo, SlotKey};
+use crate::protocol::Reply;
+
+/// The most words a table has: lending more tokens than this leaves the
+/// rest on the socket path.
+pub(super) const MAX_TABLE_WORDS: u32 = 1024;
+
+/// What the broker keeps for the table.
+pub(super) struct FastState {
+    pub(super) table: Table,
+    /// The words the broker lent (its own books; the table may say
+    /// anything).
+    lent: Vec<bool>,
+    lent_count: u32,
+    /// The table's client in the pool.
+    client: ClientId,
+    /// Table owner id → connection.
+    owners: HashMap<u32, Token>,
+    next_owner: u32,
+    /// The slots that table clients name, with how many name each: while
+    /// one of them is free, the table stays closed (the slot goes first,
+    /// ARCHITECTURE §4.5).
+    named_slots: HashMap<SlotKey, u32>,
+    /// Which slot each table client names.
+    names: HashMap<ClientId, SlotKey>,
+    /// What the pool was last told each client holds from the table
+    /// (`Pool::set_table_held`, for caps).
+    told_held: HashMap<ClientId, u32>,
+    /// The table must be read: a client gave back while it was closed, a
+    /// client of it closed, or the gate just closed.
+    dirty: bool,
+    /// Tokens lent to the table (pool grants to its client).
+    pub(super) lends: u64,
+    /// Words freed from closed connections.
+    pub(super) reclaimed: u64,
+    /// Clients cut off for breaking the table's rules.
+    pub(super) cut_off: u64,
+    /// Words held by connections the broker closed at its stop.
+    pub(super) held_at_shutdown: u64,
+    /// What the broker has added to the table's count of tokens in use.
+    base_in_use: u32,
+}
+
+impl FastState {
+    /// A table of `words` words, its client connected to `pool`.
+    pub(super) fn new(pool: &mut crate::pool::Pool, words: u32) -> std::io::Result<FastState> {
+        let table = Table::create(words)?;
+        let client = pool.connect(ClientInfo {
+            pid: std::process::id(),
+            borrows: None,
+            observer: false,
+            label: "table",
+            internal: true,
+        });
+        Ok(FastState {
+            table,
+            lent: vec![false; words as usize],
+            lent_count: 0,
+            client,
+            owners: HashMap::new(),
+            next_owner: 1,
+            named_slots: HashMap::new(),
+            names: HashMap::new(),
+            told_held: HashMap::new(),
+            dirty: false,
+            lends: 0,
+            reclaimed: 0,
+            cut_off: 0,
+            held_at_shutdown: 0,
+            base_in_use: 0,
+        })
+    }
+
+    /// The table's client in the pool.
+    pub(super) fn client(&self) -> ClientId {
+        self.client
+    }
+
+    /// Tokens lent to the table now, free or held.
+    pub(super) fn lent(&self) -> u32 {
+        self.lent_count
+    }
+
+    /// Clients connected to the table.
+    pub(super) fn clients(&self) -> usize {
+        self.owners.len()
+    }
+
+    /// Lent words now free, and lent words held.
+    pub(super) fn free_and_held(&self) -> (u32, u32) {
+        let mut free = 0;
+        let mut held = 0;
+        for i in 0..self.table.words() {
+            if self.lent[i as usize] {
+                match self.table.word(i).load(std::sync::atomic::Ordering::SeqCst) {
+                    FREE => free += 1,
+                    v if self.owners.contains_key(&v) => held += 1,
+                    _ => {}
+                }
+            }
+        }
+        (free, held)
+    }
+}
+
+impl FastState {
+    /// Client `id` leaves the table: the slot it names counts one client
+    /// less.
+    fn forget_name(&mut self, id: ClientId) {
+        if let Some(key) = self.names.remove(&id) {
+            if let Some(n) = self.named_slots.get_mut(&key) {
+                *n -= 1;
+                if *n == 0 {
+                    self.named_slots.remove(&key);
+                }
+            }
+        }
+    }
+}
+
+impl Broker {
+    /// Admits connection `token` (client `id`) to the table: its owner id,
+    /// or 0 when there is no table.
+    fn fast_admit(&mut self, token: Token, id: ClientId) -> u32 {
+        let key = self.pool.borrows(id);
+        let Some(fast) = self.fast.as_mut() else {
+            return 0;
+        };
+        let mut owner = fast.next_owner;
+        while owner == FREE || owner == OUT || fast.owners.contains_key(&owner) {
+            owner = owner.wrapping_add(1);
+        }
+        fast.next_owner = owner.wrapping_add(1);
+        fast.owners.insert(owner, token);
+        if let Some(key) = key {
+            *fast.named_slots.entry(key).or_insert(0) += 1;
+            fast.names.insert(id, key);
+        }
+        owner
+    }
+
+    /// Answers a hello that asked for the table: `Segment`, with the
+    /// table's descriptor when the client gets it. The `Welcome` is
+    /// already queued: it must reach the socket before the descriptor, so
+    /// a client without a table is told so in the stream instead.
+    pub(super) fn send_segment(&mut self, token: Token, id: ClientId) {
+        let owner = self.fast_admit(token, id);
+        let sent = owner != 0 && {
+            let words = self.fast.as_ref().map_or(0, |f| f.table.words());
+            let fast = self.fast.as_ref();
+            let conn = self.conns.get_mut(&token);
+            match (fast, conn) {
+                (Some(fast), Some(conn)) => {
+                    let before = conn.tx.len();
+                    let flushed = super::flush(conn).is_ok() && conn.tx.is_empty();
+                    self.output_total -= before - conn.tx.len();
+                    let mut frame = Vec::new();
+                    Reply::Segment { owner, words }.encode(&mut frame);
+                    flushed
+                        && match herdless_platform::send_with_fd(
+                            conn.stream.as_fd(),
+                            &frame,
+                            fast.table.as_fd(),
+                        ) {
+                            Ok(n) => {
+                                conn.tx.extend_from_slice(&frame[n..]);
+                                self.output_total += frame.len() - n;
+                                true
+                            }
+                            Err(_) => false,
+                        }
+                }
+                _ => false,
+            }
+        };
+        if sent {
+            if let Some(conn) = self.conns.get_mut(&token) {
+                conn.fast_owner = owner;
+            }
+            self.dirty.push(token);
+            // It may hold tokens without the broker seeing a grant: its
+            // process is watched for as long as it is connected, so a fork
+            // keeping the socket does not keep its tokens (§4.6).
+            self.watch_holder(token);
+            return;
+        }
+        if owner != 0 {
+            if let Some(fast) = self.fast.as_mut() {
+                fast.owners.remove(&owner);
+                fast.forget_name(id);
+            }
+        }
+        self.send(token, &Reply::Segment { owner: 0, words: 0 });
+    }
+
+    /// Whether the table may be open: nothing but FIFO order would decide
+    /// who gets a free token (no waiter, cap, admission limit, shrink,
+    /// abort or stop), and no client of the table names a free slot.
+    fn fast_may_open(&self) -> bool {
+        let Some(fast) = self.fast.as_ref() else {
+            return false;
+        };
+        self.pool.plain()
+            && fast
+                .named_slots
+                .keys()
+                .all(|&key| !self.pool.slot_lendable(key))
+    }
+
+    /// Brings the table in line with the pool: open and lend free tokens,
+    /// or close and take back free words. Called after every event.
+    pub(super) fn fast_balance(&mut self) {
+        let open = self.fast_may_open();
+        let Some(fast) = self.fast.as_mut() else {
+            return;
+        };
+        if open {
+            fast.table.open_gate();
+            if fast.dirty {
+                self.fast_sweep(false);
+            }
+            while let Some(fast) = self.fast.as_ref() {
+                let client = fast.client;
+                if self.pool.free() == 0 || fast.lent_count >= fast.table.words() {
+                    break;
+                }
+                let free = self.pool.free();
+                if self.pool.try_acquire(client).is_err() || self.pool.free() == free {
+                    break;
+                }
+                // The grant's effect lends a word (`fast_on_grant`).
+                self.apply_effects();
+            }
+        } else {
+            let was_open = fast.table.is_open();
+            fast.table.close_gate();
+            if was_open || fast.dirty {
+                self.fast_sweep(true);
+            }
+        }
+    }
+
+    /// The pool granted the table's client a token: lend one word.
+    pub(super) fn fast_on_grant(&mut self) {
+        let Some(fast) = self.fast.as_mut() else {
+            return;
+        };
+        match fast.lent.iter().position(|l| !l) {
+            Some(i) => {
+                fast.lent[i] = true;
+                fast.lent_count += 1;
+                fast.lends += 1;
+                fast.table.lend(i as u32);
+            }
+            None => {
+                // No word left (cannot happen: the caller checks); the
+                // token goes back.
+                let (client, now) = (fast.client, self.now());
+                let _ = self.pool.release(client, now);
+            }
+        }
+    }
+
+    /// Reads every word: frees lent words held by ids that are no client of
+    /// the table, takes free lent words back into the pool when `take_back`,
+    /// puts `OUT` back in words the broker did not lend and cuts off a
+    /// client found in one.
+    pub(super) fn fast_sweep(&mut self, take_back: bool) {
+        use std::sync::atomic::Ordering::SeqCst;
+        let now = self.now();
+        let Some(fast) = self.fast.as_mut() else {
+            return;
+        };
+        fast.dirty = false;
+        let mut returned = 0;
+        let mut cut = Vec::new();
+        let mut held: HashMap<u32, u32> = HashMap::new();
+        for i in 0..fast.table.words() {
+            let v = fast.table.word(i).load(SeqCst);
+            if fast.lent[i as usize] {
+                if v != FREE && v != OUT && !fast.owners.contains_key(&v) {
+                    log!(
+                        Level::Warn,
+                        "shared table word {i} names owner {v}, which is no client; freed"
+                    );
+                    fast.table.reclaim(i, v);
+                }
+                let v = fast.table.word(i).load(SeqCst);
+                if v == OUT || (take_back && fast.table.take_back(i)) {
+                    fast.table.word(i).store(OUT, SeqCst);
+                    fast.lent[i as usize] = false;
+                    fast.lent_count -= 1;
+                    returned += 1;
+                } else if v != FREE {
+                    *held.entry(v).or_insert(0) += 1;
+                }
+            } else if v != OUT {
+                if let Some(&token) = fast.owners.get(&v) {
+                    cut.push(token);
+                }
+                fast.table.restore_out(i, v);
+            }
+        }
+        // Caps count what each client holds from the table: the pool
+        // learns it before the returned tokens reach its waiters.
+        let mut counts: HashMap<ClientId, u32> = HashMap::new();
+        for (owner, n) in held {
+            let client = fast
+                .owners
+                .get(&owner)
+                .and_then(|t| self.conns.get(t))
+                .and_then(|c| c.client);
+            if let Some(client) = client {
+                counts.insert(client, n);
+            }
+        }
+        let mut changes: Vec<(ClientId, u32)> = fast
+            .told_held
+            .keys()
+            .filter(|c| !counts.contains_key(c))
+            .map(|&c| (c, 0))
+            .collect();
+        changes.extend(
+            counts
+                .iter()
+                .filter(|(c, n)| fast.told_held.get(c) != Some(n))
+                .map(|(&c, &n)| (c, n)),
+        );
+        fast.told_held = counts;
+        let client = fast.client;
+        for (c, n) in changes {
+            self.pool.set_table_held(c, n, now);
+        }
+        for _ in 0..returned {
+            let _ = self.pool.release(client, now);
+        }
+        self.apply_effects();
+        for token in cut {
+            if let Some(fast) = self.fast.as_mut() {
+                fast.cut_off += 1;
+            }
+            self.close(
+                token,
+                Some("holds a shared table word the broker never lent; cut off".into()),
+            );
+        }
+    }
+
+    /// A client of the table gave back while it was closed.
+    pub(super) fn fast_returned(&mut self) {
+        if let Some(fast) = self.fast.as_mut() {
+            fast.dirty = true;
+        }
+    }
+
+    /// The connection of owner `owner` in the table is closing (the
+    /// broker closes it at its stop when `at_stop`): free what it held
+    /// there. Returns the words freed.
+    pub(super) fn fast_forget(&mut self, owner: u32, id: Option<ClientId>, at_stop: bool) -> u32 {
+        let Some(fast) = self.fast.as_mut() else {
+            return 0;
+        };
+        fast.owners.remove(&owner);
+        if let Some(id) = id {
+            fast.forget_name(id);
+        }
+        let mut freed = 0;
+        for i in 0..fast.table.words() {
+            if fast.lent[i as usize] && fast.table.reclaim(i, owner) {
+                freed += 1;
+            }
+        }
+        if at_stop {
+            fast.held_at_shutdown += u64::from(freed);
+        } else {
+            fast.reclaimed += u64::from(freed);
+        }
+        fast.dirty = true;
+        freed
+    }
+
+    /// Tokens held from the table (as its words say) that the broker counts
+    /// in use, and the table's peak, bounded by the pool.
+    pub(super) fn fast_note_in_use(&mut self, broker_in_use: u32) {
+        let Some(fast) = self.fast.as_mut() else {
+            return;
+        };
+        let delta = i64::from(broker_in_use) - i64::from(fast.base_in_use);
+        if delta != 0 {
+            fast.table.add_in_use(delta);
+            fast.base_in_use = broker_in_use;
+        }
+    }
+}
+
+impl Broker {
+    /// A socket client asks for a token while the pool has none free but
+    /// the table has: take the table's free words back first, so the ask
+    /// is answered as if they had never left (a `TryAcquire` is granted,
+    /// an `Acquire` does not queue). The table reopens after the event if
+    /// it may.
+    pub(super) fn fast_take_back_for_socket(&mut self) {
+        let Some(fast) = self.fast.as_ref() else {
+            return;
+        };
+        if self.pool.free() > 0 || fast.lent() == 0 || self.pool.waiting() > 0 {
+            return;
+        }
+        fast.table.close_gate();
+        self.fast_sweep(true);
+    }
+}
+
+impl Broker {
+    /// Words of the table each client holds, as the words say now.
+    pub(super) fn fast_held_by_client(&self) -> HashMap<ClientId, u32> {
+        let mut held = HashMap::new();
+        let Some(fast) = self.fast.as_ref() else {
+            return held;
+        };
+        for i in 0..fast.table.words() {
+            if !fast.lent[i as usize] {
+                continue;
+            }
+            let v = fast.table.word(i).load(std::sync::atomic::Ordering::SeqCst);
+            let client = fast
+                .owners
+                .get(&v)
+                .and_then(|t| self.conns.get(t))
+                .and_then(|c| c.client);
+            if let Some(client) = client {
+                *held.entry(client).or_insert(0) += 1;
+            }
+        }
+        held
+    }
+}
+
+impl Broker {
+    /// Closes the table at once (an abort, a stop): no take succeeds from
+    /// the next instruction on; the next balance takes free words back.
+    pub(super) fn fast_close(&mut self) {
+        if let Some(fast) = self.fast.as_mut() {
+            fast.table.close_gate();
+            fast.dirty = true;
+        }
+    }
+}

@@ -1,0 +1,488 @@
+//! The shared token table (the fast path, ARCHITECTURE §3) with real
+//! processes: clients that take and give back tokens as fast as they can
+//! are killed with SIGKILL at random points, over and over; no token is
+//! lost or duplicated, at most N are held at once, and the broker counts
+//! the table's grants.
+
+mod common;
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{Helper, Serve, PATIENCE};
+use herdless::client::{Client, Options};
+
+const ROLE: &str = "HERDLESS_FAST_TEST_ROLE";
+const DIR: &str = "HERDLESS_FAST_TEST_DIR";
+
+#[test]
+fn helper_process() {
+    common::helper_main();
+    let Ok(role) = std::env::var(ROLE) else {
+        return;
+    };
+    let client = Client::from_env_with(Options::default().implicit_token(false))
+        .expect("connect to the broker");
+    match role.as_str() {
+        // Take and give back forever, recording in DIR/held how many live
+        // processes hold a token at each take.
+        "churn" => {
+            println!("role: {}", client.token_path());
+            let dir = PathBuf::from(std::env::var_os(DIR).expect("dir"));
+            let me = std::process::id();
+            let mine = dir.join("held").join(me.to_string());
+            let mut peaks = std::fs::OpenOptions::new()
+                .append(true)
+                .open(dir.join("peaks"))
+                .expect("peaks");
+            loop {
+                let t = client.acquire().expect("acquire");
+                std::fs::write(&mine, b"").expect("register");
+                let n = live_holders(&dir.join("held"));
+                // One write per record: appends of one write do not mix.
+                peaks
+                    .write_all(format!("{n}\n").as_bytes())
+                    .expect("record");
+                std::fs::remove_file(&mine).expect("unregister");
+                drop(t);
+            }
+        }
+        other => panic!("unknown role {other}"),
+    }
+}
+
+/// Processes registered in `held` that are still alive (not zombies).
+fn live_holders(held: &Path) -> u32 {
+    let mut n = 0;
+    for entry in std::fs::read_dir(held).into_iter().flatten().flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name.to_str().and_then(|s| s.parse::<u32>().ok()) else {
+            continue;
+        };
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        let state = stat
+            .rsplit(')')
+            .next()
+            .and_then(|s| s.split_whitespace().next());
+        if matches!(state, Some(s) if s != "Z" && s != "X") {
+            n += 1;
+        }
+    }
+    n
+}
+
+fn churner(serve: &Serve, dir: &Path) -> Child {
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "helper_process",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(ROLE, "churn")
+        .env(DIR, dir)
+        .env("HERDLESS_SOCKET", &serve.socket)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("spawn churner");
+    // Wait until it is connected (it says which path it uses).
+    let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    loop {
+        line.clear();
+        let n = std::io::BufRead::read_line(&mut out, &mut line).expect("read churner");
+        assert!(n > 0, "churner exited before connecting");
+        if let Some(at) = line.find("role: ") {
+            assert_eq!(
+                line[at + 6..].trim(),
+                "shared table",
+                "the churner uses the table"
+            );
+            break;
+        }
+    }
+    // Its stdout is not read again: it prints nothing more.
+    std::mem::forget(out);
+    child
+}
+
+/// A small xorshift generator: the kills land at reproducible points for
+/// one seed, and the seed is printed.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+}
+
+#[test]
+fn killing_table_clients_at_random_points_loses_and_duplicates_nothing() {
+    // Fewer clients than tokens: nobody waits, the table stays open, and
+    // the kills land in takes and give-backs from it.
+    kill_churners(8, 5, "open");
+    // More clients than tokens: the table opens and closes as waiters come
+    // and go, and kills land in waits, grants and give-backs too.
+    kill_churners(4, 6, "contended");
+}
+
+fn kill_churners(jobs: u32, churners: usize, name: &str) {
+    let serve = Serve::start(jobs);
+    let dir = tempfile_dir(&format!("fast-kill-{name}"));
+    std::fs::create_dir_all(dir.join("held")).unwrap();
+    std::fs::write(dir.join("peaks"), b"").unwrap();
+    let seed = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos() as u64
+        | 1;
+    eprintln!("seed {seed}");
+    let mut rng = Rng(seed);
+    let mut workers: Vec<Child> = (0..churners).map(|_| churner(&serve, &dir)).collect();
+    let mut kills = 0;
+    let start = Instant::now();
+    while kills < 200 && start.elapsed() < Duration::from_secs(60) {
+        std::thread::sleep(Duration::from_micros(rng.next() % 3000));
+        let i = (rng.next() % workers.len() as u64) as usize;
+        let mut victim = std::mem::replace(&mut workers[i], churner(&serve, &dir));
+        victim.kill().unwrap();
+        victim.wait().unwrap();
+        kills += 1;
+    }
+    let mid = serve.status();
+    let fast = mid.fast.clone().expect("the broker has a table");
+    assert!(
+        fast.grants > 0,
+        "tokens were taken from the table: {mid:#?}"
+    );
+    for mut w in workers {
+        w.kill().unwrap();
+        w.wait().unwrap();
+    }
+    let s = serve.wait_for("every client gone", |s| s.clients.is_empty());
+    assert_eq!(s.free, s.capacity, "every token is free again: {s:#?}");
+    assert_eq!(s.lost, 0, "{s:#?}");
+    assert!(s.max_in_use <= jobs, "at most N in use: {s:#?}");
+    let fast = s.fast.clone().expect("a table");
+    assert_eq!(fast.held, 0, "{s:#?}");
+    assert_eq!(fast.cut_off, 0, "no honest client is cut off: {s:#?}");
+    assert!(s.reclaimed > 0, "kills landed on holders: {s:#?}");
+    eprintln!(
+        "{name}: {kills} kills, {} taken back ({} from the table), {} table grants",
+        s.reclaimed, fast.reclaimed, fast.grants
+    );
+    let peaks = std::fs::read_to_string(dir.join("peaks")).unwrap();
+    let most = peaks
+        .lines()
+        .filter_map(|l| l.parse::<u32>().ok())
+        .max()
+        .unwrap_or(0);
+    let held: Vec<_> = std::fs::read_dir(dir.join("held"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name())
+        .collect();
+    assert!(
+        most < jobs,
+        "at most {} shared tokens held at once, saw {most}; registered: {held:?}; {}",
+        jobs - 1,
+        &peaks[..peaks.len().min(2000)]
+    );
+    assert!(peaks.lines().count() > 100, "the churners made progress");
+    let (status, log) = serve.stop();
+    assert!(status.success(), "{log}");
+    assert!(log.contains("tokens lost   0"), "{log}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_socket_waiter_is_served_from_the_table_in_fifo_order() {
+    // -j 3: two shared tokens, both lent to the table while nobody waits.
+    let serve = Serve::start(3);
+    let mut a = Helper::spawn(&serve.socket, "hold", 2);
+    assert_eq!(a.line(), "held 2");
+    // From the table or over the socket, whichever the race at its
+    // connection gave: two held.
+    let s = serve.status();
+    assert_eq!(s.clients[0].held, 2, "{s:#?}");
+    let mut waiters: Vec<Helper> = (0..3u32)
+        .map(|i| {
+            let mut w = Helper::spawn(&serve.socket, "acquire", 1);
+            assert_eq!(w.line(), "waiting");
+            serve.wait_for("one more waiter", |s| s.waiting == i + 1);
+            w
+        })
+        .collect();
+    serve.wait_for("3 waiters", |s| s.waiting == 3);
+    // The holder of both leaves: the first two waiters get them, in order.
+    drop(a.stdin.take());
+    assert_eq!(waiters[0].line(), "got");
+    assert_eq!(waiters[1].line(), "got");
+    let s = serve.wait_for("one waiter left", |s| s.waiting == 1);
+    assert_eq!(s.free, 0);
+    // The first leaves: the third is served.
+    let w0 = waiters.remove(0);
+    w0.finish();
+    assert_eq!(waiters[1].line(), "got");
+    for w in waiters {
+        w.finish();
+    }
+    a.finish();
+    let s = serve.wait_for("all free", |s| s.clients.is_empty() && s.free == 2);
+    assert_eq!(s.lost, 0);
+    assert_eq!(s.reclaimed, 0);
+    let (status, log) = serve.stop();
+    assert!(status.success(), "{log}");
+    assert!(log.contains("tokens lost   0"), "{log}");
+}
+
+#[test]
+fn a_client_told_to_keep_to_the_socket_does() {
+    let serve = Serve::start(3);
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "helper_process",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(ROLE, "churn")
+        .env(DIR, "/nonexistent")
+        .env("HERDLESS_SOCKET", &serve.socket)
+        .env("HERDLESS_FAST_PATH", "0")
+        .stdin(Stdio::null())
+        .output()
+        .expect("run");
+    // It panics on the missing directory, after saying which path it uses.
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("role: socket"), "{text}");
+    let s = serve.status();
+    assert_eq!(s.fast.map(|f| f.grants), Some(0));
+    let _ = serve.stop();
+    let _ = PATIENCE;
+}
+
+fn tempfile_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("herdless-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// A client of the table that breaks its rules: reads the broker's table
+/// like any client, then writes what it likes into it.
+struct Hostile {
+    stream: std::os::unix::net::UnixStream,
+    table: herdless::fast::Table,
+    owner: u32,
+}
+
+impl Hostile {
+    fn connect(socket: &Path) -> Hostile {
+        use herdless::protocol::{decode_reply, HelloFlags, Reply, Request, FAST_VERSION};
+        use std::os::fd::AsFd;
+        let mut stream = std::os::unix::net::UnixStream::connect(socket).expect("connect");
+        let mut hello = Vec::new();
+        Request::Hello {
+            version: FAST_VERSION,
+            flags: HelloFlags::FAST,
+            pid: std::process::id(),
+            slot: 0,
+        }
+        .encode(&mut hello);
+        stream.write_all(&hello).unwrap();
+        let mut got = Vec::new();
+        let mut fd = None;
+        loop {
+            let mut buf = [0u8; 256];
+            let (n, f) = herdless_platform::recv_with_fd(stream.as_fd(), &mut buf).unwrap();
+            assert!(n > 0, "the broker closed the connection");
+            got.extend_from_slice(&buf[..n]);
+            fd = fd.or(f);
+            let Ok(Some((Reply::Welcome { .. }, used))) = decode_reply(&got) else {
+                continue;
+            };
+            if let Ok(Some((Reply::Segment { owner, words }, _))) = decode_reply(&got[used..]) {
+                let table = herdless::fast::Table::open(fd.expect("the table's descriptor"), words)
+                    .expect("map the table");
+                return Hostile {
+                    stream,
+                    table,
+                    owner,
+                };
+            }
+        }
+    }
+
+    /// Takes a token over the socket (`TryAcquire`): the broker takes a
+    /// free word back out of the table for it.
+    fn try_acquire_by_socket(&mut self) -> bool {
+        use herdless::protocol::{decode_reply, Reply, Request};
+        use std::io::Read;
+        let mut frame = Vec::new();
+        Request::TryAcquire.encode(&mut frame);
+        self.stream.write_all(&frame).unwrap();
+        let mut got = Vec::new();
+        loop {
+            let mut buf = [0u8; 64];
+            let n = self.stream.read(&mut buf).unwrap();
+            assert!(n > 0, "the broker closed the connection");
+            got.extend_from_slice(&buf[..n]);
+            match decode_reply(&got) {
+                Ok(Some((Reply::Grant, _))) => return true,
+                Ok(Some((Reply::Denied, _))) => return false,
+                Ok(None) => {}
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+    }
+
+    /// Asks the broker to look at the table (`Returned`).
+    fn poke(&mut self) {
+        let mut frame = Vec::new();
+        herdless::protocol::Request::Returned.encode(&mut frame);
+        let _ = self.stream.write_all(&frame);
+    }
+}
+
+#[test]
+fn a_hostile_table_client_gets_no_extra_token_and_is_cut_off() {
+    use std::sync::atomic::Ordering::SeqCst;
+    // -j 3: two shared tokens.
+    let serve = Serve::start(3);
+    let mut honest = Helper::spawn(&serve.socket, "hold", 1);
+    assert_eq!(honest.line(), "held 1");
+    let mut bad = Hostile::connect(&serve.socket);
+    // The other token, over the socket: its word goes back out of the
+    // table.
+    assert!(bad.try_acquire_by_socket());
+    let words = bad.table.words();
+    // Garbage owners in every lent word it can see free, and its own id in
+    // every word the broker never lent.
+    for i in 0..words {
+        let w = bad.table.word(i);
+        match w.load(SeqCst) {
+            herdless::fast::FREE => w.store(0x7777_0000, SeqCst),
+            herdless::fast::OUT => w.store(bad.owner, SeqCst),
+            _ => {}
+        }
+    }
+    bad.poke();
+    let s = serve.wait_for("the hostile client cut off", |s| {
+        s.fast.as_ref().is_some_and(|f| f.cut_off == 1)
+    });
+    assert_eq!(s.lost, 0, "{s:#?}");
+    assert_eq!(s.clients.len(), 1, "only the honest client is left: {s:#?}");
+    assert_eq!(s.clients[0].held, 1, "{s:#?}");
+    // Exactly the one other token can still be had, and no more.
+    let c = Client::connect_with(&serve.socket, Options::default().implicit_token(false))
+        .expect("connect");
+    let one = c.try_acquire().expect("try").expect("the free token");
+    assert!(c.try_acquire().expect("try").is_none(), "no third token");
+    drop(one);
+    drop(c);
+    honest.finish();
+    let s = serve.wait_for("all free", |s| s.clients.is_empty() && s.free == 2);
+    assert_eq!(s.lost, 0, "{s:#?}");
+    assert!(s.max_in_use <= 3, "{s:#?}");
+    let (status, log) = serve.stop();
+    assert!(status.success(), "{log}");
+    assert!(log.contains("tokens lost   0"), "{log}");
+    assert!(log.contains("cut off"), "{log}");
+}
+
+#[test]
+fn a_broker_that_predates_the_table_is_asked_again_without_it() {
+    use herdless::protocol::{decode_request, HelloFlags, Reply, Request, PROTOCOL_VERSION};
+    use std::io::Read;
+    let dir = tempfile_dir("old-broker");
+    let socket = dir.join("broker.sock");
+    let listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+    let old = std::thread::spawn(move || {
+        let mut hellos = Vec::new();
+        for answer in 0..2 {
+            let (mut s, _) = listener.accept().unwrap();
+            let mut got = Vec::new();
+            let hello = loop {
+                let mut buf = [0u8; 64];
+                let n = s.read(&mut buf).unwrap();
+                got.extend_from_slice(&buf[..n]);
+                if let Ok(Some((req, _))) = decode_request(&got) {
+                    break req;
+                }
+                assert!(n > 0);
+            };
+            let Request::Hello { version, flags, .. } = hello else {
+                panic!("not a hello");
+            };
+            hellos.push((version, flags));
+            let mut out = Vec::new();
+            if answer == 0 {
+                // What a version 3 broker's decoder says to the flag.
+                Reply::Error {
+                    message: "malformed frame: hello has unknown flag bits 0x08".into(),
+                }
+                .encode(&mut out);
+                s.write_all(&out).unwrap();
+            } else {
+                Reply::Welcome {
+                    version: PROTOCOL_VERSION,
+                    capacity: 3,
+                    client_id: 1,
+                    slot: 9,
+                }
+                .encode(&mut out);
+                s.write_all(&out).unwrap();
+                // Keep the connection until the client has looked.
+                let _ = s.read(&mut [0u8; 1]);
+            }
+        }
+        hellos
+    });
+    let c = Client::connect_with(&socket, Options::default().implicit_token(false))
+        .expect("connected the second time");
+    assert_eq!(c.token_path(), "socket");
+    assert_eq!(c.capacity(), Some(3));
+    drop(c);
+    let hellos = old.join().unwrap();
+    assert!(hellos[0].1.contains(HelloFlags::FAST), "{hellos:?}");
+    assert_eq!(hellos[1], (PROTOCOL_VERSION, HelloFlags::empty()));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_cap_counts_what_a_subtree_holds_from_the_table() {
+    // -j 5: four shared tokens, lent to the table while nobody waits.
+    let serve = Serve::start(5);
+    let mut a = Helper::spawn(&serve.socket, "hold", 3);
+    assert_eq!(a.line(), "held 3");
+    let s = serve.status();
+    assert_eq!(s.fast.as_ref().map(|f| f.held), Some(3), "{s:#?}");
+    // Every helper descends from this process: cap its subtree at 3.
+    let ctl = Client::control(&serve.socket).expect("control");
+    ctl.cap(std::process::id(), Some(3)).expect("cap");
+    let mut w = Helper::spawn(&serve.socket, "acquire", 1);
+    assert_eq!(w.line(), "waiting");
+    let s = serve.wait_for("the capped waiter queued", |s| s.waiting == 1);
+    assert_eq!(s.free, 1, "one token free, held back by the cap: {s:#?}");
+    let caps = s.controls.clone().expect("controls").caps;
+    assert_eq!(caps.len(), 1);
+    assert_eq!(caps[0].held, 3, "the table's tokens count: {s:#?}");
+    // One of the three back: the waiter may have one.
+    drop(a.stdin.take());
+    assert_eq!(w.line(), "got");
+    a.finish();
+    w.finish();
+    ctl.cap(std::process::id(), None).expect("uncap");
+    let s = serve.wait_for("all free", |s| s.clients.is_empty() && s.free == 4);
+    assert_eq!(s.lost, 0, "{s:#?}");
+    let (status, log) = serve.stop();
+    assert!(status.success(), "{log}");
+}
