@@ -189,27 +189,187 @@ fn herdless_gnu_make_runs_a_recursive_tree_at_j_1_4_16() {
     }
 }
 
-#[test]
-fn herdless_gnu_make_is_a_native_client_of_herdless_run() {
-    let t = Tree::new("real-make-run");
-    let total = tree(&t);
-    let mut cmd = make_cmd(&t, Path::new(BIN));
-    cmd.args(["run", "-j", "4", "--stats", "--"])
-        .arg(herdless_make());
+/// `herdless run -j N --stats -- COMMAND…` on the tree.
+fn herdless_run(t: &Tree, n: u32, command: &[&std::ffi::OsStr]) -> (Output, String) {
+    let mut cmd = make_cmd(t, Path::new(BIN));
+    cmd.args(["run", "-j", &n.to_string(), "--stats", "--"])
+        .args(command);
     let out = run(cmd);
-    let report = text(&out);
-    assert!(out.status.success(), "{report}");
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    (out, stderr)
+}
+
+/// A figure of the `classic` line of `--stats` ("… 3 returned, …").
+fn classic_figure(stderr: &str, what: &str) -> u64 {
+    let line = stat(stderr, "classic");
+    let words: Vec<&str> = line
+        .split([' ', ',', ':'])
+        .filter(|w| !w.is_empty())
+        .collect();
+    let at = words
+        .iter()
+        .position(|w| *w == what)
+        .unwrap_or_else(|| panic!("no {what} in {line}"));
+    words[at - 1].parse().unwrap()
+}
+
+/// The tree ran as `-j n` says: every job, at most n at once and n
+/// reached, no token lost.
+fn assert_ran(t: &Tree, total: usize, n: u32, out: &Output, what: &str) {
+    let report = text(out);
+    assert!(out.status.success(), "{what}: {report}");
+    assert!(!report.contains("INTERNAL"), "{what}: {report}");
     let (done, most) = t.counts();
-    assert_eq!(done, total, "{report}");
-    assert!(most <= 4, "{most} jobs at once\n{report}");
-    assert_eq!(most, 4, "{report}");
+    assert_eq!(done, total, "{what}: {report}");
+    assert!(most <= n, "{what}: {most} jobs at once\n{report}");
+    assert_eq!(most, n, "{what}: never {n} jobs at once\n{report}");
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(stat(&stderr, "tokens lost"), "0");
-    let grants = stat(&stderr, "grants");
-    let native: u64 = grants.split_whitespace().next().unwrap().parse().unwrap();
-    assert!(native > 0, "{report}");
-    // The makes used `herdless run`'s broker; none started its own.
-    assert!(broker_lines(&t).is_empty(), "{report}");
+    assert_eq!(stat(&stderr, "tokens lost"), "0", "{what}: {report}");
+    assert_eq!(classic_figure(&stderr, "lost"), 0, "{what}: {report}");
+}
+
+/// The makes with herdless inside, as `herdless run`'s command: native
+/// clients of its broker (none starts a broker of its own), and the
+/// bridge learns that from the broker: the command connected natively.
+#[test]
+fn herdless_makes_are_native_clients_of_herdless_run() {
+    let makes: [(&str, PathBuf, fn(&Tree) -> usize); 2] = [
+        ("gnu", herdless_make(), tree),
+        ("bmake", herdless_bmake(), bmake_tree),
+    ];
+    for (name, make, build) in makes {
+        for n in [4u32, 16] {
+            let t = Tree::new(&format!("real-make-run-{name}-j{n}"));
+            let total = build(&t);
+            let (out, stderr) = herdless_run(&t, n, &[make.as_os_str()]);
+            let what = format!("{name} -j{n}");
+            assert_ran(&t, total, n, &out, &what);
+            let grants = stat(&stderr, "grants");
+            let native: u64 = grants.split_whitespace().next().unwrap().parse().unwrap();
+            assert!(native > 0, "{what}: {stderr}");
+            assert!(
+                stat(&stderr, "pipe readers").starts_with("command native,"),
+                "{what}: {stderr}"
+            );
+            // The makes used `herdless run`'s broker; none started its own.
+            assert!(broker_lines(&t).is_empty(), "{what}: {stderr}");
+            assert_no_leftovers(&t);
+        }
+    }
+}
+
+/// Stock GNU make and Debian's bmake as `herdless run`'s command, with
+/// stock sub-makes throughout: classic clients only, seen at work.
+#[test]
+fn stock_makes_are_classic_clients_of_herdless_run() {
+    let makes: [(&str, PathBuf, fn(&Tree) -> usize); 2] = [
+        ("gnu", stock_make(), tree),
+        ("bmake", PathBuf::from("/usr/bin/bmake"), bmake_tree),
+    ];
+    for (name, make, build) in makes {
+        for n in [4u32, 16] {
+            let t = Tree::new(&format!("real-make-run-stock-{name}-j{n}"));
+            let total = build(&t);
+            let (out, stderr) = herdless_run(&t, n, &[make.as_os_str()]);
+            let what = format!("stock {name} -j{n}");
+            assert_ran(&t, total, n, &out, &what);
+            assert!(
+                stat(&stderr, "pipe readers")
+                    .starts_with("command not native, classic clients seen,"),
+                "{what}: {stderr}"
+            );
+            assert!(classic_figure(&stderr, "returned") > 0, "{what}: {stderr}");
+        }
+    }
+}
+
+/// A script, not a make, that starts six stock makes side by side, each
+/// as a `herdless exec` job (the make's implicit token is the one `exec`
+/// holds for it): the natives (`exec`) and the classic readers (the
+/// makes) share the pool, and the tree still runs at exactly N.
+#[test]
+fn a_script_that_starts_stock_makes_under_herdless_run() {
+    for n in [4u32, 16] {
+        let t = Tree::new(&format!("real-make-run-script-j{n}"));
+        let total = tree(&t);
+        let script = t.path("build.sh");
+        fs::write(
+            &script,
+            format!(
+                "#!/bin/sh\n\
+                 pids=\n\
+                 for b in 1 2 3 4 5 6; do\n\
+                 \t\"$HERDLESS\" exec -- {make} -f {d}/sub$b.mk &\n\
+                 \tpids=\"$pids $!\"\n\
+                 done\n\
+                 s=0\n\
+                 for p in $pids; do wait $p || s=1; done\n\
+                 exit $s\n",
+                make = stock_make().display(),
+                d = t.dir.display()
+            ),
+        )
+        .unwrap();
+        let (out, stderr) = herdless_run(&t, n, &[std::ffi::OsStr::new("sh"), script.as_os_str()]);
+        let what = format!("script -j{n}");
+        assert_ran(&t, total, n, &out, &what);
+        assert!(
+            stat(&stderr, "pipe readers").starts_with("command not native, classic clients seen,"),
+            "{what}: {stderr}"
+        );
+    }
+}
+
+/// What the bridge knows comes from the broker: a make with herdless
+/// inside connects as the command, and nothing reads the pipe, so the
+/// bridge relies on its back-off (status says `command_native`, no
+/// classic client seen, every offer taken back unread); a stock make of
+/// the same tree reads the pipe, which the bridge sees.
+#[test]
+fn the_bridge_learns_from_the_broker_who_reads_the_pipe() {
+    for (name, make, native) in [
+        ("herdless", herdless_make(), true),
+        ("stock", stock_make(), false),
+    ] {
+        let t = Tree::new(&format!("real-make-readers-{name}"));
+        t.recursive_makefile(4, 8);
+        let mut top = fs::read_to_string(t.path("Makefile")).unwrap();
+        top = top.replacen("all:", "all: status", 1);
+        top += &format!(
+            "status:\n\t@\"$$HERDLESS\" status --json > {}\n",
+            t.path("status.json").display()
+        );
+        fs::write(t.path("Makefile"), top).unwrap();
+        let (out, stderr) = herdless_run(&t, 4, &[make.as_os_str()]);
+        assert_ran(&t, 32, 4, &out, name);
+        let json = fs::read_to_string(t.path("status.json")).unwrap();
+        let status: herdless::status::Status = serde_json::from_str(&json).unwrap();
+        let classic = status.classic.expect("a classic bridge");
+        assert_eq!(classic.command_native, native, "{name}: {json}");
+        let readers = stat(&stderr, "pipe readers");
+        if native {
+            assert!(!classic.classic_seen, "{name}: {json}");
+            assert!(
+                readers.starts_with("command native, classic clients not seen, back-off "),
+                "{name}: {stderr}"
+            );
+            let backoff: u32 = readers.rsplit(' ').next().unwrap().parse().unwrap();
+            assert!(backoff >= 1, "{name}: {stderr}");
+            // Nobody read an offer: every one came back out of the pipe.
+            assert_eq!(classic_figure(&stderr, "returned"), 0, "{name}: {stderr}");
+            assert_eq!(
+                classic_figure(&stderr, "offered"),
+                classic_figure(&stderr, "taken"),
+                "{name}: {stderr}"
+            );
+        } else {
+            assert!(
+                readers.starts_with("command not native, classic clients seen,"),
+                "{name}: {stderr}"
+            );
+            assert!(classic_figure(&stderr, "returned") > 0, "{name}: {stderr}");
+        }
+    }
 }
 
 #[test]

@@ -6,7 +6,7 @@ use std::os::fd::AsRawFd;
 
 use herdless::bridge::Bridge;
 use herdless::broker::{Broker, Config};
-use herdless::classic::{Flavor, Program};
+use herdless::classic::Flavor;
 use herdless::client::{slot_env_value, socket_from_env, Client, Options, SLOT_ENV, SOCKET_ENV};
 use herdless::rundir::RunDir;
 use herdless::status::Status;
@@ -69,16 +69,14 @@ pub fn run(args: RunArgs) -> Result<u8> {
     }
     let mut inherit = Vec::new();
     if !args.no_classic {
+        // Which MAKEFLAGS syntax to write is guessed from the command's
+        // name (bmake reads `-J`, the rest `--jobserver-auth`). Whether the
+        // command reads the pipe at all is not: the broker sees whether
+        // it connects as a native client (`Stopper::command_started`).
         let program = &args.command[0];
         let flavor = args.flavor.unwrap_or_else(|| Flavor::for_command(program));
-        let bridge = Bridge::create(
-            dir.dir(),
-            args.style,
-            flavor,
-            args.jobs,
-            Program::of(program).is_some_and(Program::reads_jobserver),
-        )
-        .context("cannot set up the classic jobserver")?;
+        let bridge = Bridge::create(dir.dir(), args.style, flavor, args.jobs)
+            .context("cannot set up the classic jobserver")?;
         let fds = bridge.inheritable_fds()?;
         let raw = fds.as_ref().map(|(r, w)| (r.as_raw_fd(), w.as_raw_fd()));
         env.extend(bridge.env(raw, std::env::var_os("MAKEFLAGS").as_deref()));
@@ -91,7 +89,14 @@ pub fn run(args: RunArgs) -> Result<u8> {
         .spawn(move || broker.run())
         .context("cannot start the broker thread")?;
     let halter = stopper.clone();
-    let outcome = child::run_inheriting(&args.command, &env, inherit, move || halter.halt());
+    let namer = stopper.clone();
+    let outcome = child::run_inheriting(
+        &args.command,
+        &env,
+        inherit,
+        move |pid| namer.command_started(pid),
+        move || halter.halt(),
+    );
     stopper.stop();
     let report = thread
         .join()
@@ -207,11 +212,28 @@ pub fn print_report(r: &Status) {
             c.flavor, c.style, c.offered, c.returned, c.taken_back, c.lost
         )
     });
+    // What the broker learnt of who reads the pipe (docs/ARCHITECTURE.md).
+    let readers = r.classic.as_ref().map(|c| {
+        format!(
+            "pipe readers  command {}, classic clients {}, back-off {}",
+            if c.command_native {
+                "native"
+            } else {
+                "not native"
+            },
+            if c.classic_seen { "seen" } else { "not seen" },
+            c.backoff
+        )
+    });
     let aborted = r
         .aborted
         .as_ref()
         .map(|a| format!("aborted       {a} (every client was told)"));
-    let lines = lines.into_iter().chain(classic).chain(aborted);
+    let lines = lines
+        .into_iter()
+        .chain(classic)
+        .chain(readers)
+        .chain(aborted);
     for line in lines {
         eprintln!("herdless: {line}");
     }

@@ -171,12 +171,6 @@ impl Program {
         }
     }
 
-    /// Whether it is a classic jobserver client: it takes tokens from the
-    /// pipe named in `MAKEFLAGS` from the start.
-    pub fn reads_jobserver(self) -> bool {
-        self != Program::Herdless
-    }
-
     /// Whether it starts each job it runs in a job slot of its own (a make,
     /// ninja, cargo, or `herdless exec` for its command); rustc runs
     /// threads, not jobs.
@@ -807,7 +801,6 @@ mod tests {
         for n in ["sh", "makefile.sh", "cc", "xargs", "timeout", ""] {
             assert_eq!(of(n), None, "{n}");
         }
-        assert!(!Program::Herdless.reads_jobserver());
         assert!(!Program::Rustc.runs_each_job_in_a_slot());
         assert_eq!(Flavor::for_command(OsStr::new("bsdmake")), Flavor::Bmake);
         assert_eq!(Flavor::for_command(OsStr::new("./build.sh")), Flavor::Gnu);
