@@ -189,6 +189,9 @@ fn herdless_gnu_make_runs_a_recursive_tree_at_j_1_4_16() {
     }
 }
 
+/// Writes a tree's Makefiles; returns how many jobs it runs.
+type TreeBuilder = fn(&Tree) -> usize;
+
 /// `herdless run -j N --stats -- COMMAND…` on the tree.
 fn herdless_run(t: &Tree, n: u32, command: &[&std::ffi::OsStr]) -> (Output, String) {
     let mut cmd = make_cmd(t, Path::new(BIN));
@@ -233,7 +236,7 @@ fn assert_ran(t: &Tree, total: usize, n: u32, out: &Output, what: &str) {
 /// bridge learns that from the broker: the command connected natively.
 #[test]
 fn herdless_makes_are_native_clients_of_herdless_run() {
-    let makes: [(&str, PathBuf, fn(&Tree) -> usize); 2] = [
+    let makes: [(&str, PathBuf, TreeBuilder); 2] = [
         ("gnu", herdless_make(), tree),
         ("bmake", herdless_bmake(), bmake_tree),
     ];
@@ -262,7 +265,7 @@ fn herdless_makes_are_native_clients_of_herdless_run() {
 /// stock sub-makes throughout: classic clients only, seen at work.
 #[test]
 fn stock_makes_are_classic_clients_of_herdless_run() {
-    let makes: [(&str, PathBuf, fn(&Tree) -> usize); 2] = [
+    let makes: [(&str, PathBuf, TreeBuilder); 2] = [
         ("gnu", stock_make(), tree),
         ("bmake", PathBuf::from("/usr/bin/bmake"), bmake_tree),
     ];
