@@ -17,7 +17,7 @@ use super::ExecArgs;
 /// stops before the token comes is an error (exit 125): the job never
 /// starts.
 pub fn exec(args: ExecArgs) -> Result<u8> {
-    let client = Client::from_env_with(Options::default().job_of_parent(true))
+    let client = Client::from_env_with(Options::default().job_of_runner_above(true))
         .context("herdless exec needs a jobserver")?;
     let token = client.acquire().context("cannot take a job token")?;
     let env: Vec<(&str, std::ffi::OsString)> = client

@@ -100,8 +100,9 @@ struct RunArgs {
     #[arg(long)]
     no_classic: bool,
     /// Start a pool of its own even under another herdless broker
-    /// (HERDLESS_SOCKET): the outer -j then no longer bounds this subtree
-    /// (a warning says so, as make's "-jN forced in submake" does).
+    /// (HERDLESS_SOCKET) or an outer make's classic jobserver (MAKEFLAGS):
+    /// the outer -j then no longer bounds this subtree (a warning says so,
+    /// as make's "-jN forced in submake" does).
     #[arg(long)]
     new_pool: bool,
     #[command(flatten)]

@@ -4,9 +4,12 @@ use anyhow::{Context, Result};
 
 use std::os::fd::AsRawFd;
 
+use std::sync::atomic::Ordering;
+
+use herdless::backing::{Backing, Broker as OuterBroker, Figures};
 use herdless::bridge::Bridge;
 use herdless::broker::{Broker, Config};
-use herdless::classic::Flavor;
+use herdless::classic::{Auth, Flavor, Jobserver, Program};
 use herdless::client::{slot_env_value, socket_from_env, Client, Options, SLOT_ENV, SOCKET_ENV};
 use herdless::rundir::RunDir;
 use herdless::status::Status;
@@ -29,8 +32,14 @@ use super::RunArgs;
 /// none starts after it. When the command ends, the broker stops for good.
 ///
 /// Under another herdless broker (`HERDLESS_SOCKET` set) it starts no pool
-/// of its own unless `--new-pool` says so: see [`run_joined`].
+/// of its own unless `--new-pool` says so: see [`run_joined`]. Under a
+/// classic jobserver (an outer make's `MAKEFLAGS`) its pool is *backed*
+/// by the outer one: the command's implicit token is the recipe's, and
+/// each of the N − 1 others is borrowed from the outer jobserver when a
+/// job waits for it and given back as soon as none does (see
+/// `herdless::backing`).
 pub fn run(args: RunArgs) -> Result<u8> {
+    let mut backing = None;
     if let Some(outer) = socket_from_env() {
         if !args.new_pool {
             return run_joined(args, &outer);
@@ -41,16 +50,8 @@ pub fn run(args: RunArgs) -> Result<u8> {
             args.jobs,
             outer.display()
         );
-    } else if herdless::classic::Jobserver::from_env()
-        .ok()
-        .flatten()
-        .is_some_and(|js| !matches!(js.auth(), herdless::classic::Auth::Disabled))
-    {
-        eprintln!(
-            "herdless: warning: -j{} forced: under a classic jobserver, herdless run starts a \
-             pool of its own, and the outer make's -j no longer bounds this subtree",
-            args.jobs
-        );
+    } else {
+        backing = outer_jobserver(&args);
     }
     // This process serves one connection per job from here on.
     super::raise_nofile_limit();
@@ -59,6 +60,12 @@ pub fn run(args: RunArgs) -> Result<u8> {
     config.admission = args.admission.admission()?;
     let mut broker = Broker::bind(dir.socket(), config)?;
     dir.set_bound();
+    if let Some(backing) = backing {
+        broker = broker
+            .with_backing(backing)
+            .context("cannot watch the outer jobserver")?;
+    }
+    let figures = broker.backing_figures();
     let mut env = vec![
         (SOCKET_ENV, dir.socket().as_os_str().to_owned()),
         (SLOT_ENV, slot_env_value(broker.top_slot()).into()),
@@ -69,18 +76,8 @@ pub fn run(args: RunArgs) -> Result<u8> {
     }
     let mut inherit = Vec::new();
     if !args.no_classic {
-        // Which MAKEFLAGS syntax to write is guessed from the command's
-        // name (bmake reads `-J`, the rest `--jobserver-auth`). Whether the
-        // command reads the pipe at all is not: the broker sees whether
-        // it connects as a native client (`Stopper::command_started`).
-        let program = &args.command[0];
-        let flavor = args.flavor.unwrap_or_else(|| Flavor::for_command(program));
-        let bridge = Bridge::create(dir.dir(), args.style, flavor, args.jobs)
-            .context("cannot set up the classic jobserver")?;
-        let fds = bridge.inheritable_fds()?;
-        let raw = fds.as_ref().map(|(r, w)| (r.as_raw_fd(), w.as_raw_fd()));
-        env.extend(bridge.env(raw, std::env::var_os("MAKEFLAGS").as_deref()));
-        inherit.extend(fds.into_iter().flat_map(|(r, w)| [r, w]));
+        let (bridge, more) = classic_side(&args, &dir, &mut inherit)?;
+        env.extend(more);
         broker = broker.with_bridge(bridge)?;
     }
     let stopper = broker.stopper();
@@ -104,12 +101,107 @@ pub fn run(args: RunArgs) -> Result<u8> {
     drop(dir);
     let outcome = outcome?;
     if args.stats {
-        print_report(&report);
+        match &figures {
+            Some(f) => {
+                // A backed pool ends with no shared token: say how many it
+                // could borrow.
+                let mut shown = report.clone();
+                shown.capacity = args.jobs - 1;
+                print_report(&shown);
+                print_outer(f);
+            }
+            None => print_report(&report),
+        }
     }
     if report.lost != 0 {
         eprintln!("herdless: {} token(s) lost", report.lost);
     }
+    if let Some(f) = &figures {
+        let lost = f.lost.load(Ordering::Relaxed);
+        if lost != 0 {
+            eprintln!("herdless: {lost} token(s) could not be given back to the outer jobserver");
+        }
+    }
     Ok(child::end(outcome.exit()))
+}
+
+/// The classic jobserver of `run`'s pool, in `dir`: the bridge, the
+/// environment that names it, and (pipe style) the descriptors the
+/// command inherits, added to `inherit`.
+fn classic_side(
+    args: &RunArgs,
+    dir: &RunDir,
+    inherit: &mut Vec<std::os::fd::OwnedFd>,
+) -> Result<(Bridge, Vec<(&'static str, std::ffi::OsString)>)> {
+    // Which MAKEFLAGS syntax to write is guessed from the command's name
+    // (bmake reads `-J`, the rest `--jobserver-auth`). Whether the command
+    // reads the pipe at all is not: the broker sees whether it connects as
+    // a native client (`Stopper::command_started`).
+    let program = &args.command[0];
+    let flavor = args.flavor.unwrap_or_else(|| Flavor::for_command(program));
+    let bridge = Bridge::create(dir.dir(), args.style, flavor, args.jobs)
+        .context("cannot set up the classic jobserver")?;
+    let fds = bridge.inheritable_fds()?;
+    let raw = fds.as_ref().map(|(r, w)| (r.as_raw_fd(), w.as_raw_fd()));
+    let env = bridge.env(raw, std::env::var_os("MAKEFLAGS").as_deref());
+    inherit.extend(fds.into_iter().flat_map(|(r, w)| [r, w]));
+    Ok((bridge, env))
+}
+
+/// The outer classic jobserver to borrow from, when `MAKEFLAGS` names one
+/// and `--new-pool` does not say otherwise. One that cannot be used (GNU
+/// make closes its descriptors for recipes not marked `+`) leaves the
+/// pool on its own, with a warning, as GNU make's "jobserver unavailable:
+/// using -j1" does.
+fn outer_jobserver(args: &RunArgs) -> Option<Backing> {
+    let js = match Jobserver::from_env() {
+        Ok(Some(js)) if !matches!(js.auth(), Auth::Disabled) => js,
+        Ok(_) => return None,
+        Err(e) => {
+            eprintln!(
+                "herdless: warning: jobserver unavailable: {e}; using a pool of its own, -j{}, \
+                 which the outer make's -j does not bound",
+                args.jobs
+            );
+            return None;
+        }
+    };
+    if args.new_pool {
+        eprintln!(
+            "herdless: warning: --new-pool: -j{} forced in a pool of its own; the outer \
+             jobserver ({}) no longer bounds this subtree",
+            args.jobs,
+            js.option()
+        );
+        return None;
+    }
+    match Backing::open(&js, args.jobs) {
+        Ok(backing) => Some(backing),
+        Err(e) => {
+            let rule = match js.flavor() {
+                Flavor::Gnu => "Add '+' to the parent make rule.",
+                Flavor::Bmake => "Mark the parent target .MAKE.",
+            };
+            eprintln!(
+                "herdless: warning: jobserver unavailable ({e}): using a pool of its own, \
+                 -j{}, which the outer make's -j does not bound. {rule}",
+                args.jobs
+            );
+            None
+        }
+    }
+}
+
+/// The `--stats` line of a pool backed by an outer jobserver.
+fn print_outer(f: &Figures) {
+    eprintln!(
+        "herdless: outer         {} token(s) borrowed from the outer jobserver ({} at once at \
+         most), {} given back, {} lost",
+        f.borrowed.load(Ordering::Relaxed),
+        f.max_held.load(Ordering::Relaxed),
+        f.returned.load(Ordering::Relaxed),
+        f.lost.load(Ordering::Relaxed)
+    );
 }
 
 /// `herdless run` under another herdless broker: the command becomes a job
@@ -119,8 +211,14 @@ pub fn run(args: RunArgs) -> Result<u8> {
 /// in `HERDLESS_SLOT`, and caps its own process subtree at `-j N` (the
 /// broker's `Cap`, which follows process ancestry: Linux only), so the
 /// outer `-j` bounds everything and its own `-j` bounds its subtree.
+///
+/// When the command is itself a classic client (a make, cargo: see
+/// `Program`), it gets a classic jobserver of this run's own, whose
+/// pool borrows its tokens from the outer pool (`herdless::backing`), so
+/// `-j` caps it too; a classic client started deeper (by a script) reads
+/// the outer jobserver, which the cap does not reach.
 fn run_joined(args: RunArgs, outer: &std::path::Path) -> Result<u8> {
-    let client = Client::connect_with(outer, Options::default().job_of_parent(true))
+    let client = Client::connect_with(outer, Options::default().job_of_runner_above(true))
         .with_context(|| format!("cannot join the herdless pool at {}", outer.display()))?;
     let token = client
         .acquire()
@@ -140,10 +238,70 @@ fn run_joined(args: RunArgs, outer: &std::path::Path) -> Result<u8> {
     if let Ok(me) = std::env::current_exe() {
         env.push(("HERDLESS", me.into_os_string()));
     }
-    let outcome = child::run(&args.command, &env);
+    let program = &args.command[0];
+    let classic = !args.no_classic && Program::of(program).is_some_and(Program::reads_jobserver);
+    let mut inherit = Vec::new();
+    let mut inner = None;
+    if classic {
+        let mut dir = RunDir::create().context("cannot prepare the socket directory")?;
+        let borrower = Client::connect_with(outer, Options::default().implicit_token(false))
+            .with_context(|| format!("cannot join the herdless pool at {}", outer.display()))?;
+        let mut config = Config::new(args.jobs);
+        config.admission = args.admission.admission()?;
+        let mut broker = Broker::bind(dir.socket(), config)?;
+        dir.set_bound();
+        broker = broker
+            .with_backing(Backing::broker(
+                OuterBroker::new(borrower, outer),
+                args.jobs,
+            ))
+            .context("cannot watch the outer pool")?;
+        let (bridge, more) = classic_side(&args, &dir, &mut inherit)?;
+        env.extend(more);
+        broker = broker.with_bridge(bridge)?;
+        let figures = broker.backing_figures();
+        let stopper = broker.stopper();
+        let thread = std::thread::Builder::new()
+            .name("herdless-broker".into())
+            .spawn(move || broker.run())
+            .context("cannot start the broker thread")?;
+        inner = Some((dir, stopper, thread, figures));
+    }
+    let halter = inner.as_ref().map(|(_, s, _, _)| s.clone());
+    let namer = halter.clone();
+    let outcome = child::run_inheriting(
+        &args.command,
+        &env,
+        inherit,
+        move |pid| {
+            if let Some(n) = &namer {
+                n.command_started(pid);
+            }
+        },
+        move || {
+            if let Some(h) = &halter {
+                h.halt();
+            }
+        },
+    );
+    // The inner broker gives its borrowed tokens back as it ends; the cap
+    // is lifted and the command's token given back whatever that says.
+    let ended = inner.map(|(dir, stopper, thread, figures)| {
+        stopper.stop();
+        let status = thread.join();
+        drop(dir);
+        (status, figures)
+    });
     let uncapped = control.cap(me, None);
     drop(token);
     drop(client);
+    let report = match ended {
+        Some((status, figures)) => Some((
+            status.map_err(|_| anyhow::anyhow!("the broker thread panicked"))??,
+            figures,
+        )),
+        None => None,
+    };
     let outcome = outcome?;
     if let Err(e) = uncapped {
         eprintln!("herdless: cannot lift this subtree's cap: {e}");
@@ -154,6 +312,20 @@ fn run_joined(args: RunArgs, outer: &std::path::Path) -> Result<u8> {
             outer.display(),
             args.jobs
         );
+        if let Some((status, figures)) = &report {
+            let mut shown = status.clone();
+            shown.capacity = args.jobs - 1;
+            print_report(&shown);
+            if let Some(f) = figures {
+                print_outer(f);
+            }
+        }
+    }
+    if let Some((_, Some(f))) = &report {
+        let lost = f.lost.load(Ordering::Relaxed);
+        if lost != 0 {
+            eprintln!("herdless: {lost} token(s) could not be given back to the outer pool");
+        }
     }
     Ok(child::end(outcome.exit()))
 }

@@ -72,6 +72,23 @@
 //! says. `status` reports what the bridge learnt ([`ClassicStatus`]:
 //! `command_native`, `classic_seen`, `backoff`).
 //!
+//! # Backed pools
+//!
+//! When the pool's tokens are borrowed from an outer jobserver
+//! ([`crate::backing`]: `herdless run` in a make recipe), a token in the
+//! pipe is one the outer build cannot use, so the pipe never holds more
+//! than one ([`Bridge::set_backed`]). While natives wait, the offer rules
+//! above apply unchanged. While none waits, the whole free pool does *not*
+//! go to the pipe: one *standing offer* is kept there, and only while the
+//! classic side is live: a classic client was seen taking or returning a
+//! token, or no native client has connected yet (the command may be a
+//! stock make, or a script that starts one: the first offer finds out).
+//! Where the OS allows (Linux), the pipe is shrunk to one buffer, so a
+//! description opened for writing becomes writable, edge-triggered,
+//! exactly when a reader takes the last byte: the broker wakes and the
+//! next offer follows at once, and an inner make reaches the inner `-j` as
+//! fast as it reads.
+//!
 //! # Liveness
 //!
 //! While a native client waits, no token stays free, in the pool or unread
@@ -165,6 +182,12 @@ pub struct Bridge {
     /// Bytes written by classic clients that were not tokens they held.
     stray: u64,
     lost: u32,
+    /// The pool's tokens are borrowed from an outer jobserver (see
+    /// [`Bridge::set_backed`]).
+    backed: bool,
+    /// A write-only description of `offers`, on a pipe of one buffer:
+    /// writable again, edge-triggered, when a reader takes the last byte.
+    drained: Option<File>,
 }
 
 fn mkfifo(path: &Path) -> io::Result<()> {
@@ -253,6 +276,8 @@ impl Bridge {
             taken_back: 0,
             stray: 0,
             lost: 0,
+            backed: false,
+            drained: None,
         })
     }
 
@@ -299,6 +324,40 @@ impl Bridge {
             env.push(("CARGO_MAKEFLAGS", flags));
         }
         env
+    }
+
+    /// Serves a pool whose shared tokens are borrowed from an outer
+    /// jobserver on demand (see [`crate::backing`]): a token put into the
+    /// pipe is one the outer build cannot use, so the pipe never holds
+    /// more than one (see *Backed pools* in the module documentation).
+    /// Where the OS allows (Linux), the pipe is shrunk to one buffer and
+    /// [`Bridge::drained_fd`] tells the broker the moment a classic client
+    /// reads the offer, so the next one follows at once.
+    pub fn set_backed(&mut self) -> io::Result<()> {
+        self.backed = true;
+        if herdless_platform::pipe_one_buffer(self.offers.as_fd())? {
+            self.drained = Some(
+                OpenOptions::new()
+                    .write(true)
+                    .custom_flags(libc::O_NONBLOCK)
+                    .open(&self.offers_path)?,
+            );
+        }
+        Ok(())
+    }
+
+    /// The descriptor to watch, edge-triggered, for writability: the pipe
+    /// was emptied by a classic reader (backed pools on Linux).
+    pub fn drained_fd(&self) -> Option<RawFd> {
+        self.drained.as_ref().map(|f| f.as_raw_fd())
+    }
+
+    /// Whether a backed pool keeps a standing offer in the pipe: classic
+    /// clients were seen at work, or no native client has connected yet
+    /// (the command may be a stock make, or start one; the first offer
+    /// finds out).
+    fn standing_offer(&self, pool: &Pool) -> bool {
+        self.classic_seen || pool.stats().connections <= 1
     }
 
     /// Joins the pool as the `classic` client.
@@ -559,6 +618,27 @@ impl Bridge {
             in_pipe -= self.discard(in_pipe - tokens);
         }
         let natives_waiting = pool.waiting().saturating_sub(usize::from(self.queued));
+        if natives_waiting == 0 && self.backed {
+            // Nobody native is waiting, and every token is an outer one:
+            // one standing offer at most, only for a live classic side.
+            self.offer = None;
+            let keep = u32::from(self.standing_offer(pool));
+            if in_pipe > keep {
+                in_pipe -= self.take_back(pool, in_pipe - keep, now);
+            }
+            if keep == 0 && self.queued {
+                let _ = pool.cancel(id);
+                self.queued = false;
+            }
+            if in_pipe < keep && !self.queued {
+                if pool.free() > 0 {
+                    let _ = pool.try_acquire(id);
+                } else if pool.acquire(id, now).is_ok() {
+                    self.queued = true;
+                }
+            }
+            return;
+        }
         if natives_waiting == 0 {
             // Nobody native is waiting: the whole free pool goes to the pipe.
             self.offer = None;

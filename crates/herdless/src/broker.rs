@@ -50,6 +50,7 @@ use std::time::{Duration, Instant};
 use mio::net::{UnixListener, UnixStream};
 use mio::{Events, Interest, Poll, Token, Waker};
 
+use crate::backing::Backing;
 use crate::bridge::Bridge;
 use crate::log;
 use crate::log::Level;
@@ -76,6 +77,10 @@ const WAKER: Token = Token(1);
 const SIGNALS: Token = Token(2);
 const CLASSIC_OFFERS: Token = Token(3);
 const CLASSIC_RETURNS: Token = Token(4);
+/// The outer jobserver a backed pool borrows from has a byte to read.
+const OUTER: Token = Token(5);
+/// A classic client took the last token in the bridge's pipe.
+const CLASSIC_DRAINED: Token = Token(6);
 /// Turns each connection gets at the stop to have its last requests read
 /// (see `Broker::read_what_was_sent`).
 const STOP_TURNS: usize = 4;
@@ -227,6 +232,8 @@ pub struct Broker {
     uid: u32,
     dirty: Vec<Token>,
     bridge: Option<Bridge>,
+    /// The outer jobserver the shared tokens are borrowed from, if any.
+    backing: Option<Backing>,
     native_grants: u64,
     /// Grants that woke a waiting native client: one process each.
     native_wakeups: u64,
@@ -351,6 +358,7 @@ impl Broker {
             uid: nix::unistd::geteuid().as_raw(),
             dirty: Vec::new(),
             bridge: None,
+            backing: None,
             native_grants: 0,
             native_wakeups: 0,
             max_in_use: 0,
@@ -369,9 +377,19 @@ impl Broker {
     /// Serves classic jobserver clients from the same pool through
     /// `bridge` (see [`crate::bridge`]).
     pub fn with_bridge(mut self, mut bridge: Bridge) -> io::Result<Broker> {
+        if self.backing.is_some() {
+            bridge.set_backed()?;
+        }
         bridge.attach(&mut self.pool);
         let (offers, returns) = bridge.watched_fds();
         let registry = self.poll.registry();
+        if let Some(fd) = bridge.drained_fd() {
+            registry.register(
+                &mut mio::unix::SourceFd(&fd),
+                CLASSIC_DRAINED,
+                Interest::WRITABLE,
+            )?;
+        }
         registry.register(
             &mut mio::unix::SourceFd(&offers),
             CLASSIC_OFFERS,
@@ -389,13 +407,51 @@ impl Broker {
         Ok(self)
     }
 
-    /// Lets the bridge move tokens between the pipe and native waiters,
-    /// then carries out what that changed.
-    fn rebalance(&mut self) {
+    /// Borrows this pool's shared tokens from an outer classic jobserver,
+    /// on demand, instead of owning them (see [`crate::backing`]): the
+    /// pool starts with none, and every one it hands out was read from
+    /// the outer jobserver and goes back there once nobody here may take
+    /// it. Call before [`Broker::with_bridge`].
+    pub fn with_backing(mut self, mut backing: Backing) -> io::Result<Broker> {
         let now = self.now();
-        if let Some(bridge) = self.bridge.as_mut() {
-            bridge.balance(&mut self.pool, self.native_grants, now);
+        self.pool.resize(0, now);
+        backing.set_jobs(self.config.jobs);
+        self.poll.registry().register(
+            &mut mio::unix::SourceFd(&backing.fd()),
+            OUTER,
+            Interest::READABLE,
+        )?;
+        log!(
+            Level::Info,
+            "borrowing up to {} token(s) from the outer jobserver ({})",
+            self.config.jobs - 1,
+            backing.what()
+        );
+        self.backing = Some(backing);
+        Ok(self)
+    }
+
+    /// Lets the bridge move tokens between the pipe and native waiters,
+    /// and a backed pool borrow or give back outer tokens, then carries
+    /// out what that changed.
+    fn rebalance(&mut self) {
+        // Each pass settles what the last one's effects changed (a grant
+        // to a process already gone frees its token, which a backed pool
+        // gives back); each frees fewer, so this ends.
+        for _ in 0..64 {
+            let now = self.now();
+            if let Some(bridge) = self.bridge.as_mut() {
+                bridge.balance(&mut self.pool, self.native_grants, now);
+                self.apply_effects();
+            }
+            let Some(backing) = self.backing.as_mut() else {
+                break;
+            };
+            backing.balance(&mut self.pool, now);
             self.apply_effects();
+            if self.pool.free() == 0 {
+                break;
+            }
         }
         self.retire_from_pipe();
         self.note_in_use();
@@ -448,6 +504,12 @@ impl Broker {
         if found {
             self.command_connected();
         }
+    }
+
+    /// The counts of the outer tokens borrowed, when the pool is backed
+    /// (see [`Broker::with_backing`]); readable after the broker ends.
+    pub fn backing_figures(&self) -> Option<std::sync::Arc<crate::backing::Figures>> {
+        self.backing.as_ref().map(|b| b.ledger().figures())
     }
 
     /// The id of the top command's slot: the N-th token of `-jN`. Whoever
@@ -525,7 +587,7 @@ impl Broker {
                     LISTENER => self.accept_all(),
                     WAKER => {}
                     SIGNALS => self.drain_signals(),
-                    CLASSIC_OFFERS => {}
+                    CLASSIC_OFFERS | CLASSIC_DRAINED | OUTER => {}
                     CLASSIC_RETURNS => {
                         let now = self.now();
                         if let Some(bridge) = self.bridge.as_mut() {
@@ -1403,6 +1465,15 @@ impl Broker {
             bridge.drain(&mut self.pool, now);
             let _ = self.pool.take_effects();
             classic = Some(bridge.status(&self.pool));
+        }
+        if let Some(backing) = self.backing.as_mut() {
+            backing.balance(&mut self.pool, now);
+            let _ = self.pool.take_effects();
+            let back = backing.give_back_all();
+            log!(
+                Level::Info,
+                "gave {back} borrowed token(s) back to the outer jobserver at the end"
+            );
         }
         let mut report = self.status();
         report.classic = classic;

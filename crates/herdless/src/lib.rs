@@ -7,6 +7,7 @@
 #![warn(missing_docs)]
 #![deny(unsafe_code)]
 
+pub mod backing;
 pub mod bridge;
 pub mod broker;
 pub mod classic;

@@ -340,15 +340,24 @@ impl Pool {
     pub fn slot_free_for(&self, client: ClientId) -> bool {
         self.clients
             .get(&client)
-            .is_some_and(|c| self.may_borrow(c))
+            .is_some_and(|_| self.may_borrow(client))
     }
 
-    fn may_borrow(&self, c: &ClientState) -> bool {
-        !c.slot_held
-            && c.info
-                .borrows
-                .and_then(|k| self.slots.get(&k))
-                .is_some_and(|s| s.borrower.is_none())
+    /// Whether `id` would be lent its slot now: the slot is free and, if
+    /// it is the top command's (a token of its own, the N-th of `-jN`), no
+    /// cap over `id` is reached. A slot lent by a job is that job's own
+    /// token, never withheld (a job of a job must not deadlock).
+    fn may_borrow(&self, id: ClientId) -> bool {
+        let Some(c) = self.clients.get(&id) else {
+            return false;
+        };
+        if c.slot_held {
+            return false;
+        }
+        c.info
+            .borrows
+            .and_then(|k| self.slots.get(&k))
+            .is_some_and(|s| s.borrower.is_none() && (!s.counts || self.caps_allow_slot(id)))
     }
 
     /// Clients other than `except` that hold shared tokens and are not
@@ -696,7 +705,7 @@ impl Pool {
     /// Grants at once if the client's slot or a shared token is free (and
     /// no earlier waiter is owed the shared token).
     fn grant_now(&mut self, id: ClientId) -> bool {
-        if self.may_borrow(&self.clients[&id]) {
+        if self.may_borrow(id) {
             self.give(id, Source::Slot, false);
             return true;
         }
@@ -767,6 +776,19 @@ impl Pool {
             let id = self.dequeue_at(pos, now);
             self.give(id, Source::Pool, true);
         }
+        // A cap may have held a waiter back from the top slot; whatever
+        // let a shared token go may let it go too.
+        if self.has_caps() {
+            let counting: Vec<SlotKey> = self
+                .slots
+                .iter()
+                .filter(|(_, s)| s.counts && s.borrower.is_none())
+                .map(|(&k, _)| k)
+                .collect();
+            for key in counting {
+                self.dispatch_slot(key, now);
+            }
+        }
     }
 
     fn dispatch_slot(&mut self, key: SlotKey, now: Duration) {
@@ -777,8 +799,7 @@ impl Pool {
             return;
         }
         let pos = self.queue.iter().position(|w| {
-            let c = &self.clients[&w.client];
-            c.info.borrows == Some(key) && !c.slot_held
+            self.clients[&w.client].info.borrows == Some(key) && self.may_borrow(w.client)
         });
         if let Some(pos) = pos {
             let id = self.dequeue_at(pos, now);
@@ -814,12 +835,14 @@ impl Pool {
             ));
         }
         for w in &self.queue {
-            let c = &self.clients[&w.client];
-            if self.may_borrow(c) {
+            if self.may_borrow(w.client) {
                 return Err(format!(
                     "{} waits while its {} is free",
                     w.client,
-                    c.info.borrows.expect("a borrower names its slot")
+                    self.clients[&w.client]
+                        .info
+                        .borrows
+                        .expect("a borrower names its slot")
                 ));
             }
         }

@@ -26,7 +26,7 @@ pub struct ClientStatus {
     pub id: u64,
     /// The client's process id, from the kernel where it tells.
     pub pid: u32,
-    /// What kind of client: `native`, `job` (a job of its parent, such as
+    /// What kind of client: `native`, `job` (a job of the runner above, such as
     /// `herdless exec`) or `classic` (the bridge's side of the pool).
     pub kind: String,
     /// Shared tokens the client holds now (a borrowed slot counts).

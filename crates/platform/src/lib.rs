@@ -84,7 +84,9 @@ pub use clock::monotonic;
 pub use cred::{peer_cred, PeerCred};
 pub use kernel::{kernel, parse_release, Kernel};
 pub use nofile::{child_nofile_limit, raise_nofile_limit, NofileLimit};
-pub use pipe::{access_mode, bytes_readable, fd_path, is_nonblocking, pipe_cloexec};
+pub use pipe::{
+    access_mode, bytes_readable, fd_path, is_nonblocking, pipe_cloexec, pipe_one_buffer,
+};
 pub use process::{
     current_tid, die_with_parent, parse_stat, process_exit_fd, process_state, resident_kib,
     sched_count, thread_cpu_ns, ProcessTable, SchedCount,

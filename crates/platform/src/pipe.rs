@@ -94,6 +94,31 @@ pub fn access_mode(fd: RawFd) -> Option<OFlag> {
     Some(OFlag::from_bits_retain(flags) & OFlag::O_ACCMODE)
 }
 
+/// Shrinks the pipe or FIFO behind `fd` to one buffer (`F_SETPIPE_SZ` of
+/// one page), so that any byte in it makes it full for `poll`: a
+/// description opened for writing is then writable exactly when the pipe
+/// is empty, and an edge-triggered `EPOLLOUT` on it fires when a reader
+/// takes the last byte. The pipe still holds up to a page of bytes.
+/// Returns whether the size was set.
+///
+/// # Portability
+///
+/// Linux only (`F_SETPIPE_SZ`); elsewhere it returns `Ok(false)` and the
+/// pipe keeps its size.
+pub fn pipe_one_buffer(fd: BorrowedFd<'_>) -> io::Result<bool> {
+    #[cfg(any(target_os = "linux", target_os = "android"))]
+    {
+        let page = 4096;
+        fcntl(fd, FcntlArg::F_SETPIPE_SZ(page))?;
+        Ok(true)
+    }
+    #[cfg(not(any(target_os = "linux", target_os = "android")))]
+    {
+        let _ = fd;
+        Ok(false)
+    }
+}
+
 /// Whether the open file description behind `fd` is non-blocking.
 pub fn is_nonblocking(fd: BorrowedFd<'_>) -> io::Result<bool> {
     let flags = OFlag::from_bits_retain(fcntl(fd, FcntlArg::F_GETFL)?);

@@ -186,7 +186,18 @@ impl Broker {
                     self.config.jobs
                 );
                 self.config.jobs = jobs;
-                self.pool.resize(jobs - 1, now);
+                match self.backing.as_mut() {
+                    // Borrowed on demand: only the limit changes, and a
+                    // pool above it shrinks (its tokens go back to the
+                    // outer jobserver as they come back).
+                    Some(backing) => {
+                        backing.set_jobs(jobs);
+                        if self.pool.capacity() > jobs - 1 {
+                            self.pool.resize(jobs - 1, now);
+                        }
+                    }
+                    None => self.pool.resize(jobs - 1, now),
+                }
             }
             ControlOp::Cap { pid, max } => {
                 if pid == 0 {

@@ -171,6 +171,15 @@ impl Program {
         }
     }
 
+    /// Whether it is a classic jobserver client: it takes tokens from the
+    /// pipe named in `MAKEFLAGS` from the start. Only a nested `herdless
+    /// run` asks this, before its command starts, to decide whether the
+    /// command gets a classic jobserver of the run's own; a top-level run
+    /// learns it from its broker instead (see `bridge.rs`).
+    pub fn reads_jobserver(self) -> bool {
+        self != Program::Herdless
+    }
+
     /// Whether it starts each job it runs in a job slot of its own (a make,
     /// ninja, cargo, or `herdless exec` for its command); rustc runs
     /// threads, not jobs.
@@ -801,6 +810,7 @@ mod tests {
         for n in ["sh", "makefile.sh", "cc", "xargs", "timeout", ""] {
             assert_eq!(of(n), None, "{n}");
         }
+        assert!(!Program::Herdless.reads_jobserver());
         assert!(!Program::Rustc.runs_each_job_in_a_slot());
         assert_eq!(Flavor::for_command(OsStr::new("bsdmake")), Flavor::Bmake);
         assert_eq!(Flavor::for_command(OsStr::new("./build.sh")), Flavor::Gnu);

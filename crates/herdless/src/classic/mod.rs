@@ -47,9 +47,9 @@
 //! nothing; a failing job's exit status is how GNU make learns of it. Other
 //! bytes are tokens under both flavours.
 //!
-//! # A job of its parent
+//! # A job of the runner above
 //!
-//! [`Options::job_of_parent`](crate::client::Options::job_of_parent) (what
+//! [`Options::job_of_runner_above`](crate::client::Options::job_of_runner_above) (what
 //! `herdless exec` uses) says "this process *is* one job of the runner
 //! above it". With a broker, the broker lends that runner's slot, named in
 //! `HERDLESS_SLOT` (see [`crate::client`]); a job of a make recipe names the
@@ -107,7 +107,7 @@
 //!   bmake make their read end non-blocking, which is all a claim needs;
 //!   on a blocking shared description (the `jobserver` crate's, older GNU
 //!   make) only a plain blocking acquire works, by a blocking `read()` (a
-//!   job of its parent waiting there takes the slot only if it is free when
+//!   job of the runner above waiting there takes the slot only if it is free when
 //!   the wait starts), and the other calls return an
 //!   [`Unsupported`](crate::client::ErrorKind::Unsupported) error.
 //!

@@ -1,5 +1,5 @@
-//! The parent's slot, for a client that is a job of its parent
-//! ([`Options::job_of_parent`](crate::client::Options::job_of_parent)) under
+//! The runner's slot, for a client that is a job of the runner above it
+//! ([`Options::job_of_runner_above`](crate::client::Options::job_of_runner_above)) under
 //! a classic jobserver. See the module docs of [`crate::classic`] for the
 //! rule; this file is its mechanism.
 //!
@@ -43,7 +43,7 @@ pub(crate) fn runs_each_job_in_a_slot(name: &str) -> bool {
     Program::of(std::ffi::OsStr::new(name)).is_some_and(Program::runs_each_job_in_a_slot)
 }
 
-/// Whose slot a job of its parent runs in.
+/// Whose slot a job of the runner above runs in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Owner {
     /// The parent runs each job in a slot of its own: this process owns it.

@@ -39,12 +39,12 @@ pub(crate) struct Classic {
 }
 
 impl Classic {
-    /// Opens the jobserver. With `job_of_parent`, finds out whether the
+    /// Opens the jobserver. With `job_of_runner_above`, finds out whether the
     /// parent process owns a slot per child or shares one slot among its
     /// children (see the module docs).
-    pub(crate) fn open(server: Jobserver, job_of_parent: bool) -> Result<Classic> {
+    pub(crate) fn open(server: Jobserver, job_of_runner_above: bool) -> Result<Classic> {
         let pipe = Pipe::open(&server)?;
-        let slot = if job_of_parent {
+        let slot = if job_of_runner_above {
             Some(match slot::this_slot_owner() {
                 Owner::Own => ParentSlot::Own(Default::default()),
                 Owner::Shared(owner) => {

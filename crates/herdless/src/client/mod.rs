@@ -18,7 +18,7 @@
 //! is in use do further acquires go to the broker. That is what keeps nested
 //! tools progressing with zero spare tokens.
 //!
-//! A client made with [`Options::job_of_parent`] is itself a *job* of the
+//! A client made with [`Options::job_of_runner_above`] is itself a *job* of the
 //! job runner above it (what `herdless exec` is): it owns no implicit
 //! token, but the broker may lend it the runner's, when no other job of
 //! that runner holds it. Which runner that is is handed down, never guessed
@@ -150,14 +150,14 @@ pub(crate) fn borrow_from_env() -> Borrow {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Options {
     implicit_token: bool,
-    job_of_parent: bool,
+    job_of_runner_above: bool,
 }
 
 impl Default for Options {
     fn default() -> Self {
         Options {
             implicit_token: true,
-            job_of_parent: false,
+            job_of_runner_above: false,
         }
     }
 }
@@ -171,13 +171,15 @@ impl Options {
         self
     }
 
-    /// Whether this process is a job of the runner above it: it owns no
-    /// implicit token, and may run in the runner's slot (named by
-    /// `HERDLESS_SLOT`, or its make recipe's) when no other job holds it
+    /// Whether this process is a job of the job runner above it (a
+    /// `herdless run`'s command, a `herdless exec`'s, or a make recipe),
+    /// however many processes lie between: it owns no implicit token, and
+    /// borrows the runner's slot, the one handed down in `HERDLESS_SLOT`
+    /// (or its make recipe's), when no other job of that runner holds it
     /// (implies `implicit_token(false)`). A job that a make started directly
     /// runs in the token its make holds for it, as its implicit token.
-    pub fn job_of_parent(mut self, yes: bool) -> Options {
-        self.job_of_parent = yes;
+    pub fn job_of_runner_above(mut self, yes: bool) -> Options {
+        self.job_of_runner_above = yes;
         if yes {
             self.implicit_token = false;
         }
@@ -282,7 +284,7 @@ impl Client {
     /// `NotFound` when `js` is disabled; `BadJobserver` when its fds or fifo
     /// are unusable, saying which and why.
     pub fn from_jobserver(js: Jobserver, options: Options) -> Result<Client> {
-        let classic = Classic::open(js, options.job_of_parent)?;
+        let classic = Classic::open(js, options.job_of_runner_above)?;
         Ok(Client::with_backend(Backend::Classic(classic), options))
     }
 
@@ -325,7 +327,7 @@ impl Client {
     pub fn connect_with(path: impl AsRef<Path>, mut options: Options) -> Result<Client> {
         let mut flags = HelloFlags::empty();
         let mut slot = 0;
-        if options.job_of_parent {
+        if options.job_of_runner_above {
             match borrow_from_env() {
                 Borrow::Slot(id) => {
                     flags |= HelloFlags::JOB;
@@ -702,7 +704,7 @@ enum TokenKind {
     /// From the broker, or a byte from a classic pipe.
     Shared,
     /// The parent's slot under a classic jobserver (see
-    /// [`Options::job_of_parent`]).
+    /// [`Options::job_of_runner_above`]).
     ParentSlot,
 }
 

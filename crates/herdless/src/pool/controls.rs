@@ -14,14 +14,16 @@
 //!   tells the pool each client's ancestry), slots included. A
 //!   waiter at its subtree's cap is passed over, not dropped: the next
 //!   waiter that may take the token gets it, and the capped one keeps its
-//!   place for later. A slot is still never withheld, so a subtree
-//!   capped at 0 still runs one job on it.
+//!   place for later. The top command's slot (the N-th token of `-jN`)
+//!   counts against a cap like a shared token, except that a subtree
+//!   capped at 0 still runs one job on it; a slot lent by a job (an
+//!   `exec`'s, a recipe's) is that job's own token and is never withheld.
 //! - **Admission.** While admission is held (the broker's load or memory
 //!   limit is crossed), no shared token is granted unless fewer than the
 //!   floor (`min_jobs`) are in use, so a build always progresses.
 //!
-//! Slots (implicit tokens) are never withheld: they are not drawn
-//! from the pool.
+//! Slots lent by a job are never withheld: they are not drawn from the
+//! pool, and the job that lends one already holds its token.
 //!
 //! With no cap and admission open, the pool behaves exactly as without
 //! this module: FIFO, one token to the first waiter.
@@ -103,6 +105,28 @@ impl Pool {
         }
     }
 
+    /// Whether a waiter that may take a shared token waits because none is
+    /// free: the demand a pool whose tokens are backed on demand (see
+    /// `crate::backing`) answers by adding one. False after a stop or an
+    /// abort, and while a shrink still waits for tokens.
+    pub fn short_of_shared(&self) -> bool {
+        self.free == 0
+            && self.controls.retiring == 0
+            && self.aborted.is_none()
+            && !self.stopped
+            && self.first_eligible().is_some()
+    }
+
+    /// Removes every free shared token from the pool (the capacity shrinks
+    /// by as many) and returns how many: tokens a backed pool gives back
+    /// to where they came from as soon as nobody here may take them.
+    pub fn give_up_free(&mut self) -> u32 {
+        let n = self.free;
+        self.free = 0;
+        self.capacity -= n;
+        n
+    }
+
     /// Called by `release` and `disconnect` for each shared token given
     /// back: true when a shrink takes it (it does not become free).
     pub(super) fn retire_returned(&mut self) -> bool {
@@ -127,7 +151,7 @@ impl Pool {
     }
 
     /// Limits the subtree of process `pid` to `max` tokens at once (parent
-    /// slots count, but are never withheld)
+    /// slots count; the module docs say which may be withheld)
     /// (`None` lifts the cap). Lowering a cap takes nothing back; raising
     /// or lifting one grants to the waiters it held back.
     pub fn set_cap(&mut self, pid: u32, max: Option<u32>, now: Duration) {
@@ -207,6 +231,21 @@ impl Pool {
             .caps
             .iter()
             .all(|(&pid, &max)| !self.in_subtree(id, pid) || self.subtree_held(pid) < max)
+    }
+
+    /// Whether any cap is in force.
+    pub(super) fn has_caps(&self) -> bool {
+        !self.controls.caps.is_empty()
+    }
+
+    /// Whether the caps over `id` let it borrow the top command's slot, a
+    /// token of its own: like a shared token, except that a subtree capped
+    /// at 0 may still run one job on it.
+    pub(super) fn caps_allow_slot(&self, id: ClientId) -> bool {
+        self.controls
+            .caps
+            .iter()
+            .all(|(&pid, &max)| !self.in_subtree(id, pid) || self.subtree_held(pid) < max.max(1))
     }
 
     /// Whether nothing but FIFO order decides who gets a shared token: no

@@ -150,6 +150,47 @@ fn slots_are_never_held_back() {
     ));
 }
 
+#[test]
+fn the_top_slot_counts_against_a_cap() {
+    // Under `serve`, jobs that name no runner borrow the top slot, the
+    // N-th token: it must not let a capped subtree run one job more.
+    const TOP: SlotKey = SlotKey::Minted(0x70b);
+    let mut p = Pool::new(4);
+    assert!(p.add_slot(TOP, None, true));
+    let top_job = |p: &mut Pool, pid| {
+        let id = p.connect(ClientInfo {
+            pid,
+            borrows: Some(TOP),
+            label: "native",
+            ..ClientInfo::default()
+        });
+        p.set_ancestry(id, vec![20, 1]);
+        id
+    };
+    let a = top_job(&mut p, 21);
+    let b = top_job(&mut p, 22);
+    p.set_cap(20, Some(1), NOW);
+    p.acquire(a, NOW).unwrap(); // the top slot
+    p.acquire(b, NOW).unwrap(); // capped: neither a shared token nor a slot
+    assert_eq!(grants(&p.take_effects()), vec![a]);
+    assert_eq!(p.waiting(), 1);
+    p.check_invariants().unwrap();
+    p.release(a, NOW).unwrap(); // the subtree drops to 0: b goes
+    assert_eq!(grants(&p.take_effects()), vec![b]);
+    p.release(b, NOW).unwrap();
+    // Held back from the slot while a shared token holds the subtree at
+    // its cap, lent it as soon as that token comes back.
+    let c = p.connect(native(23));
+    p.set_ancestry(c, vec![20, 1]);
+    p.acquire(c, NOW).unwrap();
+    p.acquire(a, NOW).unwrap();
+    assert_eq!(grants(&p.take_effects()), vec![c]);
+    p.check_invariants().unwrap();
+    p.release(c, NOW).unwrap();
+    assert_eq!(grants(&p.take_effects()), vec![a]);
+    p.check_invariants().unwrap();
+}
+
 #[derive(Clone, Debug)]
 enum Op {
     /// A client of pid 100 + n, child of the process `parent` picks (one of
