@@ -138,6 +138,96 @@ fn connections_that_never_say_hello_cannot_lock_anyone_out() {
     assert!(exit.success(), "{log}");
 }
 
+/// The listen queue holds a bounded number of connections: with the broker
+/// stopped (SIGSTOP), non-blocking connects succeed until it is full and
+/// then fail with `EAGAIN`. Once the broker runs again, every queued
+/// connection is served, and so is a client that connects after them.
+#[cfg(target_os = "linux")]
+#[test]
+fn the_listen_queue_is_bounded_and_every_queued_connection_is_served() {
+    use herdless::broker::limits::LISTEN_BACKLOG;
+    use nix::sys::socket::{connect, socket, AddressFamily, SockFlag, SockType, UnixAddr};
+    use std::os::fd::AsRawFd;
+
+    let serve = Serve::start(2);
+    let _ = serve.status();
+    common::signal(serve.pid(), libc::SIGSTOP);
+    // Every thread of it stopped, so that none accepts from here on.
+    let stopped = || {
+        std::fs::read_dir(format!("/proc/{}/task", serve.pid()))
+            .unwrap()
+            .all(|task| {
+                let tid = task.unwrap().file_name().to_string_lossy().parse().unwrap();
+                herdless_platform::process_state(tid) == Some('T')
+            })
+    };
+    let since = std::time::Instant::now();
+    while !stopped() {
+        assert!(since.elapsed() < PATIENCE, "the broker did not stop");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let addr = UnixAddr::new(&serve.socket).unwrap();
+    let mut queued = Vec::new();
+    let refused = loop {
+        let fd = socket(
+            AddressFamily::Unix,
+            SockType::Stream,
+            SockFlag::SOCK_NONBLOCK | SockFlag::SOCK_CLOEXEC,
+            None,
+        )
+        .unwrap();
+        match connect(fd.as_raw_fd(), &addr) {
+            Ok(()) => queued.push(UnixStream::from(fd)),
+            Err(e) => break e,
+        }
+        assert!(
+            queued.len() <= 4 * LISTEN_BACKLOG as usize,
+            "the listen queue took {} connections",
+            queued.len()
+        );
+    };
+    assert_eq!(refused, nix::errno::Errno::EAGAIN);
+    // Linux queues one more than the backlog.
+    let n = queued.len();
+    assert!(
+        n == LISTEN_BACKLOG as usize || n == LISTEN_BACKLOG as usize + 1,
+        "{n} connections queued for a backlog of {LISTEN_BACKLOG}"
+    );
+    for s in &mut queued {
+        s.set_nonblocking(false).unwrap();
+        s.write_all(&plain_hello()).unwrap();
+    }
+    common::signal(serve.pid(), libc::SIGCONT);
+    // Each queued connection gets its welcome.
+    for (i, s) in queued.iter_mut().enumerate() {
+        s.set_read_timeout(Some(PATIENCE)).unwrap();
+        let mut rx = FrameBuffer::new();
+        let mut buf = [0u8; 256];
+        let reply = loop {
+            if let Some(reply) = rx.next_reply().unwrap() {
+                break reply;
+            }
+            let got = s.read(&mut buf).unwrap_or(0);
+            assert!(got > 0, "queued connection {i} closed without a welcome");
+            rx.extend(&buf[..got]);
+        };
+        assert!(
+            matches!(reply, Reply::Welcome { .. }),
+            "queued connection {i}: {reply:?}"
+        );
+    }
+    well_behaved_rounds(&serve.socket, 5, false);
+    // Every queued connection is a client still.
+    serve.wait_for("the queued clients alone", |s| {
+        s.clients_total as usize == n
+    });
+    drop(queued);
+    let status = serve.wait_for("everyone gone", |s| s.clients_total == 0);
+    assert_eq!(status.lost, 0);
+    let (exit, log) = serve.stop();
+    assert!(exit.success(), "{log}");
+}
+
 #[test]
 fn the_broker_queues_a_bounded_number_of_acquires() {
     use herdless::broker::limits::{MAX_PENDING_ACQUIRES, MAX_QUEUED_ACQUIRES};

@@ -14,6 +14,7 @@ use anyhow::{bail, Context, Result};
 use herdless::client::{Client, Options};
 use herdless::protocol::{HelloFlags, Request, PROTOCOL_VERSION};
 use herdless::status::Status;
+use herdless_platform::{sched_count, SchedCount};
 
 /// What the misbehaving client does.
 #[derive(Clone, Copy, Debug, clap::ValueEnum)]
@@ -55,6 +56,10 @@ pub struct StressArgs {
 fn rss_kib(pid: u32) -> (u64, u64) {
     herdless_platform::resident_kib(pid).unwrap_or((0, 0))
 }
+
+/// Descriptors given back for the well-behaved client when the flood
+/// opened as many connections as this process may hold.
+const PROBE_RESERVE: usize = 64;
 
 fn frame(req: &Request) -> Vec<u8> {
     let mut out = Vec::new();
@@ -103,34 +108,61 @@ fn flood(socket: &Path, unit: &Request, stop: Arc<AtomicBool>, sent: Arc<AtomicU
 /// client sets up (opens its connections) and after, how many rounds it
 /// made and how many failed. A try never waits for a token, so the figure is the
 /// broker's responsiveness, not the pool's occupancy.
-fn probe(
-    socket: &Path,
-    set_up: Arc<AtomicBool>,
-    stop: Arc<AtomicBool>,
-) -> (Duration, Duration, u64, u64) {
-    let (mut longest, mut setup, mut rounds, mut failures) = (Duration::ZERO, Duration::ZERO, 0, 0);
+/// What the well-behaved client saw.
+#[derive(Default)]
+struct ProbeFigures {
+    /// Its longest round once the misbehaving client had set up.
+    longest: Duration,
+    /// The three parts of that round: connecting (to the welcome), the
+    /// try and its release, connecting as an observer and reading the
+    /// status.
+    longest_parts: [Duration; 3],
+    /// When that round began, counted from the end of the setup.
+    longest_at: Duration,
+    /// Every round's time once the misbehaving client had set up.
+    times: Vec<Duration>,
+    /// Its longest round while the misbehaving client set up.
+    setup: Duration,
+    rounds: u64,
+    failures: u64,
+}
+
+fn probe(socket: &Path, set_up: Arc<AtomicBool>, stop: Arc<AtomicBool>) -> ProbeFigures {
+    let mut fig = ProbeFigures::default();
+    let mut set_up_at = None;
     while !stop.load(Ordering::Relaxed) {
         let t = Instant::now();
+        let mut parts = [Duration::ZERO; 3];
         let ok = (|| -> herdless::client::Result<()> {
             let c = Client::connect_with(socket, Options::default().implicit_token(false))?;
+            parts[0] = t.elapsed();
             if let Some(token) = c.try_acquire()? {
                 token.release()?;
             }
+            parts[1] = t.elapsed() - parts[0];
             Client::observe(socket)?.json()?;
+            parts[2] = t.elapsed() - parts[0] - parts[1];
             Ok(())
         })();
         if ok.is_err() {
-            failures += 1;
+            fig.failures += 1;
         }
+        let took = t.elapsed();
         if set_up.load(Ordering::Relaxed) {
-            longest = longest.max(t.elapsed());
+            let since = *set_up_at.get_or_insert(t);
+            fig.times.push(took);
+            if took > fig.longest {
+                fig.longest = took;
+                fig.longest_parts = parts;
+                fig.longest_at = t.saturating_duration_since(since);
+            }
         } else {
-            setup = setup.max(t.elapsed());
+            fig.setup = fig.setup.max(took);
         }
-        rounds += 1;
+        fig.rounds += 1;
         std::thread::sleep(Duration::from_millis(5));
     }
-    (longest, setup, rounds, failures)
+    fig
 }
 
 fn status(socket: &Path) -> Result<(Status, usize)> {
@@ -146,6 +178,7 @@ pub fn stress(args: StressArgs) -> Result<u8> {
     let socket = args.socket.as_path();
     let (before, _) = status(socket).context("no broker to stress")?;
     let pid = before.pid;
+    let sched_start = sched_count(pid);
     let stop = Arc::new(AtomicBool::new(false));
     let sent = Arc::new(AtomicU64::new(0));
     let mut held: Vec<UnixStream> = Vec::new();
@@ -202,9 +235,17 @@ pub fn stress(args: StressArgs) -> Result<u8> {
         }
         _ => {}
     }
+    if matches!(args.case, Case::Silent | Case::IdleStatus) && held.len() < args.connections {
+        // Stopped by this process's own descriptor limit: give some back,
+        // or the well-behaved client beside it could not open its own.
+        let keep = held.len().saturating_sub(PROBE_RESERVE);
+        held.truncate(keep);
+    }
     extra.insert("connections_opened".into(), held.len().into());
     set_up.store(true, Ordering::Relaxed);
+    let sched_set_up = sched_count(pid);
     std::thread::sleep(Duration::from_secs_f64(args.seconds));
+    let sched_end = sched_count(pid);
     let during = status(socket);
     match &during {
         Ok((s, bytes)) => {
@@ -222,7 +263,29 @@ pub fn stress(args: StressArgs) -> Result<u8> {
     for f in flooders {
         let _ = f.join();
     }
-    let (longest, setup, rounds, failures) = probe_thread.join().expect("probe thread");
+    let ProbeFigures {
+        longest,
+        longest_parts,
+        longest_at,
+        mut times,
+        setup,
+        rounds,
+        failures,
+    } = probe_thread.join().expect("probe thread");
+    times.sort_unstable();
+    let quantile = |q: f64| {
+        times
+            .get(((times.len() as f64 * q) as usize).min(times.len().saturating_sub(1)))
+            .copied()
+            .unwrap_or_default()
+    };
+    let broker_cpu = |from: Option<SchedCount>, to: Option<SchedCount>| match (from, to) {
+        (Some(a), Some(b)) => serde_json::json!({
+            "cpu_ms": (b.cpu_ns - a.cpu_ns) as f64 / 1e6,
+            "runqueue_ms": (b.runqueue_ns - a.runqueue_ns) as f64 / 1e6,
+        }),
+        _ => serde_json::Value::Null,
+    };
     // Connections the broker closed on its own.
     let mut closed_by_broker = 0;
     for s in &mut held {
@@ -272,6 +335,22 @@ pub fn stress(args: StressArgs) -> Result<u8> {
     out.insert(
         "probe_longest_wait_ms".into(),
         (longest.as_secs_f64() * 1000.0).into(),
+    );
+    let ms = |d: Duration| d.as_secs_f64() * 1000.0;
+    out.insert(
+        "probe_longest_wait_parts_ms".into(),
+        longest_parts.map(ms).to_vec().into(),
+    );
+    out.insert("probe_longest_wait_at_ms".into(), ms(longest_at).into());
+    out.insert("probe_p50_ms".into(), ms(quantile(0.5)).into());
+    out.insert("probe_p99_ms".into(), ms(quantile(0.99)).into());
+    out.insert(
+        "broker_during_setup".into(),
+        broker_cpu(sched_start, sched_set_up),
+    );
+    out.insert(
+        "broker_during_flood".into(),
+        broker_cpu(sched_set_up, sched_end),
     );
     out.insert(
         "probe_longest_wait_setup_ms".into(),

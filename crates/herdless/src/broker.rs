@@ -26,7 +26,8 @@
 //! # Fairness and bounds
 //!
 //! Each wake-up gives every ready connection one *turn*: at most
-//! [`READ_BUDGET`] requests and [`READ_CHUNK`] bytes. A connection with more
+//! [`READ_BUDGET`] requests (fewer when many connections are ready at once:
+//! they share [`limits::ROUND_BUDGET`]) and [`READ_CHUNK`] bytes. A connection with more
 //! to read queues for another turn after the others, and the loop polls
 //! without sleeping until none is left, so one client flooding requests
 //! cannot hold the loop. A connection is not read while its replies wait
@@ -68,8 +69,9 @@ pub mod limits;
 
 pub use limits::MAX_PENDING_ACQUIRES;
 use limits::{
-    Handshakes, Turns, ACCEPT_BUDGET, HANDSHAKE_DEADLINE, MAX_HANDSHAKING, MAX_PENDING_OUTPUT,
-    MAX_QUEUED_ACQUIRES, OUTPUT_PAUSE, READ_BUDGET, READ_CHUNK, TOTAL_OUTPUT_PAUSE,
+    HandshakeLog, Handshakes, Turns, ACCEPT_BUDGET, HANDSHAKE_DEADLINE, LISTEN_BACKLOG,
+    MAX_HANDSHAKING, MAX_PENDING_OUTPUT, MAX_QUEUED_ACQUIRES, OUTPUT_PAUSE, READ_BUDGET,
+    READ_CHUNK, TOTAL_OUTPUT_PAUSE,
 };
 
 const LISTENER: Token = Token(0);
@@ -242,6 +244,8 @@ pub struct Broker {
     controls: control::State,
     turns: Turns,
     handshakes: Handshakes,
+    /// Connections closed for their handshake, logged as counts.
+    handshake_log: HandshakeLog,
     /// Unsent reply bytes over all connections.
     output_total: usize,
     /// `accept` ran out of descriptors: try again when one is freed.
@@ -287,6 +291,17 @@ impl Broker {
         let listener = UnixListener::bind(socket).map_err(|e| {
             io::Error::new(
                 e.kind(),
+                format!("cannot listen on {}: {e}", socket.display()),
+            )
+        })?;
+        // A second `listen` on a listening socket sets its queue length.
+        nix::sys::socket::listen(
+            &listener,
+            nix::sys::socket::Backlog::new(LISTEN_BACKLOG).expect("a valid backlog"),
+        )
+        .map_err(|e| {
+            io::Error::new(
+                io::Error::from(e).kind(),
                 format!("cannot listen on {}: {e}", socket.display()),
             )
         })?;
@@ -364,6 +379,7 @@ impl Broker {
             max_in_use: 0,
             turns: Turns::default(),
             handshakes: Handshakes::default(),
+            handshake_log: HandshakeLog::default(),
             output_total: 0,
             accept_starved: false,
             fd_freed: false,
@@ -577,6 +593,8 @@ impl Broker {
             // A timeout (no events) is the slow re-check: sample now.
             self.check_admission(events.is_empty());
             self.flush_dirty();
+            // The connections ready in this batch share a round's budget.
+            let event_budget = limits::turn_budget(events.iter().count());
             for event in events.iter() {
                 // A stop that came in during this batch (a signal, a
                 // stopper) takes effect before the next event is handled.
@@ -604,7 +622,12 @@ impl Broker {
                     token if token.0 & EXIT_BIT != 0 => {
                         self.process_exited(Token(token.0 & !EXIT_BIT));
                     }
-                    token => self.conn_event(token, event.is_readable(), event.is_writable()),
+                    token => self.conn_event(
+                        token,
+                        event.is_readable(),
+                        event.is_writable(),
+                        event_budget,
+                    ),
                 }
                 self.rebalance();
                 self.flush_dirty();
@@ -774,8 +797,9 @@ impl Broker {
             .start(token, now, self.config.handshake_deadline);
         // The client may have written its hello already; with
         // edge-triggered readiness the registration reports it, but reading
-        // now saves a trip through the loop.
-        self.conn_event(token, true, false);
+        // now saves a trip through the loop. Up to ACCEPT_BUDGET
+        // connections come in one turn of the listener: they share a round.
+        self.conn_event(token, true, false, limits::turn_budget(ACCEPT_BUDGET));
         if self.handshakes.live() > MAX_HANDSHAKING {
             self.evict_oldest_handshake();
         }
@@ -788,13 +812,26 @@ impl Broker {
             .handshakes
             .pop_oldest(None, |t| conns.get(&t).is_some_and(|c| c.client.is_none()))
         {
-            self.close(
+            self.close_handshake(
                 token,
-                Some(format!(
+                format!(
                     "{BUSY_PREFIX}more than {MAX_HANDSHAKING} connections have not sent their hello"
-                )),
+                ),
             );
         }
+    }
+
+    /// Closes a connection that has not sent its hello, telling it why;
+    /// the log gets a count of these (see [`limits::HANDSHAKE_LOG_EVERY`]),
+    /// not a line each.
+    fn close_handshake(&mut self, token: Token, reason: String) {
+        if let Some(n) = self.handshake_log.note(self.now()) {
+            log!(
+                Level::Warn,
+                "closed {n} connection(s) that had not sent their hello; the last: {reason}"
+            );
+        }
+        self.close_as(token, Some(reason), false, false);
     }
 
     /// Closes the connections whose handshake deadline has passed.
@@ -807,13 +844,11 @@ impl Broker {
             }) else {
                 return;
             };
-            self.close(
-                token,
-                Some(format!(
-                    "no hello within {} ms of connecting",
-                    self.config.handshake_deadline.as_millis()
-                )),
+            let reason = format!(
+                "no hello within {} ms of connecting",
+                self.config.handshake_deadline.as_millis()
             );
+            self.close_handshake(token, reason);
         }
     }
 
@@ -864,7 +899,7 @@ impl Broker {
     fn process_exited(&mut self, token: Token) {
         // What it wrote before it died comes first (a release, say); that
         // read also closes a connection whose socket has ended.
-        self.conn_event(token, true, false);
+        self.conn_event(token, true, false, READ_BUDGET);
         let Some(conn) = self.conns.get(&token) else {
             return;
         };
@@ -878,7 +913,7 @@ impl Broker {
         self.close(token, None);
     }
 
-    fn conn_event(&mut self, token: Token, readable: bool, writable: bool) {
+    fn conn_event(&mut self, token: Token, readable: bool, writable: bool, budget: usize) {
         let paused = self.conns.get(&token).is_some_and(|c| c.paused);
         if writable || paused {
             // A paused connection is not read, so a peer that went away
@@ -887,16 +922,19 @@ impl Broker {
             self.dirty.push(token);
         }
         if readable {
-            self.turn(token);
+            self.turn(token, budget);
         }
     }
 
-    /// Gives every connection queued for a turn one more.
+    /// Gives every connection queued for a turn one more, sharing
+    /// [`limits::ROUND_BUDGET`] among them.
     fn take_turns(&mut self) {
-        for token in self.turns.round() {
+        let round = self.turns.round();
+        let budget = limits::turn_budget(round.len());
+        for token in round {
             if let Some(conn) = self.conns.get_mut(&token) {
                 conn.queued = false;
-                self.turn(token);
+                self.turn(token, budget);
             }
         }
     }
@@ -910,11 +948,11 @@ impl Broker {
             || (!conn.tx.is_empty() && output_total > TOTAL_OUTPUT_PAUSE)
     }
 
-    /// One turn of a connection: handles up to [`READ_BUDGET`] requests,
-    /// reading at most [`READ_CHUNK`] bytes, then queues the connection for
-    /// another turn if it may have more.
-    fn turn(&mut self, token: Token) {
-        let mut budget = READ_BUDGET;
+    /// One turn of a connection: handles up to `budget` requests (at most
+    /// [`READ_BUDGET`]), reading at most [`READ_CHUNK`] bytes, then queues
+    /// the connection for another turn if it may have more.
+    fn turn(&mut self, token: Token, budget: usize) {
+        let mut budget = budget;
         let mut read = 0;
         let mut buf = [0u8; READ_CHUNK];
         loop {
@@ -1319,17 +1357,19 @@ impl Broker {
     /// Closes a connection and returns its tokens to the pool. With a
     /// reason, the client is told why and the reason is logged.
     fn close(&mut self, token: Token, reason: Option<String>) {
-        self.close_as(token, reason, false);
+        self.close_as(token, reason, false, true);
     }
 
     /// Closes a connection the broker ends itself because it stops: the
     /// tokens it held count as held at shutdown, not as taken back from a
     /// client that died.
     fn close_at_stop(&mut self, token: Token) {
-        self.close_as(token, None, true);
+        self.close_as(token, None, true, true);
     }
 
-    fn close_as(&mut self, token: Token, reason: Option<String>, at_stop: bool) {
+    /// Closes a connection; `log_reason` says whether its reason is logged
+    /// here (the caller logs a count instead when it is not).
+    fn close_as(&mut self, token: Token, reason: Option<String>, at_stop: bool, log_reason: bool) {
         let Some(mut conn) = self.conns.remove(&token) else {
             return;
         };
@@ -1344,7 +1384,9 @@ impl Broker {
             _ => format!("connection {}", token.0),
         };
         if let Some(reason) = &reason {
-            log!(Level::Warn, "closing {who}: {reason}");
+            if log_reason {
+                log!(Level::Warn, "closing {who}: {reason}");
+            }
             Reply::Error {
                 message: reason.clone(),
             }
@@ -1353,7 +1395,12 @@ impl Broker {
         // Replies already owed (to a client that only half-closed) go out
         // before the connection does, as far as the socket takes them.
         let _ = flush(&mut conn);
-        let _ = self.poll.registry().deregister(&mut conn.stream);
+        // No `deregister`: closing the socket, dropped below, takes it out
+        // of the poll set, one system call fewer per connection (what a
+        // flood of connections costs). The broker holds its only
+        // descriptor; a command forked meanwhile holds a copy only until
+        // its exec (close-on-exec), and an event for the token then finds no
+        // connection, tokens being never reused.
         if let Some(fd) = conn.exit_fd.take() {
             use std::os::fd::AsRawFd;
             let _ = self
@@ -1379,10 +1426,26 @@ impl Broker {
         }
     }
 
-    fn status(&self) -> Status {
-        let (clients, clients_total) = Status::list_clients(
-            self.pool
-                .holdings()
+    /// The client lines of a status document (see
+    /// [`Status::list_clients`]) and the count of all clients. The pool
+    /// hands over only the clients that can be listed (the busy ones and
+    /// the oldest idle ones) and lines are made only for those listed: with
+    /// tens of thousands of idle clients a status costs what it lists.
+    fn status_clients(&self) -> (Vec<ClientStatus>, u64) {
+        let max = limits::MAX_STATUS_CLIENTS;
+        let (mut picked, total) = self.pool.holdings_for_status(max);
+        if picked.len() > max {
+            picked.select_nth_unstable_by_key(max - 1, |h| {
+                (
+                    std::cmp::Reverse(h.held),
+                    std::cmp::Reverse(h.waiting),
+                    h.client,
+                )
+            });
+            picked.truncate(max);
+        }
+        let (clients, _) = Status::list_clients(
+            picked
                 .into_iter()
                 .map(|h| ClientStatus {
                     id: h.client.0,
@@ -1393,6 +1456,11 @@ impl Broker {
                 })
                 .collect(),
         );
+        (clients, total as u64)
+    }
+
+    fn status(&self) -> Status {
+        let (clients, clients_total) = self.status_clients();
         let stats = self.pool.stats();
         let free = self.pool.free();
         Status {
@@ -1441,7 +1509,7 @@ impl Broker {
         let tokens: Vec<Token> = self.conns.keys().copied().collect();
         for token in tokens {
             for _ in 0..STOP_TURNS {
-                self.turn(token);
+                self.turn(token, READ_BUDGET);
                 if !self.conns.get(&token).is_some_and(|c| c.queued) {
                     break;
                 }
@@ -1455,6 +1523,13 @@ impl Broker {
         // waiter that is about to be closed too.
         self.stop_granting();
         self.read_what_was_sent();
+        let unlogged = self.handshake_log.take();
+        if unlogged > 0 {
+            log!(
+                Level::Warn,
+                "closed {unlogged} more connection(s) that had not sent their hello"
+            );
+        }
         let tokens: Vec<Token> = self.conns.keys().copied().collect();
         for token in tokens {
             self.close_at_stop(token);

@@ -28,7 +28,7 @@
 //! ([`Effect::Stopped`]) and no token is granted after it, so closing the
 //! connections one by one cannot hand a freed token to the next waiter.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::fmt;
 use std::time::Duration;
 
@@ -247,8 +247,20 @@ pub struct Pool {
     capacity: u32,
     free: u32,
     clients: BTreeMap<ClientId, ClientState>,
+    /// The clients holding or waiting for a token, so that what only
+    /// they matter for (a status document, the accounting check) costs
+    /// them, not a walk over every idle client.
+    busy: BTreeSet<ClientId>,
+    /// Connected observers.
+    observers: usize,
     queue: VecDeque<Waiter>,
     slots: HashMap<SlotKey, Slot>,
+    /// Slots lent now whose token counts (see [`Pool::slots_in_use`]),
+    /// kept so that the figure costs nothing however many slots exist.
+    counted_lent: usize,
+    /// The slots whose token counts (the top command's), which a cap may
+    /// withhold: few, so that a release under a cap need not walk them all.
+    counting: BTreeSet<SlotKey>,
     aborted: Option<AbortReason>,
     stopped: bool,
     next_id: u64,
@@ -264,8 +276,12 @@ impl Pool {
             capacity,
             free: capacity,
             clients: BTreeMap::new(),
+            busy: BTreeSet::new(),
+            observers: 0,
             queue: VecDeque::new(),
             slots: HashMap::new(),
+            counted_lent: 0,
+            counting: BTreeSet::new(),
             aborted: None,
             stopped: false,
             next_id: 1,
@@ -293,10 +309,7 @@ impl Pool {
     /// Slots lent now whose token counts as one more in use (the top's
     /// implicit token).
     pub fn slots_in_use(&self) -> usize {
-        self.slots
-            .values()
-            .filter(|s| s.counts && s.borrower.is_some())
-            .count()
+        self.counted_lent
     }
 
     /// Slots the pool knows, lent or not.
@@ -364,9 +377,11 @@ impl Pool {
     /// waiting for more: the ones that can still give a token back without
     /// first being granted another.
     pub fn holders_not_waiting(&self, except: ClientId) -> usize {
-        self.clients
+        self.busy
             .iter()
-            .filter(|(&id, c)| id != except && c.pool_held > 0 && c.waiting == 0)
+            .filter(|&&id| id != except)
+            .filter_map(|id| self.clients.get(id))
+            .filter(|c| c.pool_held > 0 && c.waiting == 0)
             .count()
     }
 
@@ -374,7 +389,12 @@ impl Pool {
     /// Zero unless the pool's own accounting is broken: a pool on its own
     /// cannot lose a token, because a closed connection returns all of its.
     pub fn unaccounted(&self) -> i64 {
-        let held: u64 = self.clients.values().map(|c| u64::from(c.pool_held)).sum();
+        let held: u64 = self
+            .busy
+            .iter()
+            .filter_map(|id| self.clients.get(id))
+            .map(|c| u64::from(c.pool_held))
+            .sum();
         i64::from(self.capacity) + i64::from(self.retiring()) - i64::from(self.free) - held as i64
     }
 
@@ -383,14 +403,53 @@ impl Pool {
         self.clients
             .iter()
             .filter(|(_, c)| !c.info.observer)
-            .map(|(&id, c)| Holding {
-                client: id,
-                pid: c.info.pid,
-                label: c.info.label,
-                held: c.pool_held + u32::from(c.slot_held),
-                waiting: c.waiting,
-            })
+            .map(|(&id, c)| Self::holding(id, c))
             .collect()
+    }
+
+    /// The holdings a status document chooses from, and the number of
+    /// non-observer clients: every client that holds or waits for a token,
+    /// then the `idle` oldest of the others (the only idle ones a listing
+    /// of the busiest, then the oldest, can show), in connection order.
+    /// Costs the busy clients and `idle` others, however many are idle.
+    pub fn holdings_for_status(&self, idle: usize) -> (Vec<Holding>, usize) {
+        let mut out: Vec<Holding> = self
+            .busy
+            .iter()
+            .filter_map(|&id| Some(Self::holding(id, self.clients.get(&id)?)))
+            .collect();
+        out.extend(
+            self.clients
+                .iter()
+                .filter(|(id, c)| !c.info.observer && !self.busy.contains(id))
+                .take(idle)
+                .map(|(&id, c)| Self::holding(id, c)),
+        );
+        out.sort_unstable_by_key(|h| h.client);
+        (out, self.clients.len() - self.observers)
+    }
+
+    fn holding(id: ClientId, c: &ClientState) -> Holding {
+        Holding {
+            client: id,
+            pid: c.info.pid,
+            label: c.info.label,
+            held: c.pool_held + u32::from(c.slot_held),
+            waiting: c.waiting,
+        }
+    }
+
+    /// Files `id` among the busy clients or not, after its holdings or
+    /// waits changed.
+    fn refile(&mut self, id: ClientId) {
+        match self.clients.get(&id) {
+            Some(c) if c.pool_held > 0 || c.slot_held || c.waiting > 0 => {
+                self.busy.insert(id);
+            }
+            _ => {
+                self.busy.remove(&id);
+            }
+        }
     }
 
     /// Takes the effects produced since the last call, in order.
@@ -412,6 +471,9 @@ impl Pool {
                 return false;
             };
             c.owns.push(key);
+        }
+        if counts {
+            self.counting.insert(key);
         }
         self.slots.insert(
             key,
@@ -457,6 +519,7 @@ impl Pool {
             None => {}
         }
         let observer = info.observer;
+        self.observers += usize::from(observer);
         self.clients.insert(
             id,
             ClientState {
@@ -493,6 +556,7 @@ impl Pool {
                 client: id,
                 since: now,
             });
+            self.refile(id);
         }
         Ok(())
     }
@@ -537,6 +601,7 @@ impl Pool {
                 .expect("a waiting client is in the queue");
             self.queue.remove(pos);
             self.stats.cancelled += 1;
+            self.refile(id);
         }
         self.effects.push(Effect::Cancelled {
             client: id,
@@ -566,6 +631,7 @@ impl Pool {
         } else {
             return Err(PoolError::NotHolding(id));
         }
+        self.refile(id);
         Ok(())
     }
 
@@ -575,9 +641,13 @@ impl Pool {
         let Some(slot) = self.slots.get_mut(&key) else {
             return;
         };
+        if slot.counts && slot.borrower.is_some() {
+            self.counted_lent -= 1;
+        }
         slot.borrower = None;
         if slot.removable() {
             self.slots.remove(&key);
+            self.counting.remove(&key);
         } else {
             self.dispatch_slot(key, now);
         }
@@ -605,6 +675,8 @@ impl Pool {
         let Some(client) = self.clients.remove(&id) else {
             return 0;
         };
+        self.busy.remove(&id);
+        self.observers -= usize::from(client.info.observer);
         if client.waiting > 0 {
             self.queue.retain(|w| w.client != id);
             // Give back the memory of a queue one client had flooded.
@@ -626,6 +698,7 @@ impl Pool {
                 slot.orphaned = true;
                 if slot.removable() {
                     self.slots.remove(key);
+                    self.counting.remove(key);
                 }
             }
         }
@@ -638,6 +711,7 @@ impl Pool {
                 self.give_back_slot(key, now);
             } else if self.slots.get(&key).is_some_and(Slot::removable) {
                 self.slots.remove(&key);
+                self.counting.remove(&key);
             }
         }
         self.dispatch_pool(now);
@@ -659,6 +733,12 @@ impl Pool {
                 self.effects.push(Effect::Aborted { client, reason });
             }
         }
+        let clients = &self.clients;
+        self.busy.retain(|id| {
+            clients
+                .get(id)
+                .is_some_and(|c| c.pool_held > 0 || c.slot_held)
+        });
         true
     }
 
@@ -683,6 +763,7 @@ impl Pool {
                 self.stats.refused_after_stop += u64::from(c.waiting);
                 c.waiting = 0;
             }
+            self.refile(client);
             self.effects.push(Effect::Stopped { client });
         }
         true
@@ -730,10 +811,11 @@ impl Pool {
             Source::Slot => {
                 client.slot_held = true;
                 let key = client.info.borrows.expect("a borrower names its slot");
-                self.slots
-                    .get_mut(&key)
-                    .expect("a lent slot exists")
-                    .borrower = Some(id);
+                let slot = self.slots.get_mut(&key).expect("a lent slot exists");
+                if slot.counts && slot.borrower.is_none() {
+                    self.counted_lent += 1;
+                }
+                slot.borrower = Some(id);
                 self.stats.slot_grants += 1;
             }
         }
@@ -743,6 +825,7 @@ impl Pool {
         } else {
             self.stats.immediate += 1;
         }
+        self.busy.insert(id);
         let in_use = self.shared_in_use() + self.slots_in_use() as u32;
         self.stats.max_in_use = self.stats.max_in_use.max(in_use);
         self.effects.push(Effect::Grant {
@@ -756,6 +839,12 @@ impl Pool {
         let waiter = self.queue.remove(pos).expect("position is in the queue");
         let client = self.clients.get_mut(&waiter.client).expect("waiter exists");
         client.waiting -= 1;
+        // Busy still unless this was its last wait and it holds nothing;
+        // the grant that follows files it again.
+        let idle = client.waiting == 0 && client.pool_held == 0 && !client.slot_held;
+        if idle {
+            self.busy.remove(&waiter.client);
+        }
         if !client.info.internal {
             let waited = now.saturating_sub(waiter.since);
             self.stats
@@ -779,12 +868,7 @@ impl Pool {
         // A cap may have held a waiter back from the top slot; whatever
         // let a shared token go may let it go too.
         if self.has_caps() {
-            let counting: Vec<SlotKey> = self
-                .slots
-                .iter()
-                .filter(|(_, s)| s.counts && s.borrower.is_none())
-                .map(|(&k, _)| k)
-                .collect();
+            let counting: Vec<SlotKey> = self.counting.iter().copied().collect();
             for key in counting {
                 self.dispatch_slot(key, now);
             }
@@ -846,7 +930,48 @@ impl Pool {
                 ));
             }
         }
+        // The index of busy clients and the count of observers agree with
+        // the clients.
+        let busy: BTreeSet<ClientId> = self
+            .clients
+            .iter()
+            .filter(|(_, c)| c.pool_held > 0 || c.slot_held || c.waiting > 0)
+            .map(|(&id, _)| id)
+            .collect();
+        if busy != self.busy {
+            return Err(format!("busy clients {busy:?}, {:?} recorded", self.busy));
+        }
+        let observers = self.clients.values().filter(|c| c.info.observer).count();
+        if observers != self.observers {
+            return Err(format!(
+                "{observers} observers, {} recorded",
+                self.observers
+            ));
+        }
         // 5. One borrower per slot, and borrowers agree with the slots.
+        let counted_lent = self
+            .slots
+            .values()
+            .filter(|s| s.counts && s.borrower.is_some())
+            .count();
+        if counted_lent != self.counted_lent {
+            return Err(format!(
+                "{counted_lent} counted slots lent, {} recorded",
+                self.counted_lent
+            ));
+        }
+        let counting: BTreeSet<SlotKey> = self
+            .slots
+            .iter()
+            .filter(|(_, s)| s.counts)
+            .map(|(&k, _)| k)
+            .collect();
+        if counting != self.counting {
+            return Err(format!(
+                "counting slots {counting:?}, {:?} recorded",
+                self.counting
+            ));
+        }
         for (key, slot) in &self.slots {
             if let Some(holder) = slot.borrower {
                 let c = self

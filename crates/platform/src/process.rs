@@ -100,14 +100,17 @@ pub fn process_state(pid: u32) -> Option<char> {
 pub struct SchedCount {
     /// User + system time, in ns.
     pub cpu_ns: u64,
+    /// Time spent ready to run but waiting for a CPU, in ns.
+    pub runqueue_ns: u64,
     /// Voluntary context switches: sleeps.
     pub sleeps: u64,
 }
 
 /// Process `pid`'s [`SchedCount`], read without waking it.
 ///
-/// Linux: the first field of `/proc/PID/task/TID/schedstat` (the run time
-/// the scheduler keeps, exact to the nanosecond) and
+/// Linux: the first two fields of `/proc/PID/task/TID/schedstat` (the run
+/// time the scheduler keeps, exact to the nanosecond, and the time spent on
+/// a run queue) and
 /// `voluntary_ctxt_switches` of `/proc/PID/task/TID/status`, summed over
 /// the threads. `None` where they are not readable (other systems; kernels
 /// without `CONFIG_SCHED_INFO`).
@@ -119,7 +122,9 @@ pub fn sched_count(pid: u32) -> Option<SchedCount> {
     for task in std::fs::read_dir(format!("/proc/{pid}/task")).ok()? {
         let dir = task.ok()?.path();
         let sched = std::fs::read_to_string(dir.join("schedstat")).ok()?;
-        total.cpu_ns += sched.split_whitespace().next()?.parse::<u64>().ok()?;
+        let mut fields = sched.split_whitespace();
+        total.cpu_ns += fields.next()?.parse::<u64>().ok()?;
+        total.runqueue_ns += fields.next()?.parse::<u64>().ok()?;
         let status = std::fs::read_to_string(dir.join("status")).ok()?;
         total.sleeps += status
             .lines()

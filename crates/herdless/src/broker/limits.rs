@@ -3,9 +3,10 @@
 //!
 //! | bound | value | what a client that hits it sees |
 //! |---|---|---|
-//! | [`READ_BUDGET`] requests per connection per turn | 64 | nothing: its next requests wait for its next turn, after every other ready connection's |
+//! | [`READ_BUDGET`] requests per connection per turn | 64; with more than 16 connections ready, [`ROUND_BUDGET`] (1024) shared among them, at least [`MIN_TURN_BUDGET`] (4) each | nothing: its next requests wait for its next turn, after every other ready connection's |
 //! | [`READ_CHUNK`] bytes read per connection per turn | 4 KiB | the same |
 //! | [`ACCEPT_BUDGET`] connections accepted per turn | 64 | nothing: the next ones wait in the listen queue for the listener's next turn |
+//! | [`LISTEN_BACKLOG`] connections in the listen queue | 256 | its `connect` waits in the kernel until the broker accepts one ahead of it |
 //! | [`OUTPUT_PAUSE`] unread reply bytes per connection | 64 KiB | the broker stops reading it until it reads its replies; its writes block once the socket buffer is full |
 //! | one `Status` reply in the broker per connection | 1 | the same, until that reply has gone to the socket |
 //! | [`TOTAL_OUTPUT_PAUSE`] unread reply bytes, all connections | 8 MiB | connections with replies unsent are not read until theirs drain |
@@ -23,12 +24,49 @@ use mio::Token;
 
 use crate::protocol::MAX_REPLY_PAYLOAD;
 
+#[cfg(test)]
+mod budget_tests {
+    use super::*;
+
+    #[test]
+    fn a_round_shares_its_budget() {
+        assert_eq!(turn_budget(0), READ_BUDGET);
+        assert_eq!(turn_budget(1), READ_BUDGET);
+        assert_eq!(turn_budget(16), READ_BUDGET);
+        assert_eq!(turn_budget(200), 5);
+        assert_eq!(turn_budget(100_000), MIN_TURN_BUDGET);
+    }
+}
+
 /// Requests handled from one connection before the loop moves on to the
 /// others; the rest wait in the connection's buffer for its next turn.
 pub const READ_BUDGET: usize = 64;
 
+/// Requests handled in one round of turns, shared by the connections that
+/// are ready: with many of them flooding at once, each turn is shorter
+/// (down to [`MIN_TURN_BUDGET`]), so a round, and a quiet client's wait for
+/// its own turn, stays about as long with 200 flooding connections as with
+/// a few.
+pub const ROUND_BUDGET: usize = 1024;
+
+/// The fewest requests a turn handles, however many connections are ready.
+pub const MIN_TURN_BUDGET: usize = 4;
+
+/// The budget of each turn in a round of `ready` connections.
+pub(super) fn turn_budget(ready: usize) -> usize {
+    (ROUND_BUDGET / ready.max(1)).clamp(MIN_TURN_BUDGET, READ_BUDGET)
+}
+
 /// Connections accepted per turn of the listener.
 pub const ACCEPT_BUDGET: usize = 64;
+
+/// Connections the kernel queues for the broker to accept (the `listen`
+/// backlog of a socket the broker binds). A client connecting while the
+/// queue is full waits in `connect` until the broker accepts one; a short
+/// queue keeps a new client behind at most this many others, where the
+/// system's default (`somaxconn`, 4096 on Linux) let a flood of
+/// connections that never speak put thousands ahead of it.
+pub const LISTEN_BACKLOG: i32 = 256;
 
 /// Bytes read from one connection's socket per turn.
 pub const READ_CHUNK: usize = 4096;
@@ -92,6 +130,41 @@ impl Turns {
     /// ones their turns queue again.
     pub(super) fn round(&mut self) -> Vec<Token> {
         self.queue.drain(..).collect()
+    }
+}
+
+/// How often, at most, the broker logs the connections it closes for
+/// their handshake (past [`MAX_HANDSHAKING`] or [`HANDSHAKE_DEADLINE`]): a
+/// flood of them gets one line per period with the count, not one line
+/// (and one write) per connection.
+pub const HANDSHAKE_LOG_EVERY: Duration = Duration::from_secs(1);
+
+/// Counts the connections closed for their handshake between two log
+/// lines (see [`HANDSHAKE_LOG_EVERY`]).
+#[derive(Debug, Default)]
+pub(super) struct HandshakeLog {
+    last: Option<Duration>,
+    unlogged: u64,
+}
+
+impl HandshakeLog {
+    /// Notes one more connection closed at `now`; returns how many to
+    /// report when a line is due (the first at once, then at most one per
+    /// [`HANDSHAKE_LOG_EVERY`]).
+    pub(super) fn note(&mut self, now: Duration) -> Option<u64> {
+        self.unlogged += 1;
+        match self.last {
+            Some(at) if now.saturating_sub(at) < HANDSHAKE_LOG_EVERY => None,
+            _ => {
+                self.last = Some(now);
+                Some(std::mem::take(&mut self.unlogged))
+            }
+        }
+    }
+
+    /// The count not reported yet, cleared.
+    pub(super) fn take(&mut self) -> u64 {
+        std::mem::take(&mut self.unlogged)
     }
 }
 

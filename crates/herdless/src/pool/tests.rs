@@ -258,6 +258,10 @@ fn observers_cannot_take_tokens() {
     });
     assert_eq!(p.acquire(o, t(0)), Err(PoolError::Observer(o)));
     assert!(p.holdings().is_empty());
+    assert_eq!(p.holdings_for_status(10), (Vec::new(), 0));
+    p.check_invariants().unwrap();
+    p.disconnect(o, t(1));
+    p.check_invariants().unwrap();
 }
 
 #[derive(Clone, Debug)]
@@ -503,6 +507,22 @@ proptest! {
                 prop_assert_eq!(pool.held_by(id), Some(n + u32::from(slot)));
             }
             prop_assert_eq!(pool.waiting(), m.queue.len());
+            // A status document chooses from every busy client and the
+            // oldest idle ones: the same as picking from all of them.
+            let all = pool.holdings();
+            let (some, total) = pool.holdings_for_status(2);
+            prop_assert_eq!(total, all.len());
+            let mut idle = 0;
+            let expected: Vec<_> = all
+                .into_iter()
+                .filter(|h| {
+                    h.held > 0 || h.waiting > 0 || {
+                        idle += 1;
+                        idle <= 2
+                    }
+                })
+                .collect();
+            prop_assert_eq!(some, expected);
             // -jN: the shared tokens and the top's implicit one, no more.
             prop_assert!(pool.stats().max_in_use <= capacity + 1);
         }
