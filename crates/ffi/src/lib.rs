@@ -816,9 +816,7 @@ fn start_broker(
     let mut auth = None;
     let mut fds = None;
     if let Some((style, flavor)) = classic {
-        // The caller is a native client: no offer kept for it up front.
-        let bridge =
-            Bridge::create(dir.dir(), style, flavor, jobs, false).map_err(|e| io_errno(&e))?;
+        let bridge = Bridge::create(dir.dir(), style, flavor, jobs).map_err(|e| io_errno(&e))?;
         fds = bridge.inheritable_fds().map_err(|e| io_errno(&e))?;
         let raw = fds.as_ref().map(|(r, w)| (r.as_raw_fd(), w.as_raw_fd()));
         let text = match bridge.auth(raw) {
@@ -839,6 +837,10 @@ fn start_broker(
     let socket = std::path::absolute(dir.socket()).map_err(|e| io_errno(&e))?;
     let socket = CString::new(socket.into_os_string().into_vec()).map_err(|_| libc::EINVAL)?;
     let dir_path = CString::new(dir.dir().as_os_str().as_bytes()).map_err(|_| libc::EINVAL)?;
+    // The caller is the command at the top: when it connects natively, as
+    // a make with herdless inside does next, the bridge learns it from the
+    // broker like any other native command.
+    broker.set_command(std::process::id());
     let stopper = broker.stopper();
     let thread = std::thread::Builder::new()
         .name("herdless-broker".into())
