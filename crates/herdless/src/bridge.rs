@@ -357,7 +357,7 @@ impl Bridge {
     /// (the command may be a stock make, or start one; the first offer
     /// finds out).
     fn standing_offer(&self, pool: &Pool) -> bool {
-        self.classic_seen || pool.stats().connections <= 1
+        self.classic_seen || pool.external_connections() == 0
     }
 
     /// Joins the pool as the `classic` client.
