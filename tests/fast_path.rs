@@ -53,7 +53,8 @@ fn helper_process() {
     }
 }
 
-/// Processes registered in `held` that are still alive (not zombies).
+/// Processes registered in `held` that can still act: alive, with their
+/// descriptors open.
 fn live_holders(held: &Path) -> u32 {
     let mut n = 0;
     for entry in std::fs::read_dir(held).into_iter().flatten().flatten() {
@@ -61,12 +62,14 @@ fn live_holders(held: &Path) -> u32 {
         let Some(pid) = name.to_str().and_then(|s| s.parse::<u32>().ok()) else {
             continue;
         };
-        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-        let state = stat
-            .rsplit(')')
-            .next()
-            .and_then(|s| s.split_whitespace().next());
-        if matches!(state, Some(s) if s != "Z" && s != "X") {
+        // A killed process closes its descriptors (and so its connection,
+        // which is when the broker takes its tokens back) before it turns
+        // into a zombie: while it exits it may still look running. It
+        // holds tokens only while it has descriptors open.
+        let open_fds = std::fs::read_dir(format!("/proc/{pid}/fd"))
+            .map(|d| d.count())
+            .unwrap_or(0);
+        if open_fds > 0 {
             n += 1;
         }
     }
