@@ -2,7 +2,8 @@
 //! (`embed/gnu-make/build.sh`, `target/embed/gnu-make/bin/make`), running
 //! real recursive trees: herdless sub-makes, stock GNU make 4.4.1
 //! sub-makes on the broker's classic FIFO, and nested sub-makes, under
-//! `-j 1/4/16`. Counts and invariants only: at most N jobs at once and N
+//! `-j 1/4/16/64`, and a recipe that runs `cargo build` on the same
+//! jobserver. Counts and invariants only: at most N jobs at once and N
 //! reached, every job run, no token lost, tokens really granted through
 //! herdless, a failing job stops the tree, SIGINT leaves nothing behind.
 
@@ -53,8 +54,12 @@ fn stock_make() -> PathBuf {
 /// 4.4.1 on the classic FIFO; branch 6 is a herdless sub-make whose own
 /// sub-make is stock.
 fn tree(t: &Tree) -> usize {
+    tree_of(t, 8)
+}
+
+/// [`tree`] with `per` jobs in each of its eight makefiles.
+fn tree_of(t: &Tree, per: usize) -> usize {
     let stock = stock_make();
-    let per = 8;
     for b in 1..=6 {
         t.flat_makefile(&format!("sub{b}.mk"), &format!("b{b}j"), per);
     }
@@ -155,14 +160,24 @@ fn assert_no_leftovers(t: &Tree) {
     assert!(left.is_empty(), "left behind in TMPDIR: {left:?}");
 }
 
+/// The sizes of tree to run at each `-j`: (N, jobs per makefile, each
+/// job's sleep). At `-j64` the eight makefiles hold 192 jobs of 1.5 s, so
+/// that 64 run at once while the makes start and reap the rest.
+const SIZES: [(u32, usize, &str); 4] = [
+    (1, 8, "0.15"),
+    (4, 8, "0.15"),
+    (16, 8, "0.15"),
+    (64, 24, "1.5"),
+];
+
 #[test]
-fn herdless_gnu_make_runs_a_recursive_tree_at_j_1_4_16() {
+fn herdless_gnu_make_runs_a_recursive_tree_at_j_1_4_16_64() {
     let make = herdless_make();
-    for n in [1u32, 4, 16] {
+    for (n, per, sleep) in SIZES {
         let t = Tree::new(&format!("real-make-j{n}"));
-        let total = tree(&t);
+        let total = tree_of(&t, per);
         let mut cmd = make_cmd(&t, &make);
-        cmd.arg(format!("-j{n}"));
+        cmd.arg(format!("-j{n}")).env("JOB_SLEEP", sleep);
         let out = run(cmd);
         let report = text(&out);
         assert!(out.status.success(), "-j{n}: {report}");
@@ -189,27 +204,216 @@ fn herdless_gnu_make_runs_a_recursive_tree_at_j_1_4_16() {
     }
 }
 
-#[test]
-fn herdless_gnu_make_is_a_native_client_of_herdless_run() {
-    let t = Tree::new("real-make-run");
-    let total = tree(&t);
-    let mut cmd = make_cmd(&t, Path::new(BIN));
-    cmd.args(["run", "-j", "4", "--stats", "--"])
-        .arg(herdless_make());
+/// Writes a tree's Makefiles, given the jobs per makefile; returns how
+/// many jobs it runs.
+type TreeBuilder = fn(&Tree, usize) -> usize;
+
+/// The trees `herdless run` runs: (N, jobs per makefile, each job's
+/// sleep). Debian's bmake notices a free token only when one of its
+/// children ends: at `-j16` longer jobs let the stock branches catch up,
+/// so that 16 run at once.
+const RUN_SIZES: [(u32, usize, &str); 2] = [(4, 8, "0.15"), (16, 16, "0.5")];
+
+/// `herdless run -j N --stats -- COMMAND…` on the tree, each job sleeping
+/// `sleep` seconds.
+fn herdless_run(t: &Tree, n: u32, sleep: &str, command: &[&std::ffi::OsStr]) -> (Output, String) {
+    let mut cmd = make_cmd(t, Path::new(BIN));
+    cmd.args(["run", "-j", &n.to_string(), "--stats", "--"])
+        .args(command)
+        .env("JOB_SLEEP", sleep);
     let out = run(cmd);
-    let report = text(&out);
-    assert!(out.status.success(), "{report}");
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    (out, stderr)
+}
+
+/// A figure of the `classic` line of `--stats` ("… 3 returned, …").
+fn classic_figure(stderr: &str, what: &str) -> u64 {
+    let line = stat(stderr, "classic");
+    let words: Vec<&str> = line
+        .split([' ', ',', ':'])
+        .filter(|w| !w.is_empty())
+        .collect();
+    let at = words
+        .iter()
+        .position(|w| *w == what)
+        .unwrap_or_else(|| panic!("no {what} in {line}"));
+    words[at - 1].parse().unwrap()
+}
+
+/// The tree ran as `-j n` says: every job, at most n at once and n
+/// reached, no token lost.
+fn assert_ran(t: &Tree, total: usize, n: u32, out: &Output, what: &str) {
+    let report = text(out);
+    assert!(out.status.success(), "{what}: {report}");
+    assert!(!report.contains("INTERNAL"), "{what}: {report}");
     let (done, most) = t.counts();
-    assert_eq!(done, total, "{report}");
-    assert!(most <= 4, "{most} jobs at once\n{report}");
-    assert_eq!(most, 4, "{report}");
+    assert_eq!(done, total, "{what}: {report}");
+    assert!(most <= n, "{what}: {most} jobs at once\n{report}");
+    assert_eq!(most, n, "{what}: never {n} jobs at once\n{report}");
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(stat(&stderr, "tokens lost"), "0");
-    let grants = stat(&stderr, "grants");
-    let native: u64 = grants.split_whitespace().next().unwrap().parse().unwrap();
-    assert!(native > 0, "{report}");
-    // The makes used `herdless run`'s broker; none started its own.
-    assert!(broker_lines(&t).is_empty(), "{report}");
+    assert_eq!(stat(&stderr, "tokens lost"), "0", "{what}: {report}");
+    assert_eq!(classic_figure(&stderr, "lost"), 0, "{what}: {report}");
+}
+
+/// The makes with herdless inside, as `herdless run`'s command: native
+/// clients of its broker (none starts a broker of its own), and the
+/// bridge learns that from the broker: the command connected natively.
+#[test]
+fn herdless_makes_are_native_clients_of_herdless_run() {
+    let makes: [(&str, PathBuf, TreeBuilder); 2] = [
+        ("gnu", herdless_make(), tree_of),
+        ("bmake", herdless_bmake(), bmake_tree_of),
+    ];
+    for (name, make, build) in makes {
+        for (n, per, sleep) in RUN_SIZES {
+            let t = Tree::new(&format!("real-make-run-{name}-j{n}"));
+            let total = build(&t, per);
+            let (out, stderr) = herdless_run(&t, n, sleep, &[make.as_os_str()]);
+            let what = format!("{name} -j{n}");
+            assert_ran(&t, total, n, &out, &what);
+            let grants = stat(&stderr, "grants");
+            let native: u64 = grants.split_whitespace().next().unwrap().parse().unwrap();
+            assert!(native > 0, "{what}: {stderr}");
+            assert!(
+                stat(&stderr, "pipe readers").starts_with("command native,"),
+                "{what}: {stderr}"
+            );
+            // The makes used `herdless run`'s broker; none started its own.
+            assert!(broker_lines(&t).is_empty(), "{what}: {stderr}");
+            assert_no_leftovers(&t);
+        }
+    }
+}
+
+/// Stock GNU make and Debian's bmake as `herdless run`'s command, with
+/// stock sub-makes throughout: classic clients only, seen at work.
+#[test]
+fn stock_makes_are_classic_clients_of_herdless_run() {
+    let makes: [(&str, PathBuf, TreeBuilder); 2] = [
+        ("gnu", stock_make(), tree_of),
+        ("bmake", PathBuf::from("/usr/bin/bmake"), bmake_tree_of),
+    ];
+    for (name, make, build) in makes {
+        for (n, per, sleep) in RUN_SIZES {
+            let t = Tree::new(&format!("real-make-run-stock-{name}-j{n}"));
+            let total = build(&t, per);
+            let (out, stderr) = herdless_run(&t, n, sleep, &[make.as_os_str()]);
+            let what = format!("stock {name} -j{n}");
+            assert_ran(&t, total, n, &out, &what);
+            assert!(
+                stat(&stderr, "pipe readers")
+                    .starts_with("command not native, classic clients seen,"),
+                "{what}: {stderr}"
+            );
+            assert!(classic_figure(&stderr, "returned") > 0, "{what}: {stderr}");
+        }
+    }
+}
+
+/// A script, not a make, that starts six stock makes side by side, each
+/// as a `herdless exec` job (the make's implicit token is the one `exec`
+/// holds for it): the natives (`exec`) and the classic readers (the
+/// makes) share the pool, and the tree still runs at exactly N.
+#[test]
+fn a_script_that_starts_stock_makes_under_herdless_run() {
+    for (n, per, sleep) in RUN_SIZES {
+        let t = Tree::new(&format!("real-make-run-script-j{n}"));
+        let total = tree_of(&t, per);
+        let script = t.path("build.sh");
+        fs::write(
+            &script,
+            format!(
+                "#!/bin/sh\n\
+                 pids=\n\
+                 for b in 1 2 3 4 5 6; do\n\
+                 \t\"$HERDLESS\" exec -- {make} -f {d}/sub$b.mk &\n\
+                 \tpids=\"$pids $!\"\n\
+                 done\n\
+                 s=0\n\
+                 for p in $pids; do wait $p || s=1; done\n\
+                 exit $s\n",
+                make = stock_make().display(),
+                d = t.dir.display()
+            ),
+        )
+        .unwrap();
+        let (out, stderr) = herdless_run(
+            &t,
+            n,
+            sleep,
+            &[std::ffi::OsStr::new("sh"), script.as_os_str()],
+        );
+        let what = format!("script -j{n}");
+        assert_ran(&t, total, n, &out, &what);
+        assert!(
+            stat(&stderr, "pipe readers").starts_with("command not native, classic clients seen,"),
+            "{what}: {stderr}"
+        );
+    }
+}
+
+/// What the bridge knows comes from the broker: a make with herdless
+/// inside connects as the command, and nothing reads the pipe, so the
+/// bridge relies on its back-off (status says `command_native`, no
+/// classic client seen, every offer taken back unread); with one stock
+/// sub-make below it, the bridge sees that classic client at work and
+/// offers at every turn again; a stock make of the same tree is no native
+/// client, and reads the pipe.
+#[test]
+fn the_bridge_learns_from_the_broker_who_reads_the_pipe() {
+    // (name, command, stock sub-make for branch 2, native, classic seen)
+    let cases = [
+        ("herdless", herdless_make(), false, true, false),
+        ("herdless-stock-sub", herdless_make(), true, true, true),
+        ("stock", stock_make(), false, false, true),
+    ];
+    for (name, make, stock_sub, native, seen) in cases {
+        let t = Tree::new(&format!("real-make-readers-{name}"));
+        // Two branches at -j 4: tokens are left over for the sub-makes'
+        // second jobs, which a stock sub-make reads from the pipe.
+        t.recursive_makefile(2, 16);
+        let mut top = fs::read_to_string(t.path("Makefile")).unwrap();
+        top = top.replacen("all:", "all: status", 1);
+        top += &format!(
+            "status:\n\t@\"$$HERDLESS\" status --json > {}\n",
+            t.path("status.json").display()
+        );
+        if stock_sub {
+            top = top.replace(
+                "branch2:\n\t@${MAKE}",
+                &format!("branch2:\n\t+@{}", stock_make().display()),
+            );
+            assert!(top.contains("+@"), "{top}");
+        }
+        fs::write(t.path("Makefile"), top).unwrap();
+        let (out, stderr) = herdless_run(&t, 4, "0.15", &[make.as_os_str()]);
+        assert_ran(&t, 32, 4, &out, name);
+        let json = fs::read_to_string(t.path("status.json")).unwrap();
+        let status: herdless::status::Status = serde_json::from_str(&json).unwrap();
+        let classic = status.classic.expect("a classic bridge");
+        assert_eq!(classic.command_native, native, "{name}: {json}");
+        let readers = stat(&stderr, "pipe readers");
+        let expected = format!(
+            "command {}, classic clients {},",
+            if native { "native" } else { "not native" },
+            if seen { "seen" } else { "not seen" }
+        );
+        assert!(readers.starts_with(&expected), "{name}: {stderr}");
+        if seen {
+            assert!(classic_figure(&stderr, "returned") > 0, "{name}: {stderr}");
+        } else {
+            assert!(!classic.classic_seen, "{name}: {json}");
+            let backoff: u32 = readers.rsplit(' ').next().unwrap().parse().unwrap();
+            assert!(backoff >= 1, "{name}: {stderr}");
+            // Nobody read an offer: every one came back out of the pipe.
+            assert_eq!(classic_figure(&stderr, "returned"), 0, "{name}: {stderr}");
+            assert_eq!(
+                classic_figure(&stderr, "offered"),
+                classic_figure(&stderr, "taken"),
+                "{name}: {stderr}"
+            );
+        }
+    }
 }
 
 #[test]
@@ -291,7 +495,11 @@ fn herdless_bmake() -> PathBuf {
 /// classic pipe (`.MAKE` hands them `-J R,W`); branch 6 is a herdless
 /// sub-make whose own sub-make is stock.
 fn bmake_tree(t: &Tree) -> usize {
-    let per = 8;
+    bmake_tree_of(t, 8)
+}
+
+/// [`bmake_tree`] with `per` jobs in each of its eight makefiles.
+fn bmake_tree_of(t: &Tree, per: usize) -> usize {
     for b in 1..=6 {
         t.flat_makefile(&format!("sub{b}.mk"), &format!("b{b}j"), per);
     }
@@ -325,13 +533,13 @@ fn bmake_tree(t: &Tree) -> usize {
 }
 
 #[test]
-fn herdless_bmake_runs_a_recursive_tree_at_j_1_4_16() {
+fn herdless_bmake_runs_a_recursive_tree_at_j_1_4_16_64() {
     let bmake = herdless_bmake();
-    for n in [1u32, 4, 16] {
+    for (n, per, sleep) in SIZES {
         let t = Tree::new(&format!("real-bmake-j{n}"));
-        let total = bmake_tree(&t);
+        let total = bmake_tree_of(&t, per);
         let mut cmd = make_cmd(&t, &bmake);
-        cmd.arg(format!("-j{n}"));
+        cmd.arg(format!("-j{n}")).env("JOB_SLEEP", sleep);
         let out = run(cmd);
         let report = text(&out);
         assert!(out.status.success(), "-j{n}: {report}");
@@ -424,4 +632,108 @@ fn recipes_that_exec_borrow_the_make_slot() {
             assert_no_leftovers(&t);
         }
     }
+}
+
+/// A small offline workspace of `crates` crates without dependencies, each
+/// enough code that its rustc runs for a moment.
+fn cargo_workspace(ws: &Path, crates: usize) {
+    let members: Vec<String> = (1..=crates).map(|i| format!("c{i}")).collect();
+    fs::create_dir_all(ws).unwrap();
+    let list: Vec<String> = members.iter().map(|m| format!("\"{m}\"")).collect();
+    fs::write(
+        ws.join("Cargo.toml"),
+        format!(
+            "[workspace]\nresolver = \"2\"\nmembers = [{}]\n",
+            list.join(", ")
+        ),
+    )
+    .unwrap();
+    for m in &members {
+        fs::create_dir_all(ws.join(m).join("src")).unwrap();
+        fs::write(
+            ws.join(m).join("Cargo.toml"),
+            format!("[package]\nname = \"{m}\"\nversion = \"0.1.0\"\nedition = \"2021\"\n"),
+        )
+        .unwrap();
+        let body: String = (0..200)
+            .map(|i| {
+                format!("pub fn f{i}(x: u64) -> u64 {{ x.wrapping_mul({i}).rotate_left(3) }}\n")
+            })
+            .collect();
+        fs::write(ws.join(m).join("src/lib.rs"), body).unwrap();
+    }
+}
+
+/// A herdless GNU make tree at `-j 8` where one recipe is `cargo build`
+/// of a six-crate workspace, with cargo's own job count at 64 so that only
+/// the jobserver (the broker's classic FIFO, handed down by the make)
+/// bounds it. A `RUSTC_WRAPPER` records each rustc in the same place as
+/// the make jobs, so the tree's most-at-once counts the rustc processes:
+/// at most 8, every job run, cargo done, nothing lost. (The same recipe
+/// with cargo cut off from the jobserver, `MAKEFLAGS`, `MFLAGS` and
+/// `CARGO_MAKEFLAGS` unset, runs 13 at once here: the count sees it.)
+#[test]
+fn cargo_in_a_recipe_shares_the_make_limit() {
+    common::require("cargo");
+    let n = 8u32;
+    let t = Tree::new("real-make-cargo");
+    let jobs = tree(&t);
+    let ws = t.path("ws");
+    cargo_workspace(&ws, 6);
+    let d = t.dir.display();
+    let wrapper = t.path("rustc-wrapper.sh");
+    fs::write(
+        &wrapper,
+        format!(
+            "#!/bin/sh\n\
+             mkdir {d}/running/$$\n\
+             n=$(ls {d}/running | wc -l)\n\
+             echo \"$n\" >> {d}/peaks\n\
+             echo x >> {d}/rustc\n\
+             \"$@\"\n\
+             rc=$?\n\
+             rmdir {d}/running/$$\n\
+             exit $rc\n"
+        ),
+    )
+    .unwrap();
+    fs::set_permissions(
+        &wrapper,
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
+    let mut top = fs::read_to_string(t.path("Makefile")).unwrap();
+    top = top.replacen("all:", "all: crates", 1);
+    top += &format!(
+        "crates:\n\t+@cargo build --offline -q --manifest-path {}/Cargo.toml\n",
+        ws.display()
+    );
+    fs::write(t.path("Makefile"), top).unwrap();
+    let mut cmd = make_cmd(&t, &herdless_make());
+    cmd.arg(format!("-j{n}"))
+        .env("RUSTC_WRAPPER", &wrapper)
+        .env("CARGO_TARGET_DIR", t.path("target"))
+        .env("CARGO_BUILD_JOBS", "64")
+        .env_remove("RUSTC_WORKSPACE_WRAPPER")
+        .env_remove("RUSTFLAGS")
+        .env_remove("CARGO_ENCODED_RUSTFLAGS");
+    let out = run(cmd);
+    let report = text(&out);
+    assert!(out.status.success(), "{report}");
+    let (done, most) = t.counts();
+    assert_eq!(done, jobs, "{report}");
+    assert!(most <= n, "{most} jobs and rustc at once\n{report}");
+    assert_eq!(most, n, "never {n} at once\n{report}");
+    // Every crate was compiled, each rustc counted.
+    let rustc = fs::read_to_string(t.path("rustc")).unwrap_or_default();
+    assert!(rustc.lines().count() >= 6, "{report}");
+    for i in 1..=6 {
+        let rlib = t.path(&format!("target/debug/libc{i}.rlib"));
+        assert!(rlib.exists(), "no {}\n{report}", rlib.display());
+    }
+    let brokers = broker_lines(&t);
+    assert_eq!(brokers.len(), 1, "{brokers:?}");
+    assert_eq!(figure(&brokers[0], "lost"), 0, "{brokers:?}");
+    assert!(figure(&brokers[0], "classic_offered") > 0, "{brokers:?}");
+    assert_no_leftovers(&t);
 }

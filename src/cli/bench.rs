@@ -105,6 +105,10 @@ struct MakeArgs {
     /// How long each job sleeps, in milliseconds.
     #[arg(long, default_value_t = 5)]
     job_ms: u32,
+    /// Jobs of mixed lengths: each sub-make's jobs sleep 1, 1, 1, 2, 2, 4,
+    /// 10 and 20 times --job-ms in turn.
+    #[arg(long)]
+    mix: bool,
     /// At most N jobs at once, as make's -j.
     #[arg(short = 'j', long = "jobs", default_value_t = 32,
           value_parser = clap::value_parser!(u32).range(2..=4096))]
@@ -316,6 +320,7 @@ fn bench_make(args: MakeArgs) -> Result<u8> {
         job_ms: args.job_ms,
         jobs: args.jobs,
         repeat: args.repeat,
+        mix: args.mix,
     };
     let mut progress = Progress::new(variants.len() * args.repeat as usize);
     let results = realmake::run_all(&cfg, &variants, |what| {
@@ -325,9 +330,10 @@ fn bench_make(args: MakeArgs) -> Result<u8> {
     .context("the make benchmark")?;
     progress.finish();
     let caption = format!(
-        "{} sub-makes × {} jobs of {} ms, -j {} · {} · {} CPUs · herdless bench make",
+        "{} sub-makes × {} jobs of {}{} ms, -j {} · {} · {} CPUs · herdless bench make",
         cfg.subs,
         cfg.per,
+        if cfg.mix { "1–20 × " } else { "" },
         cfg.job_ms,
         cfg.jobs,
         herdless_bench::kernel_label(),

@@ -76,17 +76,19 @@ impl Outcome {
 /// Spawns `argv` with `env` added, passes SIGINT, SIGTERM and SIGHUP on
 /// to it while it runs, and waits for it.
 pub fn run(argv: &[OsString], env: &[(&str, OsString)]) -> Result<Outcome> {
-    run_inheriting(argv, env, Vec::new(), || {})
+    run_inheriting(argv, env, Vec::new(), |_| {}, || {})
 }
 
 /// [`run`], with `inherit`: descriptors (without close-on-exec) that the
-/// command inherits and that this process closes once it is spawned; and
-/// `on_signal`, called for each forwarded signal herdless receives, before
-/// it is passed on.
+/// command inherits and that this process closes once it is spawned;
+/// `on_spawn`, called with the command's process id once it is spawned;
+/// and `on_signal`, called for each forwarded signal herdless receives,
+/// before it is passed on.
 pub fn run_inheriting(
     argv: &[OsString],
     env: &[(&str, OsString)],
     inherit: Vec<OwnedFd>,
+    on_spawn: impl FnOnce(u32),
     on_signal: impl Fn() + Send + 'static,
 ) -> Result<Outcome> {
     let (program, args) = argv
@@ -122,6 +124,7 @@ pub fn run_inheriting(
             return Ok(Outcome::NotStarted(code));
         }
     };
+    on_spawn(child.id());
     let pid = Pid::from_raw(child.id() as i32);
     let received = Arc::new(AtomicI32::new(0));
     let forwarder = {

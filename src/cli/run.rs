@@ -86,7 +86,14 @@ pub fn run(args: RunArgs) -> Result<u8> {
         .spawn(move || broker.run())
         .context("cannot start the broker thread")?;
     let halter = stopper.clone();
-    let outcome = child::run_inheriting(&args.command, &env, inherit, move || halter.halt());
+    let namer = stopper.clone();
+    let outcome = child::run_inheriting(
+        &args.command,
+        &env,
+        inherit,
+        move |pid| namer.command_started(pid),
+        move || halter.halt(),
+    );
     stopper.stop();
     let report = thread
         .join()
@@ -126,16 +133,14 @@ fn classic_side(
     dir: &RunDir,
     inherit: &mut Vec<std::os::fd::OwnedFd>,
 ) -> Result<(Bridge, Vec<(&'static str, std::ffi::OsString)>)> {
+    // Which MAKEFLAGS syntax to write is guessed from the command's name
+    // (bmake reads `-J`, the rest `--jobserver-auth`). Whether the command
+    // reads the pipe at all is not: the broker sees whether it connects as
+    // a native client (`Stopper::command_started`).
     let program = &args.command[0];
     let flavor = args.flavor.unwrap_or_else(|| Flavor::for_command(program));
-    let bridge = Bridge::create(
-        dir.dir(),
-        args.style,
-        flavor,
-        args.jobs,
-        Program::of(program).is_some_and(Program::reads_jobserver),
-    )
-    .context("cannot set up the classic jobserver")?;
+    let bridge = Bridge::create(dir.dir(), args.style, flavor, args.jobs)
+        .context("cannot set up the classic jobserver")?;
     let fds = bridge.inheritable_fds()?;
     let raw = fds.as_ref().map(|(r, w)| (r.as_raw_fd(), w.as_raw_fd()));
     let env = bridge.env(raw, std::env::var_os("MAKEFLAGS").as_deref());
@@ -263,11 +268,22 @@ fn run_joined(args: RunArgs, outer: &std::path::Path) -> Result<u8> {
         inner = Some((dir, stopper, thread, figures));
     }
     let halter = inner.as_ref().map(|(_, s, _, _)| s.clone());
-    let outcome = child::run_inheriting(&args.command, &env, inherit, move || {
-        if let Some(h) = &halter {
-            h.halt();
-        }
-    });
+    let namer = halter.clone();
+    let outcome = child::run_inheriting(
+        &args.command,
+        &env,
+        inherit,
+        move |pid| {
+            if let Some(n) = &namer {
+                n.command_started(pid);
+            }
+        },
+        move || {
+            if let Some(h) = &halter {
+                h.halt();
+            }
+        },
+    );
     // The inner broker gives its borrowed tokens back as it ends; the cap
     // is lifted and the command's token given back whatever that says.
     let ended = inner.map(|(dir, stopper, thread, figures)| {
@@ -368,11 +384,28 @@ pub fn print_report(r: &Status) {
             c.flavor, c.style, c.offered, c.returned, c.taken_back, c.lost
         )
     });
+    // What the broker learnt of who reads the pipe (docs/ARCHITECTURE.md).
+    let readers = r.classic.as_ref().map(|c| {
+        format!(
+            "pipe readers  command {}, classic clients {}, back-off {}",
+            if c.command_native {
+                "native"
+            } else {
+                "not native"
+            },
+            if c.classic_seen { "seen" } else { "not seen" },
+            c.backoff
+        )
+    });
     let aborted = r
         .aborted
         .as_ref()
         .map(|a| format!("aborted       {a} (every client was told)"));
-    let lines = lines.into_iter().chain(classic).chain(aborted);
+    let lines = lines
+        .into_iter()
+        .chain(classic)
+        .chain(readers)
+        .chain(aborted);
     for line in lines {
         eprintln!("herdless: {line}");
     }

@@ -20,7 +20,21 @@
 //!   variant). Jobs (`sh`, `sleep`, `mkdir`) are left out: they are the
 //!   same in every variant;
 //! - the same per job (each job is one token's use);
-//! - the most jobs running at once.
+//! - the most jobs running at once;
+//! - **idle slots while jobs wait**: a thread of the benchmark counts the
+//!   jobs running (the entries of `running/`) every 2 ms and the jobs
+//!   started so far; from the first job's start until the last job's
+//!   start (while some job of the tree has yet to start), each sample
+//!   adds N − running slots for 2 ms. The sum, as a share of N × that
+//!   span, is the part of the pool left unused while work waited: a make
+//!   that notices a free token late (Debian's bmake, which does not poll
+//!   its pipe) shows here first. The sampler is in the benchmark's own
+//!   process, outside every figure above.
+//!
+//! With `mix` the jobs of each sub-make sleep `job_ms` times 1, 1, 1, 2,
+//! 2, 4, 10, 20 in turn (5.1 × `job_ms` on average): long jobs beside short
+//! ones, so that a make with only long jobs running has to notice tokens
+//! that the others free.
 //!
 //! Nothing here asserts: these are reports.
 
@@ -29,7 +43,9 @@ use std::fmt::Write as _;
 use std::fs;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
-use std::time::Instant;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
@@ -61,7 +77,16 @@ pub struct MakeConfig {
     pub jobs: u32,
     /// Runs per variant (the figures are the median run by wall time).
     pub repeat: u32,
+    /// Jobs of mixed lengths ([`MIX`] times `job_ms`), not all `job_ms`.
+    pub mix: bool,
 }
+
+/// The weights of `job_ms` that the jobs of a sub-make sleep, in turn,
+/// with [`MakeConfig::mix`].
+pub const MIX: [u32; 8] = [1, 1, 1, 2, 2, 4, 10, 20];
+
+/// How often the sampler counts the jobs running.
+const SAMPLE: Duration = Duration::from_millis(2);
 
 /// The figures of one variant.
 #[derive(Clone, Debug, Serialize)]
@@ -84,16 +109,23 @@ pub struct MakeResult {
     pub jobs_run: usize,
     /// The most jobs running at once.
     pub most_at_once: u32,
+    /// Slot-seconds left unused while some job had yet to start (see the
+    /// module docs).
+    pub idle_slot_s: f64,
+    /// Those as a share of N × the time from the first job's start to the
+    /// last's.
+    pub idle_share: f64,
     /// Exit status of the top command.
     pub ok: bool,
 }
 
 const JOB_SH: &str = r#"#!/bin/sh
 dir=$1
+secs=${2:-$JOB_SLEEP}
 mkdir "$dir/running/$$"
 set -- "$dir"/running/*
 echo "$#" >> "$dir/peaks"
-sleep "$JOB_SLEEP"
+sleep "$secs"
 rmdir "$dir/running/$$"
 echo x >> "$dir/done"
 "#;
@@ -158,7 +190,13 @@ impl Workspace {
         }
         sub.push('\n');
         for j in 1..=cfg.per {
-            writeln!(sub, "j{j}:\n\t@sh {d}/job.sh {d}/run").unwrap();
+            if cfg.mix {
+                let w = MIX[(j as usize - 1) % MIX.len()];
+                let secs = f64::from(cfg.job_ms * w) / 1000.0;
+                writeln!(sub, "j{j}:\n\t@sh {d}/job.sh {d}/run {secs:.3}").unwrap();
+            } else {
+                writeln!(sub, "j{j}:\n\t@sh {d}/job.sh {d}/run").unwrap();
+            }
         }
         fs::write(dir.join("sub.mk"), sub)?;
         let mut top = String::from("all:");
@@ -249,8 +287,19 @@ pub fn run_once(cfg: &MakeConfig, ws: &Workspace, v: &MakeVariant) -> std::io::R
     }
     let (cpu0, vcsw0) = children_usage();
     let start = Instant::now();
-    let status = cmd.status()?;
+    let done = Arc::new(AtomicBool::new(false));
+    let sampler = {
+        let done = done.clone();
+        let run = run.clone();
+        let total = (cfg.subs * cfg.per) as usize;
+        let jobs = cfg.jobs;
+        std::thread::spawn(move || idle_slots(&run, total, jobs, &done))
+    };
+    let status = cmd.status();
     let wall = start.elapsed();
+    done.store(true, Ordering::SeqCst);
+    let (idle_slot_s, idle_share) = sampler.join().unwrap_or((0.0, 0.0));
+    let status = status?;
     let (cpu1, vcsw1) = children_usage();
     let reports = fs::read_to_string(&rusage).unwrap_or_default();
     let mut makes = 0;
@@ -282,8 +331,51 @@ pub fn run_once(cfg: &MakeConfig, ws: &Workspace, v: &MakeVariant) -> std::io::R
         makes,
         jobs_run,
         most_at_once: most,
+        idle_slot_s,
+        idle_share,
         ok: status.success(),
     })
+}
+
+/// Samples the jobs running in `run` every [`SAMPLE`] or so until `done`:
+/// returns the slot-seconds left unused out of `jobs` from the first job's
+/// start until all `total` had started, and their share of `jobs` × that
+/// span.
+fn idle_slots(run: &std::path::Path, total: usize, jobs: u32, done: &AtomicBool) -> (f64, f64) {
+    let running_dir = run.join("running");
+    let peaks = run.join("peaks");
+    let mut idle = 0.0;
+    let mut span = 0.0;
+    // Each sample stands for the time since the one before: on a busy
+    // machine the sampler may run late, never early.
+    let mut last: Option<(Instant, u32)> = None;
+    while !done.load(Ordering::SeqCst) {
+        // One line per job started.
+        let started = fs::read(&peaks)
+            .map(|b| b.iter().filter(|&&c| c == b'\n').count())
+            .unwrap_or(0);
+        let now = Instant::now();
+        if let Some((then, free)) = last {
+            let dt = (now - then).as_secs_f64();
+            idle += f64::from(free) * dt;
+            span += dt;
+        }
+        if started >= total {
+            break;
+        }
+        last = (started > 0).then(|| {
+            let running = fs::read_dir(&running_dir).map(|d| d.count()).unwrap_or(0);
+            let running = u32::try_from(running).unwrap_or(u32::MAX);
+            (now, jobs.saturating_sub(running))
+        });
+        std::thread::sleep(SAMPLE);
+    }
+    let share = if span > 0.0 {
+        idle / (f64::from(jobs) * span)
+    } else {
+        0.0
+    };
+    (idle, share)
 }
 
 /// Runs every variant `cfg.repeat` times, interleaved (variant A, B, C, A,
@@ -316,14 +408,24 @@ pub fn table(results: &[MakeResult]) -> String {
     let mut out = String::new();
     writeln!(
         out,
-        "{:<26} {:>8} {:>8} {:>10} {:>9} {:>10} {:>6} {:>6} {:>5}",
-        "variant", "wall s", "CPU s", "makes vcsw", "per job", "tree vcsw", "jobs", "most", "ok"
+        "{:<26} {:>8} {:>8} {:>10} {:>9} {:>10} {:>6} {:>6} {:>8} {:>6} {:>5}",
+        "variant",
+        "wall s",
+        "CPU s",
+        "makes vcsw",
+        "per job",
+        "tree vcsw",
+        "jobs",
+        "most",
+        "idle s·N",
+        "idle %",
+        "ok"
     )
     .unwrap();
     for r in results {
         writeln!(
             out,
-            "{:<26} {:>8.2} {:>8.2} {:>10} {:>9.2} {:>10} {:>6} {:>6} {:>5}",
+            "{:<26} {:>8.2} {:>8.2} {:>10} {:>9.2} {:>10} {:>6} {:>6} {:>8.2} {:>6.1} {:>5}",
             r.variant,
             r.wall_s,
             r.cpu_s,
@@ -332,6 +434,8 @@ pub fn table(results: &[MakeResult]) -> String {
             r.tree_vcsw,
             r.jobs_run,
             r.most_at_once,
+            r.idle_slot_s,
+            r.idle_share * 100.0,
             if r.ok { "yes" } else { "NO" }
         )
         .unwrap();

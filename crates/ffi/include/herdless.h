@@ -377,9 +377,11 @@ int herdless_status(const herdless_client *c, char *buf, size_t len);
  * Aborts the whole tree: `reason` is `'E'` (a job failed) or `'I'` (the
  * build was interrupted). Every client is told (native clients by
  * message, bmake children by an `E` or `I` token), waiting acquires end
- * with `-ECANCELED`, and no token is granted after it. The first abort
- * wins; later ones succeed and change nothing. Tokens held stay held until
- * released or freed.
+ * with `-ECANCELED`, and no token is granted after it: through a broker
+ * it returns once the broker has taken the abort (one round trip), so no
+ * acquire anywhere succeeds after it returns. The first abort wins; later
+ * ones succeed and change nothing. Tokens held stay held until released
+ * or freed.
  *
  * Returns 0, or `-EINVAL` when `c` is NULL or `reason` is neither `'E'`
  * nor `'I'`, `-ECONNRESET` when the broker is gone, or `-ENOTSUP` on a

@@ -532,9 +532,11 @@ pub unsafe extern "C" fn herdless_status(
 /// Aborts the whole tree: `reason` is `'E'` (a job failed) or `'I'` (the
 /// build was interrupted). Every client is told (native clients by
 /// message, bmake children by an `E` or `I` token), waiting acquires end
-/// with `-ECANCELED`, and no token is granted after it. The first abort
-/// wins; later ones succeed and change nothing. Tokens held stay held until
-/// released or freed.
+/// with `-ECANCELED`, and no token is granted after it: through a broker
+/// it returns once the broker has taken the abort (one round trip), so no
+/// acquire anywhere succeeds after it returns. The first abort wins; later
+/// ones succeed and change nothing. Tokens held stay held until released
+/// or freed.
 ///
 /// Returns 0, or `-EINVAL` when `c` is NULL or `reason` is neither `'E'`
 /// nor `'I'`, `-ECONNRESET` when the broker is gone, or `-ENOTSUP` on a
@@ -816,9 +818,7 @@ fn start_broker(
     let mut auth = None;
     let mut fds = None;
     if let Some((style, flavor)) = classic {
-        // The caller is a native client: no offer kept for it up front.
-        let bridge =
-            Bridge::create(dir.dir(), style, flavor, jobs, false).map_err(|e| io_errno(&e))?;
+        let bridge = Bridge::create(dir.dir(), style, flavor, jobs).map_err(|e| io_errno(&e))?;
         fds = bridge.inheritable_fds().map_err(|e| io_errno(&e))?;
         let raw = fds.as_ref().map(|(r, w)| (r.as_raw_fd(), w.as_raw_fd()));
         let text = match bridge.auth(raw) {
@@ -839,6 +839,10 @@ fn start_broker(
     let socket = std::path::absolute(dir.socket()).map_err(|e| io_errno(&e))?;
     let socket = CString::new(socket.into_os_string().into_vec()).map_err(|_| libc::EINVAL)?;
     let dir_path = CString::new(dir.dir().as_os_str().as_bytes()).map_err(|_| libc::EINVAL)?;
+    // The caller is the command at the top: when it connects natively, as
+    // a make with herdless inside does next, the bridge learns it from the
+    // broker like any other native command.
+    broker.set_command(std::process::id());
     let stopper = broker.stopper();
     let thread = std::thread::Builder::new()
         .name("herdless-broker".into())

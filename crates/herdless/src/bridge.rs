@@ -43,6 +43,35 @@
 //!   Every figure here counts grants, never time: nothing in the bridge
 //!   sleeps or uses a timer.
 //!
+//! # Who reads the pipe
+//!
+//! The bridge never guesses from a command's name whether it reads the
+//! pipe; it goes by what the broker sees:
+//!
+//! - **At the start** nothing is known, and the command may be a classic
+//!   client (a stock make, cargo, a script that starts them): the back-off
+//!   is 0, so an offer is made at every turn and one nobody reads is made
+//!   again after a single round.
+//! - **The command connects natively.** `herdless run` tells the broker
+//!   the process id of its command ([`crate::broker::Stopper::command_started`];
+//!   a make that starts its own broker names itself). When a native client
+//!   of that process id says hello (a make with herdless inside, `herdless
+//!   exec`, a nested `herdless run`), the broker calls
+//!   [`Bridge::command_is_native`]: unless a classic client was already
+//!   seen at work, the back-off starts at 1, so the bridge relies on its
+//!   back-off from the first ignored offer instead of assuming a reader up
+//!   front. Stock sub-makes, cargo or gcc below a native make still get
+//!   offers, within the back-off's bound.
+//! - **A classic client is seen at work**: fewer bytes in the pipe than the
+//!   bridge put there (an offer was read), or a token written back. The
+//!   back-off drops to 0 at each such sign, whatever the command is.
+//!
+//! Which `MAKEFLAGS` syntax to write (`-J` for bmake, `--jobserver-auth`
+//! for the rest) is a different question, answered before anything runs:
+//! `herdless run` guesses it from the command's name unless `--flavor`
+//! says. `status` reports what the bridge learnt ([`ClassicStatus`]:
+//! `command_native`, `classic_seen`, `backoff`).
+//!
 //! # Backed pools
 //!
 //! When the pool's tokens are borrowed from an outer jobserver
@@ -51,13 +80,14 @@
 //! than one ([`Bridge::set_backed`]). While natives wait, the offer rules
 //! above apply unchanged. While none waits, the whole free pool does *not*
 //! go to the pipe: one *standing offer* is kept there, and only while the
-//! classic side is live (the command is a classic client, a classic client
-//! was seen taking or returning a token, or no native client has connected
-//! yet, so that a make started by a script gets a first offer). Where the
-//! OS allows (Linux), the pipe is shrunk to one buffer, so a description
-//! opened for writing becomes writable, edge-triggered, exactly when a
-//! reader takes the last byte: the broker wakes and the next offer follows
-//! at once, and an inner make reaches the inner `-j` as fast as it reads.
+//! classic side is live: a classic client was seen taking or returning a
+//! token, or no native client has connected yet (the command may be a
+//! stock make, or a script that starts one: the first offer finds out).
+//! Where the OS allows (Linux), the pipe is shrunk to one buffer, so a
+//! description opened for writing becomes writable, edge-triggered,
+//! exactly when a reader takes the last byte: the broker wakes and the
+//! next offer follows at once, and an inner make reaches the inner `-j` as
+//! fast as it reads.
 //!
 //! # Liveness
 //!
@@ -140,6 +170,11 @@ pub struct Bridge {
     expected_in_pipe: u32,
     backoff: u32,
     next_offer_at: u64,
+    /// The command at the top connected to the broker as a native client.
+    command_native: bool,
+    /// A classic client was seen at work: it read an offer or wrote a
+    /// token back.
+    classic_seen: bool,
     aborted: Option<AbortReason>,
     offered: u64,
     returned: u64,
@@ -150,8 +185,6 @@ pub struct Bridge {
     /// The pool's tokens are borrowed from an outer jobserver (see
     /// [`Bridge::set_backed`]).
     backed: bool,
-    /// Classic clients are expected (the command is one) or were seen.
-    classic_seen: bool,
     /// A write-only description of `offers`, on a pipe of one buffer:
     /// writable again, edge-triggered, when a reader takes the last byte.
     drained: Option<File>,
@@ -179,15 +212,9 @@ fn open_private(path: &Path) -> io::Result<File> {
 
 impl Bridge {
     /// Makes the FIFOs in `dir` (the broker's private directory) for `-j
-    /// jobs`. `classic_expected` says the command is itself a classic
-    /// client, so the bridge keeps an offer for it from the start.
-    pub fn create(
-        dir: &Path,
-        style: Style,
-        flavor: Flavor,
-        jobs: u32,
-        classic_expected: bool,
-    ) -> io::Result<Bridge> {
+    /// jobs`. The bridge starts out assuming that the command may read the
+    /// pipe (see "Who reads the pipe" in the module docs).
+    pub fn create(dir: &Path, style: Style, flavor: Flavor, jobs: u32) -> io::Result<Bridge> {
         if style == Style::Fifo && flavor == Flavor::Bmake {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
@@ -239,7 +266,9 @@ impl Bridge {
             queued: false,
             offer: None,
             expected_in_pipe: 0,
-            backoff: if classic_expected { 0 } else { 1 },
+            backoff: 0,
+            command_native: false,
+            classic_seen: false,
             next_offer_at: 0,
             aborted: None,
             offered: 0,
@@ -248,7 +277,6 @@ impl Bridge {
             stray: 0,
             lost: 0,
             backed: false,
-            classic_seen: classic_expected,
             drained: None,
         })
     }
@@ -325,11 +353,11 @@ impl Bridge {
     }
 
     /// Whether a backed pool keeps a standing offer in the pipe: classic
-    /// clients are expected or were seen, or no native client has
-    /// connected yet (the command may start a make; the first offer
+    /// clients were seen at work, or no native client has connected yet
+    /// (the command may be a stock make, or start one; the first offer
     /// finds out).
     fn standing_offer(&self, pool: &Pool) -> bool {
-        self.classic_seen || pool.stats().connections <= 1
+        self.classic_seen || pool.external_connections() == 0
     }
 
     /// Joins the pool as the `classic` client.
@@ -534,9 +562,40 @@ impl Bridge {
 
     /// Classic clients were seen at work: offer again at every turn.
     fn classic_active(&mut self) {
+        if !self.classic_seen {
+            log!(
+                Level::Debug,
+                "classic: a classic client read or returned a token"
+            );
+        }
         self.classic_seen = true;
         self.backoff = 0;
         self.next_offer_at = 0;
+    }
+
+    /// The broker saw the command at the top connect as a native client
+    /// (a make with herdless inside, `herdless exec`, a nested `herdless
+    /// run`): it takes its tokens from the broker, not from the pipe. Unless
+    /// a classic client has already been seen at work, the bridge stops
+    /// assuming a reader up front: the next ignored offer waits three
+    /// rounds, not one, and the gaps double from there.
+    pub fn command_is_native(&mut self) {
+        if self.command_native {
+            return;
+        }
+        self.command_native = true;
+        if !self.classic_seen {
+            self.backoff = self.backoff.max(1);
+        }
+        log!(
+            Level::Debug,
+            "classic: the command is a native client{}",
+            if self.classic_seen {
+                "; classic clients already at work"
+            } else {
+                ""
+            }
+        );
     }
 
     /// Rebalances the pool between native waiters and the pipe; called
@@ -725,6 +784,9 @@ impl Bridge {
             returned: self.returned,
             taken_back: self.taken_back,
             lost: self.lost,
+            command_native: self.command_native,
+            classic_seen: self.classic_seen,
+            backoff: self.backoff,
         }
     }
 }

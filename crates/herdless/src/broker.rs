@@ -46,7 +46,7 @@ use std::fs::File;
 use std::io::{self, Read, Write};
 use std::os::fd::AsFd;
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -147,12 +147,14 @@ impl Config {
     }
 }
 
-/// Stops a running broker from another thread.
+/// A handle on a running broker from another thread: stops it, and names
+/// the command at the top.
 #[derive(Clone, Debug)]
 pub struct Stopper {
     waker: Arc<Waker>,
     flag: Arc<AtomicBool>,
     halt: Arc<AtomicBool>,
+    command: Arc<AtomicU32>,
 }
 
 impl Stopper {
@@ -174,9 +176,18 @@ impl Stopper {
         self.wake();
     }
 
+    /// Tells the broker the process id of the command at the top, once it
+    /// is spawned: when that process connects as a native client (now or
+    /// already), the classic bridge knows the command reads no pipe (see
+    /// [`Bridge::command_is_native`]).
+    pub fn command_started(&self, pid: u32) {
+        self.command.store(pid, Ordering::SeqCst);
+        self.wake();
+    }
+
     fn wake(&self) {
         if let Err(e) = self.waker.wake() {
-            log!(Level::Error, "cannot wake the broker to stop it: {e}");
+            log!(Level::Error, "cannot wake the broker: {e}");
         }
     }
 }
@@ -196,6 +207,8 @@ struct Conn {
     client: Option<ClientId>,
     /// From the kernel where it tells (SO_PEERCRED), else from the hello.
     pid: Option<u32>,
+    /// Said hello as an observer (takes no tokens).
+    observer: bool,
     /// Watched for writability: only while replies wait in `tx`, so a
     /// client reading its grant does not wake the broker again.
     watching_writes: bool,
@@ -239,6 +252,12 @@ pub struct Broker {
     waker: Arc<Waker>,
     stop: Arc<AtomicBool>,
     halt: Arc<AtomicBool>,
+    /// The process id of the command at the top, once known (0 before).
+    command: Arc<AtomicU32>,
+    /// The command connected as a native client, and the bridge was told.
+    command_native: bool,
+    /// The command pid the connections were last searched for.
+    command_looked: u32,
     /// The slot of the command at the top: the N-th token of `-jN`.
     top_slot: u64,
     minted: u64,
@@ -384,6 +403,9 @@ impl Broker {
             waker,
             stop: Arc::new(AtomicBool::new(false)),
             halt: Arc::new(AtomicBool::new(false)),
+            command: Arc::new(AtomicU32::new(0)),
+            command_native: false,
+            command_looked: 0,
             top_slot,
             minted: 1,
             closing: Vec::new(),
@@ -535,6 +557,46 @@ impl Broker {
             waker: self.waker.clone(),
             flag: self.stop.clone(),
             halt: self.halt.clone(),
+            command: self.command.clone(),
+        }
+    }
+
+    /// Names the process id of the command at the top before the broker
+    /// runs, as [`Stopper::command_started`] does while it runs.
+    pub fn set_command(&mut self, pid: u32) {
+        self.command.store(pid, Ordering::SeqCst);
+    }
+
+    /// Whether `pid` is the command at the top.
+    fn is_command(&self, pid: u32) -> bool {
+        pid != 0 && self.command.load(Ordering::SeqCst) == pid
+    }
+
+    /// The command at the top connected natively: tell the bridge, once.
+    fn command_connected(&mut self) {
+        if self.command_native {
+            return;
+        }
+        self.command_native = true;
+        log!(Level::Debug, "the command at the top is a native client");
+        if let Some(bridge) = self.bridge.as_mut() {
+            bridge.command_is_native();
+        }
+    }
+
+    /// If the command's pid just became known (one atomic load otherwise)
+    /// and it has already connected natively, tells the bridge.
+    fn look_for_command(&mut self) {
+        let pid = self.command.load(Ordering::SeqCst);
+        if self.command_native || pid == 0 || pid == self.command_looked {
+            return;
+        }
+        self.command_looked = pid;
+        let found = self.conns.values().any(|c| {
+            c.client.is_some() && !c.observer && c.pid.is_some_and(|p| self.is_command(p))
+        });
+        if found {
+            self.command_connected();
         }
     }
 
@@ -606,6 +668,9 @@ impl Broker {
                 }
                 return Err(e);
             }
+            // Before this batch's requests: the command's pid may have
+            // just become known (a stopper's wake-up is among the events).
+            self.look_for_command();
             // A timeout (no events) is the slow re-check: sample now.
             self.check_admission(events.is_empty());
             self.flush_dirty();
@@ -809,6 +874,7 @@ impl Broker {
                 tx: Vec::new(),
                 client: None,
                 pid,
+                observer: false,
                 watching_writes: false,
                 version: PROTOCOL_VERSION,
                 exit_fd: None,
@@ -1165,6 +1231,7 @@ impl Broker {
             (false, false) => None,
         };
         let pid = *conn.pid.get_or_insert(pid);
+        conn.observer = observer;
         let info = ClientInfo {
             pid,
             borrows,
@@ -1184,6 +1251,9 @@ impl Broker {
         }
         let own = if observer { 0 } else { self.mint_slot(id) };
         self.note_ancestry(id, pid, 0);
+        if !observer && self.is_command(pid) {
+            self.command_connected();
+        }
         self.send(
             token,
             &Reply::Welcome {

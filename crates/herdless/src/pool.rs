@@ -265,6 +265,9 @@ pub struct Pool {
     /// The slots whose token counts (the top command's), which a cap may
     /// withhold: few, so that a release under a cap need not walk them all.
     counting: BTreeSet<SlotKey>,
+    /// Connections of clients other than the broker's own (the classic
+    /// bridge, the shared table), ever.
+    external_connections: u64,
     aborted: Option<AbortReason>,
     stopped: bool,
     next_id: u64,
@@ -286,6 +289,7 @@ impl Pool {
             slots: HashMap::new(),
             counted_lent: 0,
             counting: BTreeSet::new(),
+            external_connections: 0,
             aborted: None,
             stopped: false,
             next_id: 1,
@@ -334,6 +338,12 @@ impl Pool {
     /// Whether [`Pool::stop`] was called.
     pub fn stopped(&self) -> bool {
         self.stopped
+    }
+
+    /// Clients that ever connected, not counting the broker's own (the
+    /// classic bridge's, the shared table's).
+    pub fn external_connections(&self) -> u64 {
+        self.external_connections
     }
 
     /// Statistics so far.
@@ -538,6 +548,9 @@ impl Pool {
         let id = ClientId(self.next_id);
         self.next_id += 1;
         self.stats.connections += 1;
+        if !info.internal {
+            self.external_connections += 1;
+        }
         if info.observer {
             info.borrows = None;
         }

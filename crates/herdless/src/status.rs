@@ -58,6 +58,18 @@ pub struct ClassicStatus {
     pub taken_back: u64,
     /// At exit: classic tokens that never came back.
     pub lost: u32,
+    /// The command at the top connected as a native client (the broker
+    /// saw its process id).
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub command_native: bool,
+    /// A classic client was seen at work (read an offer, wrote a token
+    /// back).
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub classic_seen: bool,
+    /// The bridge's back-off: after an offer nobody reads, the next comes
+    /// 2^backoff − 1 rounds of native grants later.
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub backoff: u32,
 }
 
 /// The whole pool at one moment.
@@ -400,6 +412,9 @@ impl ClassicStatus {
         o.num("returned", self.returned);
         o.num("taken_back", self.taken_back);
         o.num("lost", self.lost);
+        o.raw("command_native", bool_str(self.command_native));
+        o.raw("classic_seen", bool_str(self.classic_seen));
+        o.num("backoff", self.backoff);
         o.finish()
     }
 }
@@ -467,6 +482,14 @@ impl Object {
     fn finish(mut self) -> String {
         self.out.push('}');
         self.out
+    }
+}
+
+fn bool_str(b: bool) -> &'static str {
+    if b {
+        "true"
+    } else {
+        "false"
     }
 }
 
@@ -538,6 +561,9 @@ mod tests {
                 returned: 3,
                 taken_back: 1,
                 lost: 0,
+                command_native: true,
+                classic_seen: false,
+                backoff: 2,
             }),
             controls: classic.then(|| ControlsStatus {
                 admission: "load 5.5 above 4".into(),
@@ -587,6 +613,9 @@ mod tests {
             assert_eq!(v["classic"].is_null(), !classic);
             if classic {
                 assert_eq!(v["classic"]["taken_back"], 1);
+                assert_eq!(v["classic"]["command_native"], true);
+                assert_eq!(v["classic"]["classic_seen"], false);
+                assert_eq!(v["classic"]["backoff"], 2);
             }
         }
     }

@@ -172,7 +172,10 @@ impl Program {
     }
 
     /// Whether it is a classic jobserver client: it takes tokens from the
-    /// pipe named in `MAKEFLAGS` from the start.
+    /// pipe named in `MAKEFLAGS` from the start. Only a nested `herdless
+    /// run` asks this, before its command starts, to decide whether the
+    /// command gets a classic jobserver of the run's own; a top-level run
+    /// learns it from its broker instead (see `bridge.rs`).
     pub fn reads_jobserver(self) -> bool {
         self != Program::Herdless
     }

@@ -604,7 +604,10 @@ impl Client {
     }
 
     /// Aborts the whole tree: every client is told, bmake children get an
-    /// `E` or `I` token, and no token is granted after it.
+    /// `E` or `I` token, and no token is granted after it. Through a
+    /// broker it returns once the broker has taken the abort (it waits for
+    /// the broker to tell this client too), so no acquire anywhere, on
+    /// the shared table or the socket, succeeds after it returns.
     ///
     /// On a classic bmake jobserver this drains the pipe and puts the abort
     /// token in, as bmake does.
@@ -617,7 +620,10 @@ impl Client {
     pub fn abort(&self, reason: AbortReason) -> Result<()> {
         self.same_process()?;
         match &self.inner.backend {
-            Backend::Native(n) => n.abort(reason),
+            Backend::Native(n) => {
+                n.abort(reason)?;
+                n.wait_aborted()
+            }
             Backend::Classic(c) => c.abort(reason),
         }
     }

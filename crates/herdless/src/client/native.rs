@@ -907,6 +907,22 @@ impl Native {
         self.send(&Request::Abort { reason })
     }
 
+    /// Waits until the broker has told this client of an abort: every
+    /// client of the pool but an observer is told, so after a
+    /// [`Native::abort`] this returns once the broker has taken it, and
+    /// no token is granted after that, through the shared table or the
+    /// socket.
+    pub(crate) fn wait_aborted(&self) -> Result<()> {
+        let st = lock(&self.state);
+        let (st, r) = self.wait_until(st, NO_DEADLINE, |s| s.aborted.is_some());
+        r?;
+        match (&st.aborted, &st.dead) {
+            (Some(_), _) => Ok(()),
+            (None, Some((kind, msg))) => Err(Error::new(*kind, msg.clone())),
+            (None, None) => Err(Error::new(ErrorKind::Protocol, "no answer from the broker")),
+        }
+    }
+
     /// Fails once this client has learnt that the broker is gone or has
     /// stopped: a write to a connection the broker is about to close may
     /// still succeed, and would report a release that nobody takes.
