@@ -916,11 +916,11 @@ impl Native {
         let st = lock(&self.state);
         let (st, r) = self.wait_until(st, NO_DEADLINE, |s| s.aborted.is_some());
         r?;
-        match (&st.aborted, &st.dead) {
-            (Some(_), _) => Ok(()),
-            (None, Some((kind, msg))) => Err(Error::new(*kind, msg.clone())),
-            (None, None) => Err(Error::new(ErrorKind::Protocol, "no answer from the broker")),
+        if st.aborted.is_some() {
+            return Ok(());
         }
+        Self::check_alive(&st)?;
+        Err(Error::new(ErrorKind::Protocol, "no answer from the broker"))
     }
 
     /// Fails once this client has learnt that the broker is gone or has
