@@ -37,9 +37,33 @@ pub struct RunDir {
 /// The file name of the socket inside a directory made by [`RunDir::create`].
 pub const SOCKET_NAME: &str = "broker.sock";
 
-/// Opens `dir` itself, refusing a symbolic link.
-fn open_dir(dir: &Path) -> io::Result<File> {
-    fs::OpenOptions::new()
+/// Where this user's private directories go: `$XDG_RUNTIME_DIR`, `$TMPDIR`
+/// or `/tmp`, the first that is set and exists.
+pub(crate) fn runtime_base() -> PathBuf {
+    ["XDG_RUNTIME_DIR", "TMPDIR"]
+        .iter()
+        .filter_map(std::env::var_os)
+        .map(PathBuf::from)
+        .find(|p| p.is_dir())
+        .unwrap_or_else(|| PathBuf::from("/tmp"))
+}
+
+/// What [`RunDir`] calls its directory in errors.
+const SOCKET_DIR: &str = "socket directory";
+
+/// Opens the directory `dir` itself and checks, on that open descriptor,
+/// that it is private to this user: it is opened with `O_NOFOLLOW |
+/// O_DIRECTORY`, so a symbolic link (wherever it points, whoever owns it)
+/// or anything not a directory is refused, and `fstat` on the descriptor
+/// must show this user as its owner and no group or other permission bits
+/// (mode 0700). A directory swapped in after the check cannot pass it.
+///
+/// `what` names the directory in errors (`"socket directory"`), which say
+/// which path is refused and why: `PermissionDenied` for a link, another
+/// owner or an open mode; the kernel's error, `NotFound` included, when it
+/// cannot be opened.
+pub(crate) fn open_private_dir(dir: &Path, what: &str) -> io::Result<File> {
+    let handle = fs::OpenOptions::new()
         .read(true)
         .custom_flags(libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC)
         .open(dir)
@@ -49,26 +73,29 @@ fn open_dir(dir: &Path) -> io::Result<File> {
                 io::Error::new(
                     io::ErrorKind::PermissionDenied,
                     format!(
-                        "socket directory {} is a symbolic link; name the directory itself",
+                        "{what} {} is a symbolic link; it must be the directory itself",
                         dir.display()
                     ),
                 )
             } else {
-                io::Error::new(e.kind(), format!("cannot open {}: {e}", dir.display()))
+                io::Error::new(
+                    e.kind(),
+                    format!("cannot open {what} {}: {e}", dir.display()),
+                )
             }
-        })
-}
-
-/// Checks that the directory open as `handle` belongs to this user and
-/// lets no one else in.
-fn check_private(dir: &Path, handle: &File) -> io::Result<()> {
-    let meta = handle.metadata()?;
+        })?;
+    let meta = handle.metadata().map_err(|e| {
+        io::Error::new(
+            e.kind(),
+            format!("cannot check {what} {}: {e}", dir.display()),
+        )
+    })?;
     let uid = nix::unistd::geteuid().as_raw();
     if meta.uid() != uid {
         return Err(io::Error::new(
             io::ErrorKind::PermissionDenied,
             format!(
-                "socket directory {} belongs to uid {}, not to this user ({uid})",
+                "{what} {} belongs to uid {}, not to this user ({uid})",
                 dir.display(),
                 meta.uid()
             ),
@@ -78,13 +105,13 @@ fn check_private(dir: &Path, handle: &File) -> io::Result<()> {
         return Err(io::Error::new(
             io::ErrorKind::PermissionDenied,
             format!(
-                "socket directory {} has mode {:04o}; it must be 0700 so only its user can enter",
+                "{what} {} has mode {:04o}; it must be 0700 so only its user can enter",
                 dir.display(),
                 meta.mode() & 0o7777
             ),
         ));
     }
-    Ok(())
+    Ok(handle)
 }
 
 impl RunDir {
@@ -92,13 +119,7 @@ impl RunDir {
     /// or `/tmp` (the first that is set and exists), e.g.
     /// `/tmp/herdless-1234-Ab12Cd/broker.sock`.
     pub fn create() -> io::Result<RunDir> {
-        let base = ["XDG_RUNTIME_DIR", "TMPDIR"]
-            .iter()
-            .filter_map(std::env::var_os)
-            .map(PathBuf::from)
-            .find(|p| p.is_dir())
-            .unwrap_or_else(|| PathBuf::from("/tmp"));
-        RunDir::create_in(&base)
+        RunDir::create_in(&runtime_base())
     }
 
     /// Makes a fresh private directory in `base`, e.g.
@@ -115,7 +136,7 @@ impl RunDir {
                 ),
             )
         })?;
-        let handle = match open_dir(&dir) {
+        let handle = match open_private_dir(&dir, SOCKET_DIR) {
             Ok(h) => h,
             Err(e) => {
                 let _ = fs::remove_dir(&dir);
@@ -153,8 +174,7 @@ impl RunDir {
             })?
             .to_owned();
         let mut owned = false;
-        let handle = match open_dir(&dir) {
-            Ok(h) => h,
+        let opened = match open_private_dir(&dir, SOCKET_DIR) {
             Err(e) if e.kind() == io::ErrorKind::NotFound => {
                 fs::DirBuilder::new()
                     .mode(0o700)
@@ -163,16 +183,19 @@ impl RunDir {
                         io::Error::new(e.kind(), format!("cannot create {}: {e}", dir.display()))
                     })?;
                 owned = true;
-                open_dir(&dir)?
+                open_private_dir(&dir, SOCKET_DIR)
             }
-            Err(e) => return Err(e),
+            opened => opened,
         };
-        if let Err(e) = check_private(&dir, &handle) {
-            if owned {
-                let _ = fs::remove_dir(&dir);
+        let handle = match opened {
+            Ok(h) => h,
+            Err(e) => {
+                if owned {
+                    let _ = fs::remove_dir(&dir);
+                }
+                return Err(e);
             }
-            return Err(e);
-        }
+        };
         Ok(RunDir {
             dir,
             socket: socket.to_path_buf(),
@@ -260,6 +283,43 @@ mod tests {
         let made = RunDir::at(&d.dir().join("new").join("s.sock")).unwrap();
         let mode = fs::metadata(made.dir()).unwrap().permissions().mode() & 0o777;
         assert_eq!(mode, 0o700);
+    }
+
+    #[test]
+    fn private_dir_errors_name_the_path_and_the_fault() {
+        let d = RunDir::create().unwrap();
+        // Not a directory.
+        let file = d.dir().join("file");
+        fs::write(&file, b"").unwrap();
+        let err = open_private_dir(&file, "slot directory").unwrap_err();
+        let msg = err.to_string();
+        assert!(
+            msg.contains("slot directory") && msg.contains("file"),
+            "{msg}"
+        );
+        // Missing: the kernel's kind, so a caller can make it.
+        let err = open_private_dir(&d.dir().join("none"), "slot directory").unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::NotFound);
+        // Open to the group.
+        let open = d.dir().join("open");
+        fs::DirBuilder::new().mode(0o750).create(&open).unwrap();
+        fs::set_permissions(&open, fs::Permissions::from_mode(0o750)).unwrap();
+        let err = open_private_dir(&open, "slot directory").unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::PermissionDenied);
+        assert!(err.to_string().contains("mode 0750"), "{err}");
+        // A link to a private directory.
+        let mine = d.dir().join("mine");
+        fs::DirBuilder::new().mode(0o700).create(&mine).unwrap();
+        let link = d.dir().join("link");
+        std::os::unix::fs::symlink(&mine, &link).unwrap();
+        let err = open_private_dir(&link, "slot directory").unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::PermissionDenied);
+        assert!(err.to_string().contains("symbolic link"), "{err}");
+        assert!(open_private_dir(&mine, "slot directory").is_ok());
+        fs::remove_file(&file).unwrap();
+        fs::remove_file(&link).unwrap();
+        fs::remove_dir(&open).unwrap();
+        fs::remove_dir(&mine).unwrap();
     }
 
     /// Makes `path` (a symbolic link) belong to uid 65534 where this

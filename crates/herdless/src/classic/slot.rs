@@ -21,7 +21,7 @@
 use std::fs::{DirBuilder, File, OpenOptions};
 use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
-use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -90,16 +90,11 @@ pub(crate) fn this_slot_owner() -> Owner {
 }
 
 /// The private directory for slot lock files: `herdless-slots-UID` under
-/// `$XDG_RUNTIME_DIR`, `$TMPDIR` or `/tmp`, mode 0700, owned by this user.
+/// `$XDG_RUNTIME_DIR`, `$TMPDIR` or `/tmp`, mode 0700, owned by this user
+/// (checked by [`open_private_dir`](crate::rundir::open_private_dir)).
 fn slot_dir() -> io::Result<PathBuf> {
-    let base = ["XDG_RUNTIME_DIR", "TMPDIR"]
-        .iter()
-        .filter_map(std::env::var_os)
-        .map(PathBuf::from)
-        .find(|p| p.is_dir())
-        .unwrap_or_else(|| PathBuf::from("/tmp"));
     let uid = nix::unistd::geteuid().as_raw();
-    let dir = base.join(format!("herdless-slots-{uid}"));
+    let dir = crate::rundir::runtime_base().join(format!("herdless-slots-{uid}"));
     match DirBuilder::new().mode(0o700).create(&dir) {
         Ok(()) => {}
         Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
@@ -110,19 +105,9 @@ fn slot_dir() -> io::Result<PathBuf> {
             ))
         }
     }
-    let meta = std::fs::symlink_metadata(&dir)?;
-    if !meta.is_dir() || meta.uid() != uid || meta.permissions().mode() & 0o077 != 0 {
-        return Err(io::Error::new(
-            io::ErrorKind::PermissionDenied,
-            format!(
-                "{} must be a directory of uid {uid} with mode 0700 \
-                 (it is owned by uid {}, mode {:04o})",
-                dir.display(),
-                meta.uid(),
-                meta.permissions().mode() & 0o7777
-            ),
-        ));
-    }
+    // Checked through a descriptor: a link or a directory of another
+    // user put in its place is refused.
+    crate::rundir::open_private_dir(&dir, "slot directory")?;
     Ok(dir)
 }
 
@@ -465,7 +450,7 @@ mod tests {
     fn a_slot_is_held_once_and_its_file_removed() {
         let slot = test_slot(1);
         let dir = slot.path().parent().unwrap();
-        let mode = std::fs::metadata(dir).unwrap().permissions().mode() & 0o777;
+        let mode = std::fs::metadata(dir).unwrap().mode() & 0o777;
         assert_eq!(mode, 0o700);
         let first = slot.try_take().unwrap().expect("free");
         assert!(slot.path().exists());

@@ -133,6 +133,15 @@ fn take_spare(st: &mut State) -> bool {
     }
 }
 
+/// What [`Native::settle_and_take_spare`] found.
+enum AtHand<'a> {
+    /// A grant had arrived that no blocked thread waits for: the caller
+    /// now holds its token.
+    Token,
+    /// None: the state, drained and settled, to go on with.
+    Nothing(MutexGuard<'a, State>),
+}
+
 /// Whether a failed connection is worth trying again: the broker said it is
 /// busy, closed the connection before its welcome (what a broker out of
 /// descriptors may do), or its listen queue is full. A broker that is gone
@@ -587,6 +596,8 @@ impl Native {
         }
     }
 
+    /// Fails once an abort has reached this client, or the connection is
+    /// over.
     fn check(st: &State) -> Result<()> {
         if let Some(reason) = st.aborted {
             return Err(Error::new(
@@ -594,10 +605,44 @@ impl Native {
                 format!("the build was aborted ({reason})"),
             ));
         }
-        if let Some((kind, msg)) = &st.dead {
-            return Err(Error::new(*kind, msg.clone()));
+        Self::check_alive(st)
+    }
+
+    /// Fails once the connection is over: the broker is gone, stopped or
+    /// closed this client.
+    fn check_alive(st: &State) -> Result<()> {
+        match &st.dead {
+            Some((kind, msg)) => Err(Error::new(*kind, msg.clone())),
+            None => Ok(()),
         }
-        Ok(())
+    }
+
+    /// Takes a grant that has arrived and that no blocked thread waits
+    /// for. After an abort nothing is handed out, not even a grant that
+    /// arrived before it (the broker takes it back with the connection):
+    /// the abort is the answer.
+    fn hand_out_spare(st: &mut State) -> Result<bool> {
+        Self::check(st)?;
+        Ok(take_spare(st))
+    }
+
+    /// Locks the state, folds in what the broker sent, and waits for the
+    /// answers to non-blocking cancels, so that what this client holds and
+    /// owes is known before it takes or asks for more.
+    fn settled(&self) -> MutexGuard<'_, State> {
+        let mut st = lock(&self.state);
+        self.drain(&mut st);
+        self.settle_nowait(st)
+    }
+
+    /// How every taking operation begins: [`settled`](Self::settled), then
+    /// [`hand_out_spare`](Self::hand_out_spare).
+    fn settle_and_take_spare(&self) -> Result<AtHand<'_>> {
+        let mut st = self.settled();
+        if Self::hand_out_spare(&mut st)? {
+            return Ok(AtHand::Token);
+        }
+        Ok(AtHand::Nothing(st))
     }
 
     /// Blocks until `done` holds, the connection dies, or the wait ends.
@@ -671,15 +716,9 @@ impl Native {
         if self.fast_take() {
             return Ok(true);
         }
-        let mut st = lock(&self.state);
-        self.drain(&mut st);
-        let mut st = self.settle_nowait(st);
-        // After an abort nothing is handed out, not even a grant that
-        // arrived before it (the broker takes it back with the connection).
-        Self::check(&st)?;
-        if take_spare(&mut st) {
+        let AtHand::Nothing(mut st) = self.settle_and_take_spare()? else {
             return Ok(true);
-        }
+        };
         st.wanting += 1;
         let result = loop {
             if let Err(e) = Self::check(&st) {
@@ -710,8 +749,7 @@ impl Native {
                     st.wanting -= 1;
                     st = self.withdraw(st);
                     // An abort or a dead broker says more than the timeout.
-                    Self::check(&st)?;
-                    return Ok(take_spare(&mut st));
+                    return Self::hand_out_spare(&mut st);
                 }
                 Err(e) => break Err(e),
             }
@@ -738,24 +776,30 @@ impl Native {
         if self.fast_take() {
             return Ok(true);
         }
-        let mut st = lock(&self.state);
-        self.drain(&mut st);
-        let mut st = self.settle_nowait(st);
-        Self::check(&st)?;
-        if take_spare(&mut st) {
+        let AtHand::Nothing(st) = self.settle_and_take_spare()? else {
             return Ok(true);
-        }
+        };
         if st.acquires > 0 {
             // A grant for the pending acquire will come; asking again could
             // not be told apart from it.
             return Ok(false);
         }
+        let (_st, took) = self.ask_for_free(st)?;
+        Ok(took)
+    }
+
+    /// Asks the broker for a token that is free now and waits for its
+    /// answer. Returns whether this client took one, and the state.
+    fn ask_for_free<'a>(
+        &'a self,
+        mut st: MutexGuard<'a, State>,
+    ) -> Result<(MutexGuard<'a, State>, bool)> {
         self.send(&Request::TryAcquire)?;
         st.tries += 1;
         let (mut st, r) = self.wait_until(st, NO_DEADLINE, |s| s.tries == 0);
         r?;
-        Self::check(&st)?;
-        Ok(take_spare(&mut st))
+        let took = Self::hand_out_spare(&mut st)?;
+        Ok((st, took))
     }
 
     /// Takes a grant that has arrived, or with `try_first` a token that is
@@ -764,13 +808,9 @@ impl Native {
     /// waits for a token to be released; without `try_first` never waits
     /// for the broker at all.
     pub(crate) fn take_grant(&self, try_first: bool) -> Result<bool> {
-        let mut st = lock(&self.state);
-        self.drain(&mut st);
-        let mut st = self.settle_nowait(st);
-        Self::check(&st)?;
-        if take_spare(&mut st) {
+        let AtHand::Nothing(mut st) = self.settle_and_take_spare()? else {
             return Ok(true);
-        }
+        };
         if self.fast_take() {
             return Ok(true);
         }
@@ -786,12 +826,8 @@ impl Native {
         // Nothing queued: ask for a free token first, so one that is free
         // now is handed over at once rather than after a pass through the
         // caller's poll loop.
-        self.send(&Request::TryAcquire)?;
-        st.tries += 1;
-        let (mut st, r) = self.wait_until(st, NO_DEADLINE, |s| s.tries == 0);
-        r?;
-        Self::check(&st)?;
-        if take_spare(&mut st) {
+        let (mut st, took) = self.ask_for_free(st)?;
+        if took {
             return Ok(true);
         }
         if st.acquires + st.ready <= st.wanting {
@@ -808,9 +844,7 @@ impl Native {
     pub(crate) fn cancel_nowait(&self) -> Result<()> {
         let mut st = lock(&self.state);
         self.drain(&mut st);
-        if let Some((kind, msg)) = &st.dead {
-            return Err(Error::new(*kind, msg.clone()));
-        }
+        Self::check_alive(&st)?;
         if st.aborted.is_some() {
             // The broker ended every request with the abort.
             return Ok(());
@@ -837,9 +871,7 @@ impl Native {
     pub(crate) fn pending(&self) -> Result<bool> {
         let mut st = lock(&self.state);
         self.drain(&mut st);
-        if let Some((kind, msg)) = &st.dead {
-            return Err(Error::new(*kind, msg.clone()));
-        }
+        Self::check_alive(&st)?;
         if st.aborted.is_some() {
             return Ok(false);
         }
@@ -851,18 +883,13 @@ impl Native {
     /// that is no longer wanted. Returns whether a grant had arrived anyway
     /// (the caller now holds that token).
     pub(crate) fn cancel_pending(&self) -> Result<bool> {
-        let mut st = lock(&self.state);
-        self.drain(&mut st);
-        let st = self.settle_nowait(st);
+        let st = self.settled();
         // Withdraws only requests beyond what blocked threads still want,
         // so their places in the queue are kept.
         let mut st = self.withdraw(st);
-        // After an abort nothing is handed out: a grant that raced it stays
-        // with the connection, and the broker takes it back.
-        Self::check(&st)?;
         // A grant that arrived and that no blocked thread waits for is the
         // caller's.
-        Ok(take_spare(&mut st))
+        Self::hand_out_spare(&mut st)
     }
 
     pub(crate) fn release(&self) -> Result<()> {
@@ -889,21 +916,18 @@ impl Native {
         let st = lock(&self.state);
         let (st, r) = self.wait_until(st, NO_DEADLINE, |s| s.aborted.is_some());
         r?;
-        match (&st.aborted, &st.dead) {
-            (Some(_), _) => Ok(()),
-            (None, Some((kind, msg))) => Err(Error::new(*kind, msg.clone())),
-            (None, None) => Err(Error::new(ErrorKind::Protocol, "no answer from the broker")),
+        if st.aborted.is_some() {
+            return Ok(());
         }
+        Self::check_alive(&st)?;
+        Err(Error::new(ErrorKind::Protocol, "no answer from the broker"))
     }
 
     /// Fails once this client has learnt that the broker is gone or has
     /// stopped: a write to a connection the broker is about to close may
     /// still succeed, and would report a release that nobody takes.
     fn alive(&self) -> Result<()> {
-        match &lock(&self.state).dead {
-            Some((kind, msg)) => Err(Error::new(*kind, msg.clone())),
-            None => Ok(()),
-        }
+        Self::check_alive(&lock(&self.state))
     }
 
     /// The abort posted to the tree, if one has reached this client.
@@ -925,9 +949,7 @@ impl Native {
             st.controlled -= 1;
             return Ok(());
         }
-        if let Some((kind, msg)) = &st.dead {
-            return Err(Error::new(*kind, msg.clone()));
-        }
+        Self::check_alive(&st)?;
         Err(Error::new(ErrorKind::Protocol, "no answer from the broker"))
     }
 
@@ -941,9 +963,7 @@ impl Native {
         match st.statuses.pop_front() {
             Some(json) => Ok(json),
             None => {
-                if let Some((kind, msg)) = &st.dead {
-                    return Err(Error::new(*kind, msg.clone()));
-                }
+                Self::check_alive(&st)?;
                 Err(Error::new(ErrorKind::Protocol, "no status from the broker"))
             }
         }
