@@ -131,6 +131,10 @@ fn run_forwards_signals_to_the_command() {
         (libc::SIGINT, "INT"),
         (libc::SIGHUP, "HUP"),
     ] {
+        if common::ignored_here(sig) {
+            eprintln!("SIG{name} is ignored here (nohup?): run leaves it so; not checked");
+            continue;
+        }
         let script = format!(
             "trap 'echo got-{name}; exit 3' {name}; echo ready; while :; do sleep 0.05; done"
         );

@@ -139,6 +139,20 @@ pub fn signal(pid: i32, sig: i32) {
     );
 }
 
+/// Whether this test process started with `sig` ignored, as everything
+/// under `nohup` starts with SIGHUP: `herdless run` then leaves it ignored
+/// (its command inherits that), by design, so a test that sends it to
+/// `run` has nothing to check. Read from `/proc/self/status`; false where
+/// there is none.
+pub fn ignored_here(sig: i32) -> bool {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("SigIgn:"))
+        .and_then(|mask| u64::from_str_radix(mask.trim(), 16).ok())
+        .is_some_and(|mask| sig >= 1 && mask & (1 << (sig - 1)) != 0)
+}
+
 /// Waits for a child with a bound; None when it is still running.
 pub fn wait_timeout(child: &mut Child, limit: Duration) -> Option<std::process::ExitStatus> {
     let start = Instant::now();
