@@ -299,7 +299,13 @@ pub fn send_with_fd(sock: BorrowedFd<'_>, bytes: &[u8], fd: BorrowedFd<'_>) -> i
     let fds = [fd.as_raw_fd()];
     let cmsg = [ControlMessage::ScmRights(&fds)];
     loop {
-        match sendmsg::<()>(sock.as_raw_fd(), &iov, &cmsg, MsgFlags::MSG_NOSIGNAL, None) {
+        // No SIGPIPE for a peer that went away, where the flag exists;
+        // Apple systems have none (the socket's SO_NOSIGPIPE covers it).
+        #[cfg(not(target_vendor = "apple"))]
+        let flags = MsgFlags::MSG_NOSIGNAL;
+        #[cfg(target_vendor = "apple")]
+        let flags = MsgFlags::empty();
+        match sendmsg::<()>(sock.as_raw_fd(), &iov, &cmsg, flags, None) {
             Err(nix::errno::Errno::EINTR) => continue,
             r => return r.map_err(io::Error::from),
         }
@@ -317,13 +323,15 @@ pub fn recv_with_fd(sock: BorrowedFd<'_>, buf: &mut [u8]) -> io::Result<(usize, 
     use nix::sys::socket::{recvmsg, ControlMessageOwned, MsgFlags};
     let mut iov = [io::IoSliceMut::new(buf)];
     let mut space = nix::cmsg_space!([std::os::fd::RawFd; 4]);
-    let msg = recvmsg::<()>(
-        sock.as_raw_fd(),
-        &mut iov,
-        Some(&mut space),
-        MsgFlags::MSG_CMSG_CLOEXEC,
-    )
-    .map_err(io::Error::from)?;
+    // Close-on-exec as the descriptor arrives, where the flag exists;
+    // Apple systems have none: it is set just after (no exec of this
+    // process can come between in a client that does not fork meanwhile).
+    #[cfg(not(target_vendor = "apple"))]
+    let flags = MsgFlags::MSG_CMSG_CLOEXEC;
+    #[cfg(target_vendor = "apple")]
+    let flags = MsgFlags::empty();
+    let msg = recvmsg::<()>(sock.as_raw_fd(), &mut iov, Some(&mut space), flags)
+        .map_err(io::Error::from)?;
     let mut got = None;
     for c in msg.cmsgs().map_err(io::Error::from)? {
         if let ControlMessageOwned::ScmRights(fds) = c {
@@ -331,6 +339,12 @@ pub fn recv_with_fd(sock: BorrowedFd<'_>, buf: &mut [u8]) -> io::Result<(usize, 
                 // SAFETY: the kernel installed `raw` in this process for
                 // this message; nobody else owns it.
                 let owned = unsafe { OwnedFd::from_raw_fd(raw) };
+                #[cfg(target_vendor = "apple")]
+                nix::fcntl::fcntl(
+                    &owned,
+                    nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::FD_CLOEXEC),
+                )
+                .map_err(io::Error::from)?;
                 if got.is_none() {
                     got = Some(owned);
                 }
