@@ -299,8 +299,9 @@ pub fn send_with_fd(sock: BorrowedFd<'_>, bytes: &[u8], fd: BorrowedFd<'_>) -> i
     let fds = [fd.as_raw_fd()];
     let cmsg = [ControlMessage::ScmRights(&fds)];
     loop {
-        // No SIGPIPE for a peer that went away, where the flag exists;
-        // Apple systems have none (the socket's SO_NOSIGPIPE covers it).
+        // No SIGPIPE for a peer that went away, where the flag exists.
+        // Apple systems have none; the shared table, the one user of this,
+        // is not offered there.
         #[cfg(not(target_vendor = "apple"))]
         let flags = MsgFlags::MSG_NOSIGNAL;
         #[cfg(target_vendor = "apple")]
@@ -323,9 +324,10 @@ pub fn recv_with_fd(sock: BorrowedFd<'_>, buf: &mut [u8]) -> io::Result<(usize, 
     use nix::sys::socket::{recvmsg, ControlMessageOwned, MsgFlags};
     let mut iov = [io::IoSliceMut::new(buf)];
     let mut space = nix::cmsg_space!([std::os::fd::RawFd; 4]);
-    // Close-on-exec as the descriptor arrives, where the flag exists;
-    // Apple systems have none: it is set just after (no exec of this
-    // process can come between in a client that does not fork meanwhile).
+    // Close-on-exec as the descriptor arrives, where the flag exists.
+    // Apple systems have none: it is set just after, which leaves a window
+    // for a concurrent fork and exec; the shared table, the one user of
+    // this, is not offered there.
     #[cfg(not(target_vendor = "apple"))]
     let flags = MsgFlags::MSG_CMSG_CLOEXEC;
     #[cfg(target_vendor = "apple")]
