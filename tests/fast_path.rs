@@ -8,7 +8,7 @@ mod common;
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
 use common::{Helper, Serve, PATIENCE};
@@ -77,13 +77,7 @@ fn live_holders(held: &Path) -> u32 {
 }
 
 fn churner(serve: &Serve, dir: &Path) -> Child {
-    let mut child = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "helper_process",
-            "--nocapture",
-            "--test-threads=1",
-        ])
+    let mut child = common::helper_command()
         .env(ROLE, "churn")
         .env(DIR, dir)
         .env("HERDLESS_SOCKET", &serve.socket)
@@ -249,13 +243,7 @@ fn a_socket_waiter_is_served_from_the_table_in_fifo_order() {
 #[test]
 fn a_client_told_to_keep_to_the_socket_does() {
     let serve = Serve::start(3);
-    let out = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "helper_process",
-            "--nocapture",
-            "--test-threads=1",
-        ])
+    let out = common::helper_command()
         .env(ROLE, "churn")
         .env(DIR, "/nonexistent")
         .env("HERDLESS_SOCKET", &serve.socket)
