@@ -213,35 +213,7 @@ fn cargo_build_at_j2(style: &str) {
     require("cargo");
     let tree = Tree::new(&format!("cargo-{style}"));
     let ws = tree.path("ws");
-    let members: Vec<String> = (1..=4).map(|i| format!("c{i}")).collect();
-    fs::create_dir_all(&ws).unwrap();
-    fs::write(
-        ws.join("Cargo.toml"),
-        format!(
-            "[workspace]\nresolver = \"2\"\nmembers = [{}]\n",
-            members
-                .iter()
-                .map(|m| format!("\"{m}\""))
-                .collect::<Vec<_>>()
-                .join(", ")
-        ),
-    )
-    .unwrap();
-    for m in &members {
-        fs::create_dir_all(ws.join(m).join("src")).unwrap();
-        fs::write(
-            ws.join(m).join("Cargo.toml"),
-            format!("[package]\nname = \"{m}\"\nversion = \"0.1.0\"\nedition = \"2021\"\n"),
-        )
-        .unwrap();
-        // Enough code that each rustc runs for a moment.
-        let body: String = (0..200)
-            .map(|i| {
-                format!("pub fn f{i}(x: u64) -> u64 {{ x.wrapping_mul({i}).rotate_left(3) }}\n")
-            })
-            .collect();
-        fs::write(ws.join(m).join("src/lib.rs"), body).unwrap();
-    }
+    common::cargo_workspace(&ws, 4);
     // A wrapper records how many rustc compile at once.
     let wrapper = tree.path("rustc-wrapper.sh");
     fs::write(

@@ -10,30 +10,11 @@
 mod classic_client_support;
 
 use std::fmt::Write as _;
-use std::path::PathBuf;
-use std::process::{Command, Output};
+use std::process::Command;
 
 use classic_client_support::{
-    bmake, clean, gnu_make_43, gnu_make_441, herdless, run, serial, text, Jobs, TokenFifo,
-    TokenPipe,
+    assert_tokens_back, clean, herdless, serial, text, Jobs, Make, Ran, Server,
 };
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Make {
-    Gnu43,
-    Gnu441,
-    Bmake,
-}
-
-impl Make {
-    fn program(self) -> PathBuf {
-        match self {
-            Make::Gnu43 => gnu_make_43(),
-            Make::Gnu441 => gnu_make_441(),
-            Make::Bmake => bmake(),
-        }
-    }
-}
 
 /// One recipe line.
 enum Recipe {
@@ -83,22 +64,6 @@ fn makefile(make: Make, jobs: &Jobs, want: u32, targets: &[Recipe]) -> String {
     mk
 }
 
-/// Where the tokens come from.
-enum Server {
-    /// The test's own pipe (GNU make 4.3, bmake) or fifo (GNU make 4.4.1)
-    /// holding `tokens`, named in MAKEFLAGS: make runs as a sub-make with
-    /// `-j(tokens + 1)`, and the pipe can be counted afterwards.
-    External { tokens: usize },
-    /// `make -jN`: make makes its own.
-    Direct { jobs: u32 },
-}
-
-struct Ran {
-    out: Output,
-    /// Bytes left in the external pipe or fifo afterwards.
-    left: Option<Vec<u8>>,
-}
-
 fn run_make(make: Make, server: Server, jobs: &Jobs, want: u32, targets: &[Recipe]) -> Ran {
     let program = make.program();
     let dir = jobs.path();
@@ -106,54 +71,14 @@ fn run_make(make: Make, server: Server, jobs: &Jobs, want: u32, targets: &[Recip
     std::fs::write(&mf, makefile(make, jobs, want, targets)).unwrap();
     let mut cmd: Command = clean(&program);
     cmd.arg("-f").arg(&mf).current_dir(dir);
-    let token = if make == Make::Bmake { b'+' } else { b'|' };
     let what = format!("{make:?} ({})", program.display());
-    match server {
-        Server::Direct { jobs: n } => {
-            cmd.arg(format!("-j{n}"));
-            Ran {
-                out: run(&mut cmd, &what),
-                left: None,
-            }
-        }
-        Server::External { tokens } => {
-            let tokens = vec![token; tokens];
-            let j = tokens.len() + 1;
-            if make == Make::Gnu441 {
-                let fifo = TokenFifo::new(dir, &tokens);
-                cmd.env(
-                    "MAKEFLAGS",
-                    format!("-j{j} --jobserver-auth=fifo:{}", fifo.path.display()),
-                );
-                let out = run(&mut cmd, &what);
-                Ran {
-                    out,
-                    left: Some(fifo.drain()),
-                }
-            } else {
-                let pipe = TokenPipe::new(&tokens);
-                let flags = match make {
-                    Make::Bmake => format!("-j {j} -J {}", pipe.auth()),
-                    _ => format!("-j{j} --jobserver-auth={}", pipe.auth()),
-                };
-                cmd.env("MAKEFLAGS", flags);
-                let out = run(&mut cmd, &what);
-                Ran {
-                    out,
-                    left: Some(pipe.drain()),
-                }
-            }
-        }
-    }
+    classic_client_support::run_make(make, server, &mut cmd, dir, &what)
 }
 
-/// Every token is back: as many bytes as were put in. GNU make writes `+`
-/// back whatever byte it read, so only bmake's bytes are checked exactly.
+/// Every token is back in the external jobserver.
 fn check_tokens_back(make: Make, left: Option<Vec<u8>>, tokens: usize) {
     let left = left.expect("an external jobserver");
-    assert_eq!(left.len(), tokens, "every token is back: {left:?}");
-    let ok: &[u8] = if make == Make::Bmake { b"+" } else { b"|+" };
-    assert!(left.iter().all(|b| ok.contains(b)), "{left:?}");
+    assert_tokens_back(make, &left, tokens, &format!("{make:?}"));
 }
 
 fn execs(n: usize) -> Vec<Recipe> {

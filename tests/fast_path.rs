@@ -8,7 +8,7 @@ mod common;
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
 use common::{Helper, Serve, PATIENCE};
@@ -77,13 +77,7 @@ fn live_holders(held: &Path) -> u32 {
 }
 
 fn churner(serve: &Serve, dir: &Path) -> Child {
-    let mut child = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "helper_process",
-            "--nocapture",
-            "--test-threads=1",
-        ])
+    let mut child = common::helper_command()
         .env(ROLE, "churn")
         .env(DIR, dir)
         .env("HERDLESS_SOCKET", &serve.socket)
@@ -111,6 +105,24 @@ fn churner(serve: &Serve, dir: &Path) -> Child {
     // Its stdout is not read again: it prints nothing more.
     std::mem::forget(out);
     child
+}
+
+/// A helper process holding `n` tokens of `serve`.
+fn holder(serve: &Serve, n: u32) -> Helper {
+    let mut h = Helper::spawn(&serve.socket, "hold", n);
+    assert_eq!(h.line(), format!("held {n}"));
+    h
+}
+
+/// Every client gone: all `free` shared tokens back in the pool, none
+/// lost, and the broker stops cleanly. The last status and the broker's
+/// log, for what a test checks besides.
+fn all_back(serve: Serve, free: u32) -> (herdless::status::Status, String) {
+    let s = serve.wait_for("all free", |s| s.clients.is_empty() && s.free == free);
+    assert_eq!(s.lost, 0, "{s:#?}");
+    let (status, log) = serve.stop();
+    assert!(status.success(), "{log}");
+    (s, log)
 }
 
 /// A small xorshift generator: the kills land at reproducible points for
@@ -209,8 +221,7 @@ fn kill_churners(jobs: u32, churners: usize, name: &str) {
 fn a_socket_waiter_is_served_from_the_table_in_fifo_order() {
     // -j 3: two shared tokens, both lent to the table while nobody waits.
     let serve = Serve::start(3);
-    let mut a = Helper::spawn(&serve.socket, "hold", 2);
-    assert_eq!(a.line(), "held 2");
+    let mut a = holder(&serve, 2);
     // From the table or over the socket, whichever the race at its
     // connection gave: two held.
     let s = serve.status();
@@ -238,24 +249,15 @@ fn a_socket_waiter_is_served_from_the_table_in_fifo_order() {
         w.finish();
     }
     a.finish();
-    let s = serve.wait_for("all free", |s| s.clients.is_empty() && s.free == 2);
-    assert_eq!(s.lost, 0);
+    let (s, log) = all_back(serve, 2);
     assert_eq!(s.reclaimed, 0);
-    let (status, log) = serve.stop();
-    assert!(status.success(), "{log}");
     assert!(log.contains("tokens lost   0"), "{log}");
 }
 
 #[test]
 fn a_client_told_to_keep_to_the_socket_does() {
     let serve = Serve::start(3);
-    let out = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "helper_process",
-            "--nocapture",
-            "--test-threads=1",
-        ])
+    let out = common::helper_command()
         .env(ROLE, "churn")
         .env(DIR, "/nonexistent")
         .env("HERDLESS_SOCKET", &serve.socket)
@@ -360,8 +362,7 @@ fn a_hostile_table_client_gets_no_extra_token_and_is_cut_off() {
     use std::sync::atomic::Ordering::SeqCst;
     // -j 3: two shared tokens.
     let serve = Serve::start(3);
-    let mut honest = Helper::spawn(&serve.socket, "hold", 1);
-    assert_eq!(honest.line(), "held 1");
+    let honest = holder(&serve, 1);
     let mut bad = Hostile::connect(&serve.socket);
     // The other token, over the socket: its word goes back out of the
     // table.
@@ -392,11 +393,8 @@ fn a_hostile_table_client_gets_no_extra_token_and_is_cut_off() {
     drop(one);
     drop(c);
     honest.finish();
-    let s = serve.wait_for("all free", |s| s.clients.is_empty() && s.free == 2);
-    assert_eq!(s.lost, 0, "{s:#?}");
+    let (s, log) = all_back(serve, 2);
     assert!(s.max_in_use <= 3, "{s:#?}");
-    let (status, log) = serve.stop();
-    assert!(status.success(), "{log}");
     assert!(log.contains("tokens lost   0"), "{log}");
     assert!(log.contains("cut off"), "{log}");
 }
@@ -464,8 +462,7 @@ fn a_broker_that_predates_the_table_is_asked_again_without_it() {
 fn a_cap_counts_what_a_subtree_holds_from_the_table() {
     // -j 5: four shared tokens, lent to the table while nobody waits.
     let serve = Serve::start(5);
-    let mut a = Helper::spawn(&serve.socket, "hold", 3);
-    assert_eq!(a.line(), "held 3");
+    let mut a = holder(&serve, 3);
     let s = serve.status();
     assert_eq!(s.fast.as_ref().map(|f| f.held), Some(3), "{s:#?}");
     // Every helper descends from this process: cap its subtree at 3.
@@ -484,8 +481,5 @@ fn a_cap_counts_what_a_subtree_holds_from_the_table() {
     a.finish();
     w.finish();
     ctl.cap(std::process::id(), None).expect("uncap");
-    let s = serve.wait_for("all free", |s| s.clients.is_empty() && s.free == 4);
-    assert_eq!(s.lost, 0, "{s:#?}");
-    let (status, log) = serve.stop();
-    assert!(status.success(), "{log}");
+    all_back(serve, 4);
 }

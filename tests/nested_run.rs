@@ -16,31 +16,13 @@ mod common;
 use std::fmt::Write as _;
 use std::fs;
 use std::os::unix::fs::PermissionsExt;
-use std::path::{Path, PathBuf};
-use std::process::{Output, Stdio};
+use std::path::Path;
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use classic_client_support::{
-    bmake, clean, gnu_make_43, gnu_make_441, herdless, run, serial, text, TempDir, TokenFifo,
-    TokenPipe,
+    assert_tokens_back, clean, herdless, run, serial, text, Make, Ran, Server, TempDir, TokenPipe,
 };
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Make {
-    Gnu43,
-    Gnu441,
-    Bmake,
-}
-
-impl Make {
-    fn program(self) -> PathBuf {
-        match self {
-            Make::Gnu43 => gnu_make_43(),
-            Make::Gnu441 => gnu_make_441(),
-            Make::Bmake => bmake(),
-        }
-    }
-}
 
 /// Jobs that record, at start and while they wait, how many run at once
 /// in the whole build (`run/`) and in their subtree (`run-NAME/`), both
@@ -214,12 +196,6 @@ enum Outer {
     Direct { jobs: u32 },
 }
 
-struct Ran {
-    out: Output,
-    /// The bytes in the external jobserver afterwards.
-    left: Option<Vec<u8>>,
-}
-
 fn run_make(make: Make, outer: Outer, tree: &Tree, mark: bool, inner: &str) -> Ran {
     let jobs = match outer {
         Outer::External { jobs } | Outer::Direct { jobs } => jobs,
@@ -229,43 +205,13 @@ fn run_make(make: Make, outer: Outer, tree: &Tree, mark: bool, inner: &str) -> R
     let mut cmd = clean(make.program());
     cmd.arg("-f").arg(&mf).current_dir(tree.path());
     let what = format!("{make:?} {}", text_of(outer));
-    let token = if make == Make::Bmake { b'+' } else { b'|' };
-    match outer {
-        Outer::Direct { jobs } => {
-            cmd.arg(format!("-j{jobs}"));
-            Ran {
-                out: run(&mut cmd, &what),
-                left: None,
-            }
-        }
-        Outer::External { jobs } => {
-            let tokens = vec![token; jobs as usize - 1];
-            if make == Make::Gnu441 {
-                let fifo = TokenFifo::new(tree.path(), &tokens);
-                cmd.env(
-                    "MAKEFLAGS",
-                    format!("-j{jobs} --jobserver-auth=fifo:{}", fifo.path.display()),
-                );
-                let out = run(&mut cmd, &what);
-                Ran {
-                    out,
-                    left: Some(fifo.drain()),
-                }
-            } else {
-                let pipe = TokenPipe::new(&tokens);
-                let flags = match make {
-                    Make::Bmake => format!("-j {jobs} -J {}", pipe.auth()),
-                    _ => format!("-j{jobs} --jobserver-auth={}", pipe.auth()),
-                };
-                cmd.env("MAKEFLAGS", flags);
-                let out = run(&mut cmd, &what);
-                Ran {
-                    out,
-                    left: Some(pipe.drain()),
-                }
-            }
-        }
-    }
+    let server = match outer {
+        Outer::External { jobs } => Server::External {
+            tokens: jobs as usize - 1,
+        },
+        Outer::Direct { jobs } => Server::Direct { jobs },
+    };
+    classic_client_support::run_make(make, server, &mut cmd, tree.path(), &what)
 }
 
 fn text_of(outer: Outer) -> String {
@@ -309,13 +255,7 @@ fn check(make: Make, outer: Outer, ran: &Ran, tree: &Tree) {
         "{what}: the inner make ran {peak} jobs at once (-j {INNER_MAKE})"
     );
     if let Some(left) = &ran.left {
-        assert_eq!(
-            left.len(),
-            jobs as usize - 1,
-            "{what}: every outer token is back: {left:?}"
-        );
-        let ok: &[u8] = if make == Make::Bmake { b"+" } else { b"|+" };
-        assert!(left.iter().all(|b| ok.contains(b)), "{what}: {left:?}");
+        assert_tokens_back(make, left, jobs as usize - 1, &what);
     }
 }
 
@@ -559,11 +499,7 @@ fn inner_make_reaches_its_j(make: Make) {
         .arg("-f")
         .arg(&sub)
         .current_dir(tree.path());
-    let flags = match make {
-        Make::Bmake => format!("-j 6 -J {}", pipe.auth()),
-        _ => format!("-j6 --jobserver-auth={}", pipe.auth()),
-    };
-    cmd.env("MAKEFLAGS", flags);
+    cmd.env("MAKEFLAGS", make.pipe_flags(6, &pipe));
     let out = run(&mut cmd, &format!("run -j 3 -- {make:?}"));
     assert!(out.status.success(), "{}", text(&out));
     assert_eq!(tree.done(), 9, "{}", text(&out));

@@ -634,36 +634,6 @@ fn recipes_that_exec_borrow_the_make_slot() {
     }
 }
 
-/// A small offline workspace of `crates` crates without dependencies, each
-/// enough code that its rustc runs for a moment.
-fn cargo_workspace(ws: &Path, crates: usize) {
-    let members: Vec<String> = (1..=crates).map(|i| format!("c{i}")).collect();
-    fs::create_dir_all(ws).unwrap();
-    let list: Vec<String> = members.iter().map(|m| format!("\"{m}\"")).collect();
-    fs::write(
-        ws.join("Cargo.toml"),
-        format!(
-            "[workspace]\nresolver = \"2\"\nmembers = [{}]\n",
-            list.join(", ")
-        ),
-    )
-    .unwrap();
-    for m in &members {
-        fs::create_dir_all(ws.join(m).join("src")).unwrap();
-        fs::write(
-            ws.join(m).join("Cargo.toml"),
-            format!("[package]\nname = \"{m}\"\nversion = \"0.1.0\"\nedition = \"2021\"\n"),
-        )
-        .unwrap();
-        let body: String = (0..200)
-            .map(|i| {
-                format!("pub fn f{i}(x: u64) -> u64 {{ x.wrapping_mul({i}).rotate_left(3) }}\n")
-            })
-            .collect();
-        fs::write(ws.join(m).join("src/lib.rs"), body).unwrap();
-    }
-}
-
 /// A herdless GNU make tree at `-j 8` where one recipe is `cargo build`
 /// of a six-crate workspace, with cargo's own job count at 64 so that only
 /// the jobserver (the broker's classic FIFO, handed down by the make)
@@ -679,7 +649,7 @@ fn cargo_in_a_recipe_shares_the_make_limit() {
     let t = Tree::new("real-make-cargo");
     let jobs = tree(&t);
     let ws = t.path("ws");
-    cargo_workspace(&ws, 6);
+    common::cargo_workspace(&ws, 6);
     let d = t.dir.display();
     let wrapper = t.path("rustc-wrapper.sh");
     fs::write(

@@ -368,3 +368,107 @@ pub fn read_all(mut r: impl Read + Send + 'static) -> std::thread::JoinHandle<St
         s
     })
 }
+
+/// The real makes the tests drive.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Make {
+    /// GNU make 4.3: a pipe, `--jobserver-auth=R,W`.
+    Gnu43,
+    /// GNU make 4.4.1: a fifo, `--jobserver-auth=fifo:PATH`.
+    Gnu441,
+    /// bmake: a pipe, `-J R,W`.
+    Bmake,
+}
+
+impl Make {
+    pub fn program(self) -> PathBuf {
+        match self {
+            Make::Gnu43 => gnu_make_43(),
+            Make::Gnu441 => gnu_make_441(),
+            Make::Bmake => bmake(),
+        }
+    }
+
+    /// The byte the test puts in a jobserver for this make.
+    pub fn token(self) -> u8 {
+        if self == Make::Bmake {
+            b'+'
+        } else {
+            b'|'
+        }
+    }
+
+    /// MAKEFLAGS for `-j{jobs}` with `pipe` as the jobserver, in this
+    /// make's words.
+    pub fn pipe_flags(self, jobs: usize, pipe: &TokenPipe) -> String {
+        match self {
+            Make::Bmake => format!("-j {jobs} -J {}", pipe.auth()),
+            _ => format!("-j{jobs} --jobserver-auth={}", pipe.auth()),
+        }
+    }
+}
+
+/// Where a make's tokens come from.
+#[derive(Clone, Copy, Debug)]
+pub enum Server {
+    /// The test's own pipe (GNU make 4.3, bmake) or fifo (GNU make 4.4.1)
+    /// holding `tokens`, named in MAKEFLAGS: make runs as a sub-make with
+    /// `-j(tokens + 1)`, and the tokens are counted afterwards.
+    External { tokens: usize },
+    /// `make -jN`: make makes its own.
+    Direct { jobs: u32 },
+}
+
+/// What a make run under [`run_make`] did.
+pub struct Ran {
+    pub out: Output,
+    /// The bytes left in the external pipe or fifo afterwards.
+    pub left: Option<Vec<u8>>,
+}
+
+/// Runs `cmd`, a command line of `make` that runs in `dir`, with its
+/// tokens from `server`, and drains the external jobserver afterwards.
+pub fn run_make(make: Make, server: Server, cmd: &mut Command, dir: &Path, what: &str) -> Ran {
+    match server {
+        Server::Direct { jobs } => {
+            cmd.arg(format!("-j{jobs}"));
+            Ran {
+                out: run(cmd, what),
+                left: None,
+            }
+        }
+        Server::External { tokens } => {
+            let tokens = vec![make.token(); tokens];
+            let j = tokens.len() + 1;
+            if make == Make::Gnu441 {
+                let fifo = TokenFifo::new(dir, &tokens);
+                cmd.env(
+                    "MAKEFLAGS",
+                    format!("-j{j} --jobserver-auth=fifo:{}", fifo.path.display()),
+                );
+                let out = run(cmd, what);
+                Ran {
+                    out,
+                    left: Some(fifo.drain()),
+                }
+            } else {
+                let pipe = TokenPipe::new(&tokens);
+                cmd.env("MAKEFLAGS", make.pipe_flags(j, &pipe));
+                let out = run(cmd, what);
+                Ran {
+                    out,
+                    left: Some(pipe.drain()),
+                }
+            }
+        }
+    }
+}
+
+/// Every token is back in the external jobserver: as many bytes as were
+/// put in. GNU make writes `+` back whatever byte it read, so only bmake's
+/// bytes are checked exactly.
+pub fn assert_tokens_back(make: Make, left: &[u8], tokens: usize, what: &str) {
+    assert_eq!(left.len(), tokens, "{what}: every token is back: {left:?}");
+    let ok: &[u8] = if make == Make::Bmake { b"+" } else { b"|+" };
+    assert!(left.iter().all(|b| ok.contains(b)), "{what}: {left:?}");
+}

@@ -183,6 +183,19 @@ pub fn output_within(cmd: &mut Command, limit: Duration) -> std::process::Output
     child.wait_with_output().expect("collect output")
 }
 
+/// This test binary, run again to play a role: only its `helper_process`
+/// test runs, and prints what it says.
+pub fn helper_command() -> Command {
+    let mut cmd = Command::new(std::env::current_exe().unwrap());
+    cmd.args([
+        "--exact",
+        "helper_process",
+        "--nocapture",
+        "--test-threads=1",
+    ]);
+    cmd
+}
+
 /// A client process playing a role (see `helper_main`).
 pub struct Helper {
     pub child: Child,
@@ -193,13 +206,7 @@ pub struct Helper {
 impl Helper {
     /// Starts this test binary as a client process of `socket`.
     pub fn spawn(socket: &Path, role: &str, count: u32) -> Helper {
-        let mut child = Command::new(std::env::current_exe().unwrap())
-            .args([
-                "--exact",
-                "helper_process",
-                "--nocapture",
-                "--test-threads=1",
-            ])
+        let mut child = helper_command()
             .env("HERDLESS_TEST_ROLE", role)
             .env("HERDLESS_TEST_COUNT", count.to_string())
             .env("HERDLESS_SOCKET", socket)
@@ -493,4 +500,34 @@ pub fn plain_hello() -> Vec<u8> {
     }
     .encode(&mut out);
     out
+}
+
+/// A small offline workspace of `crates` crates without dependencies, each
+/// enough code that its rustc runs for a moment.
+pub fn cargo_workspace(ws: &Path, crates: usize) {
+    let members: Vec<String> = (1..=crates).map(|i| format!("c{i}")).collect();
+    std::fs::create_dir_all(ws).unwrap();
+    let list: Vec<String> = members.iter().map(|m| format!("\"{m}\"")).collect();
+    std::fs::write(
+        ws.join("Cargo.toml"),
+        format!(
+            "[workspace]\nresolver = \"2\"\nmembers = [{}]\n",
+            list.join(", ")
+        ),
+    )
+    .unwrap();
+    for m in &members {
+        std::fs::create_dir_all(ws.join(m).join("src")).unwrap();
+        std::fs::write(
+            ws.join(m).join("Cargo.toml"),
+            format!("[package]\nname = \"{m}\"\nversion = \"0.1.0\"\nedition = \"2021\"\n"),
+        )
+        .unwrap();
+        let body: String = (0..200)
+            .map(|i| {
+                format!("pub fn f{i}(x: u64) -> u64 {{ x.wrapping_mul({i}).rotate_left(3) }}\n")
+            })
+            .collect();
+        std::fs::write(ws.join(m).join("src/lib.rs"), body).unwrap();
+    }
 }

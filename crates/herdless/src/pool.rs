@@ -1089,5 +1089,27 @@ impl Pool {
     }
 }
 
+/// What the pool's tests and those of the pools built on it share.
+#[cfg(test)]
+pub(crate) mod test_support {
+    use std::time::Duration;
+
+    use super::ClientInfo;
+
+    /// `ms` milliseconds of the test's clock.
+    pub(crate) fn t(ms: u64) -> Duration {
+        Duration::from_millis(ms)
+    }
+
+    /// A native client of process `pid`.
+    pub(crate) fn native(pid: u32) -> ClientInfo {
+        ClientInfo {
+            pid,
+            label: "native",
+            ..ClientInfo::default()
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests;

@@ -2,7 +2,8 @@
 //! sibling jobs: nothing lost, nothing idle, the inner `-j` never passed.
 
 use super::*;
-use crate::pool::{ClientId, ClientInfo, Effect, SlotKey, Source};
+use crate::pool::test_support::{native, t};
+use crate::pool::{ClientId, Effect, SlotKey, Source};
 use proptest::prelude::*;
 
 /// An outer jobserver: `total` bytes, in its pipe or held by siblings.
@@ -30,18 +31,6 @@ impl Outer for Memory {
     fn put(&mut self, byte: u8) -> io::Result<()> {
         self.pipe.push(byte);
         Ok(())
-    }
-}
-
-fn t(ms: u64) -> Duration {
-    Duration::from_millis(ms)
-}
-
-fn native(pid: u32) -> ClientInfo {
-    ClientInfo {
-        pid,
-        label: "native",
-        ..ClientInfo::default()
     }
 }
 

@@ -1,19 +1,8 @@
 //! Unit and property tests of the pool's invariants (ARCHITECTURE §4: 1, 3, 4, 5).
 
+use super::test_support::{native, t};
 use super::*;
 use proptest::prelude::*;
-
-fn t(ms: u64) -> Duration {
-    Duration::from_millis(ms)
-}
-
-fn native(pid: u32) -> ClientInfo {
-    ClientInfo {
-        pid,
-        label: "native",
-        ..ClientInfo::default()
-    }
-}
 
 fn job(pid: u32, slot: SlotKey) -> ClientInfo {
     ClientInfo {

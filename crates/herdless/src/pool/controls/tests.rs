@@ -6,16 +6,9 @@ use std::time::Duration;
 
 use proptest::prelude::*;
 
+use crate::pool::test_support::native;
 use crate::pool::{ClientId, ClientInfo, Effect, Pool, SlotKey, Source};
 use crate::protocol::AbortReason;
-
-fn native(pid: u32) -> ClientInfo {
-    ClientInfo {
-        pid,
-        label: "native",
-        ..ClientInfo::default()
-    }
-}
 
 fn grants(effects: &[Effect]) -> Vec<ClientId> {
     effects
