@@ -362,7 +362,9 @@ pub unsafe extern "C" fn herdless_take_grant(c: *mut herdless_client) -> c_int {
 /// Like `herdless_take_grant`, but never waits for the broker: when no
 /// grant has arrived and no request is queued, it queues one (a single
 /// message) and returns `-EAGAIN` at once; a token that is free comes as
-/// a grant straight away and makes `herdless_fd` readable. Under a pool
+/// a grant straight away and makes `herdless_fd` readable (or, on the
+/// broker's host, is taken from the shared token table at once, with no
+/// message: then it returns 0). Under a pool
 /// that is usually empty (a make at a high `-j`) this costs one broker
 /// wake-up per token instead of two; when tokens are free it costs one
 /// more pass through the caller's poll loop.
