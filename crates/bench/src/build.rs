@@ -133,7 +133,7 @@ pub struct BuildRow {
     pub kernel: String,
 }
 
-/// Loop iterations of [`spin`] per µs on one core of this machine: the
+/// Loop iterations of `spin` per µs on one core of this machine: the
 /// best of three timings, so that a busy moment makes jobs longer, never
 /// shorter.
 pub fn calibrate() -> f64 {

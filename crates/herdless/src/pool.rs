@@ -14,7 +14,7 @@
 //!   the implicit token of the command at the top of the tree).
 //! - **Slots**: every job runner (the command at the top, each job that runs
 //!   jobs of its own, each make recipe) owns one implicit token, which never
-//!   goes to the broker. The broker keeps one [`Slot`] per runner, named by
+//!   goes to the broker. The broker keeps one slot per runner, named by
 //!   a [`SlotKey`] that is handed down to the runner's subtree, never
 //!   guessed from process ids. A client that names a slot when it connects
 //!   (what `herdless exec` does) may run in it when nobody else holds it:
