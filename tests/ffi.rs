@@ -639,6 +639,37 @@ impl Drop for KillOnDrop {
 }
 
 /// Polls `serve`'s status until `pred` holds; panics after a bound.
+/// Starts `fork_holder ARGS` under `serve` and waits for both of its
+/// lines: the fork reports its checks passed, the parent its fork's pid.
+/// Returns the parent, the fork's pid, and a guard that kills both.
+fn fork_holder(program: &Path, serve: &Serve, args: &[&str]) -> (Child, i32, KillOnDrop) {
+    let mut parent = clean(Command::new(program))
+        .args(args)
+        .env("HERDLESS_SOCKET", &serve.socket)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("fork_holder");
+    let mut guard = KillOnDrop(vec![parent.id() as i32]);
+    let mut out = BufReader::new(parent.stdout.take().unwrap());
+    let mut lines = Vec::new();
+    while lines.len() < 2 {
+        let mut line = String::new();
+        assert!(out.read_line(&mut line).unwrap() > 0, "{lines:?}");
+        lines.push(line.trim().to_string());
+    }
+    lines.sort();
+    assert_eq!(lines[0], "child: ok", "{lines:?}");
+    let child: i32 = lines[1]
+        .strip_prefix("parent: child ")
+        .unwrap_or_else(|| panic!("{lines:?}"))
+        .parse()
+        .unwrap();
+    guard.0.push(child);
+    (parent, child, guard)
+}
+
 fn status_until(serve: &Serve, what: &str, pred: impl Fn(&serde_json::Value) -> bool) {
     let start = Instant::now();
     loop {
@@ -661,34 +692,8 @@ fn a_fork_cannot_use_or_keep_its_parent_s_tokens() {
     let program = build_c("fork_holder");
     for free_in_child in [false, true] {
         let serve = Serve::start(3);
-        let mut parent = clean(Command::new(&program))
-            .args(if free_in_child {
-                &["free"][..]
-            } else {
-                &[][..]
-            })
-            .env("HERDLESS_SOCKET", &serve.socket)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("fork_holder");
-        let mut guard = KillOnDrop(vec![parent.id() as i32]);
-        let mut out = BufReader::new(parent.stdout.take().unwrap());
-        let mut lines = Vec::new();
-        while lines.len() < 2 {
-            let mut line = String::new();
-            assert!(out.read_line(&mut line).unwrap() > 0, "{lines:?}");
-            lines.push(line.trim().to_string());
-        }
-        lines.sort();
-        assert_eq!(lines[0], "child: ok", "{lines:?}");
-        let child: i32 = lines[1]
-            .strip_prefix("parent: child ")
-            .unwrap_or_else(|| panic!("{lines:?}"))
-            .parse()
-            .unwrap();
-        guard.0.push(child);
+        let args: &[&str] = if free_in_child { &["free"] } else { &[] };
+        let (mut parent, child, _guard) = fork_holder(&program, &serve, args);
         // The fork's calls (and its free) changed nothing: two held.
         let s = serve.status();
         assert_eq!(
@@ -724,30 +729,7 @@ fn a_grant_for_a_dead_process_is_not_kept_by_its_fork() {
     let holder = build_c("holder");
     let serve = Serve::start(2);
     let (mut held, _) = hold(&serve, &holder, 1);
-    let mut parent = clean(Command::new(&program))
-        .arg("queue")
-        .env("HERDLESS_SOCKET", &serve.socket)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("fork_holder");
-    let mut guard = KillOnDrop(vec![parent.id() as i32]);
-    let mut out = BufReader::new(parent.stdout.take().unwrap());
-    let mut lines = Vec::new();
-    while lines.len() < 2 {
-        let mut line = String::new();
-        assert!(out.read_line(&mut line).unwrap() > 0, "{lines:?}");
-        lines.push(line.trim().to_string());
-    }
-    lines.sort();
-    assert_eq!(lines[0], "child: ok", "{lines:?}");
-    let child: i32 = lines[1]
-        .strip_prefix("parent: child ")
-        .unwrap_or_else(|| panic!("{lines:?}"))
-        .parse()
-        .unwrap();
-    guard.0.push(child);
+    let (mut parent, child, _guard) = fork_holder(&program, &serve, &["queue"]);
     status_until(&serve, "the parent's request queued", |s| {
         s["waiting"].as_u64() == Some(1)
     });

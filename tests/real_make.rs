@@ -59,7 +59,15 @@ fn tree(t: &Tree) -> usize {
 
 /// [`tree`] with `per` jobs in each of its eight makefiles.
 fn tree_of(t: &Tree, per: usize) -> usize {
-    let stock = stock_make();
+    let stock = format!("+@{}", stock_make().display());
+    recursive_tree(t, per, "@$(MAKE)", "", &stock)
+}
+
+/// The recursive tree of [`tree`] and [`bmake_tree`], `per` jobs in each
+/// of its eight makefiles, in a make's own words: `sub` calls a sub-make
+/// of the same make (herdless); `stock` calls a stock one, in a target
+/// whose dependency line ends with `stock_deps`. Returns the jobs in all.
+fn recursive_tree(t: &Tree, per: usize, sub: &str, stock_deps: &str, stock: &str) -> usize {
     for b in 1..=6 {
         t.flat_makefile(&format!("sub{b}.mk"), &format!("b{b}j"), per);
     }
@@ -73,20 +81,17 @@ fn tree_of(t: &Tree, per: usize) -> usize {
         mk += &text;
         fs::write(path, mk).unwrap();
     };
-    append(
-        "sub1.mk",
-        format!("nested:\n\t@$(MAKE) -f {d}/nested1.mk\n"),
-    );
+    append("sub1.mk", format!("nested:\n\t{sub} -f {d}/nested1.mk\n"));
     append(
         "sub6.mk",
-        format!("nested:\n\t+@{} -f {d}/nested6.mk\n", stock.display()),
+        format!("nested:{stock_deps}\n\t{stock} -f {d}/nested6.mk\n"),
     );
     let mut top = String::from("all: branch1 branch2 branch3 branch4 branch5 branch6\n");
     for b in [1, 2, 3, 6] {
-        top += &format!("branch{b}:\n\t@$(MAKE) -f {d}/sub{b}.mk\n");
+        top += &format!("branch{b}:\n\t{sub} -f {d}/sub{b}.mk\n");
     }
     for b in [4, 5] {
-        top += &format!("branch{b}:\n\t+@{} -f {d}/sub{b}.mk\n", stock.display());
+        top += &format!("branch{b}:{stock_deps}\n\t{stock} -f {d}/sub{b}.mk\n");
     }
     fs::write(t.path("Makefile"), top).unwrap();
     8 * per
@@ -500,36 +505,7 @@ fn bmake_tree(t: &Tree) -> usize {
 
 /// [`bmake_tree`] with `per` jobs in each of its eight makefiles.
 fn bmake_tree_of(t: &Tree, per: usize) -> usize {
-    for b in 1..=6 {
-        t.flat_makefile(&format!("sub{b}.mk"), &format!("b{b}j"), per);
-    }
-    t.flat_makefile("nested1.mk", "n1j", per);
-    t.flat_makefile("nested6.mk", "n6j", per);
-    let d = t.dir.display();
-    let append = |file: &str, text: String| {
-        let path = t.path(file);
-        let mut mk = fs::read_to_string(&path).unwrap();
-        mk = mk.replacen("all:", "all: nested", 1);
-        mk += &text;
-        fs::write(path, mk).unwrap();
-    };
-    append(
-        "sub1.mk",
-        format!("nested:\n\t@${{MAKE}} -f {d}/nested1.mk\n"),
-    );
-    append(
-        "sub6.mk",
-        format!("nested: .MAKE\n\t@/usr/bin/bmake -f {d}/nested6.mk\n"),
-    );
-    let mut top = String::from("all: branch1 branch2 branch3 branch4 branch5 branch6\n");
-    for b in [1, 2, 3, 6] {
-        top += &format!("branch{b}:\n\t@${{MAKE}} -f {d}/sub{b}.mk\n");
-    }
-    for b in [4, 5] {
-        top += &format!("branch{b}: .MAKE\n\t@/usr/bin/bmake -f {d}/sub{b}.mk\n");
-    }
-    fs::write(t.path("Makefile"), top).unwrap();
-    8 * per
+    recursive_tree(t, per, "@${MAKE}", " .MAKE", "@/usr/bin/bmake")
 }
 
 #[test]
