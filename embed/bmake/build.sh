@@ -19,30 +19,10 @@ set -euo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 here=$root/embed/bmake
-target=${CARGO_TARGET_DIR:-$root/target}
-profile=${HERDLESS_PROFILE:-release}
-
-log() { printf '[embed/bmake] %s\n' "$*" >&2; }
-
-mkdir -p "$root/target/embed"
+embed_name=bmake
 logfile=$root/target/embed/bmake-build.log
-: >"$logfile"
-run_quiet() {
-  if ! "$@" >>"$logfile" 2>&1; then
-    log "failed: $*"
-    tail -n 60 "$logfile" >&2
-    exit 1
-  fi
-}
-
-if [[ $profile == release ]]; then
-  run_quiet cargo build --release --locked -p herdless-ffi
-else
-  run_quiet cargo build --locked -p herdless-ffi
-fi
-lib=$target/$profile/libherdless.a
-[[ -f $lib ]] || { log "no $lib"; exit 1; }
-libs_private=$(sed -n 's/^Libs.private: //p' "$root/crates/ffi/herdless.pc")
+# shellcheck source=embed/lib.sh
+source "$root/embed/lib.sh"
 
 # build NAME PATCH [LIBS]: target/embed/NAME/bin/bmake
 build() {
@@ -50,7 +30,7 @@ build() {
   local dest=$root/target/embed/$name
   local bin=$dest/bin/bmake
   local stamp
-  stamp=$(cat "$here/$patch" "$here/build.sh" ${libs:+"$lib" "$root/crates/ffi/include/herdless.h"} |
+  stamp=$(cat "$here/$patch" "$here/build.sh" "$root/embed/lib.sh" ${libs:+"$lib" "$root/crates/ffi/include/herdless.h"} |
     sha256sum | cut -d' ' -f1)
   if [[ -x $bin && -f $dest/stamp && $(cat "$dest/stamp") == "$stamp" ]]; then
     log "up to date: $bin"

@@ -19,36 +19,17 @@ set -euo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 here=$root/embed/gnu-make
-target=${CARGO_TARGET_DIR:-$root/target}
 dest=$root/target/embed/gnu-make
 build=$dest/build
 bin=$dest/bin/make
-profile=${HERDLESS_PROFILE:-release}
-
-log() { printf '[embed/gnu-make] %s\n' "$*" >&2; }
-
-logfile=$dest/build.log
-mkdir -p "$dest"
-: >"$logfile"
-run_quiet() {
-  if ! "$@" >>"$logfile" 2>&1; then
-    log "failed: $*"
-    tail -n 60 "$logfile" >&2
-    exit 1
-  fi
-}
 
 # --- the library --------------------------------------------------------
-if [[ $profile == release ]]; then
-  run_quiet cargo build --release --locked -p herdless-ffi
-else
-  run_quiet cargo build --locked -p herdless-ffi
-fi
-lib=$target/$profile/libherdless.a
-[[ -f $lib ]] || { log "no $lib"; exit 1; }
-libs_private=$(sed -n 's/^Libs.private: //p' "$root/crates/ffi/herdless.pc")
+embed_name=gnu-make
+logfile=$dest/build.log
+# shellcheck source=embed/lib.sh
+source "$root/embed/lib.sh"
 
-stamp=$(cat "$here/herdless-jobserver.c" "$here/build.sh" "$lib" \
+stamp=$(cat "$here/herdless-jobserver.c" "$here/build.sh" "$root/embed/lib.sh" "$lib" \
   "$root/crates/ffi/include/herdless.h" | sha256sum | cut -d' ' -f1)
 if [[ -x $bin && -f $dest/stamp && $(cat "$dest/stamp") == "$stamp" ]]; then
   log "up to date: $bin"
