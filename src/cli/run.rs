@@ -347,11 +347,11 @@ pub fn print_report(r: &Status) {
         ),
         {
             let classic = r.classic.as_ref().map_or(0, |c| c.offered);
-            let native = r.grants - classic;
+            let native = r.grants.saturating_sub(classic);
             format!(
                 "grants        {} to native clients ({} at once, {} after a wait){}",
                 native,
-                native - r.wakeups,
+                native.saturating_sub(r.wakeups),
                 r.wakeups,
                 if r.classic.is_some() {
                     format!(", {classic} into the classic pipe")

@@ -89,13 +89,21 @@ pub fn status(args: StatusArgs) -> Result<u8> {
     }
     if let Some(f) = &s.fast {
         println!(
-            "table     {}, {} client(s); {} lent ({} free, {} held); {} grant(s) from it",
+            "table     {}, {} client(s); {} lent ({} free, {} held); {} grant(s) from it; {}",
             if f.open { "open" } else { "closed" },
             f.clients,
             f.lent,
             f.free,
             f.held,
-            f.grants
+            f.grants,
+            if f.handoff {
+                format!(
+                    "{} waiting there, {} moved to the queue",
+                    f.waiting, f.moved
+                )
+            } else {
+                "waits go to the broker".to_owned()
+            }
         );
     }
     if s.clients_total > s.clients.len() as u64 {

@@ -1703,6 +1703,9 @@ impl Broker {
                 lends: f.lends,
                 reclaimed: f.reclaimed,
                 cut_off: f.cut_off,
+                handoff: f.table.waits_here(),
+                waiting: f.table.waiters().len() as u32,
+                moved: f.moved,
             }
         });
         let (lends, table_grants, table_free, table_held, table_reclaimed) =
@@ -1716,20 +1719,37 @@ impl Broker {
             .as_ref()
             .map_or(0, |f| f.table.peak().min(self.config.jobs));
         let free = self.pool.free() + table_free;
+        // A wait in the table that the broker moved to its queue is
+        // counted there again: once is enough.
+        let (table_waits, table_cancelled) = self.fast.as_ref().map_or((0, 0), |f| {
+            let (w, c) = f.table.wait_counts();
+            (u64::from(w).saturating_sub(f.moved), u64::from(c))
+        });
+        // Waits in the table are timed by the clients that waited.
+        let mut wait_ns = stats.wait_ns.clone();
+        if let Some(f) = self.fast.as_ref() {
+            f.table.add_waits_to(&mut wait_ns);
+        }
         Status {
             pid: std::process::id(),
             jobs: self.config.jobs,
             capacity: self.pool.capacity(),
             free,
             in_use: self.in_use() + table_held,
-            waiting: self.pool.waiting() as u32,
+            waiting: self.pool.waiting() as u32 + fast.as_ref().map_or(0, |f| f.waiting),
             aborted: self.pool.aborted().map(|r| (r.byte() as char).to_string()),
             grants: (stats.grants - lends).saturating_add(table_grants),
             immediate: (stats.immediate - lends).saturating_add(table_grants),
-            waits: stats.waits,
-            wakeups: self.native_wakeups,
+            waits: stats.waits + table_waits,
+            // A waiter woken by its giver's hand-off; a wait moved from the
+            // table to the queue counts when its grant wakes it.
+            wakeups: self.native_wakeups
+                + self
+                    .fast
+                    .as_ref()
+                    .map_or(0, |f| u64::from(f.table.handoffs())),
             denied: stats.denied,
-            cancelled: stats.cancelled,
+            cancelled: stats.cancelled + table_cancelled,
             reclaimed: stats.reclaimed + table_reclaimed,
             connections: stats.connections - u64::from(self.table_made),
             stopped: self.pool.stopped(),
@@ -1738,13 +1758,13 @@ impl Broker {
                 + self.fast.as_ref().map_or(0, |f| f.held_at_shutdown),
             slots: self.pool.slot_count() as u32,
             max_in_use: self.max_in_use.max(table_peak),
-            wait_p50_us: ns_to_us(stats.wait_ns.quantile(0.5)),
-            wait_p99_us: ns_to_us(stats.wait_ns.quantile(0.99)),
-            wait_max_us: ns_to_us(stats.wait_ns.max()),
+            wait_p50_us: ns_to_us(wait_ns.quantile(0.5)),
+            wait_p99_us: ns_to_us(wait_ns.quantile(0.99)),
+            wait_max_us: ns_to_us(wait_ns.max()),
             lost: self.pool.unaccounted(),
             classic: self.bridge.as_ref().map(|b| b.status(&self.pool)),
             controls: Some(self.controls_status()),
-            wait_histogram: Some(crate::status::WaitHistogram::of(&stats.wait_ns)),
+            wait_histogram: Some(crate::status::WaitHistogram::of(&wait_ns)),
             clients,
             clients_total,
             handshaking: self.handshakes.live() as u32,

@@ -43,91 +43,260 @@
 //! after the client's swap (it finds the word free and takes it back); no
 //! order lets both miss, so no token stays free in a closed table.
 //!
+//! # Waiting in the table, and the direct hand-off
+//!
+//! Where the broker can put the table under a [`DeathGuard`] (Linux), a
+//! client that finds no free word while the table is open waits in the
+//! table itself: each client has a slot of two words, a state and a
+//! ticket. It draws a ticket from a counter (slot 0's ticket word), stores
+//! it, sets its state to *waiting* and sleeps on its state word (a futex).
+//! A client giving a token back hands it straight to the waiter with the
+//! oldest ticket, in two steps, each one compare-and-swap:
+//!
+//! 1. the token's word goes from `me` to a *gift* `(me → heir)`: the token
+//!    is the heir's from this instruction on (reclaimed with the heir if it
+//!    dies);
+//! 2. the heir's state goes from *waiting* to *woken*, then one
+//!    `FUTEX_WAKE` of that word wakes that process alone.
+//!
+//! When step 2 fails (the heir withdrew, or another giver woke it first)
+//! the giver takes its gift back (`gift → me`) and looks again. A woken
+//! client turns every gift addressed to it into its own id and keeps one
+//! token (an extra one, left by a giver that died between its steps, is
+//! given back at once). A giver that finds nobody waiting frees the word
+//! and looks again once: the waiter sets its state *then* looks for a free
+//! word, the giver frees the word *then* looks for a waiter, all
+//! sequentially consistent, so one of them sees the other (Dekker again).
+//!
+//! The broker's death ends every wait without a timer: the state values
+//! *waiting* and *woken* carry the guard thread's id with `FUTEX_WAITERS`
+//! set, and the guard's robust futex list names every state word, so when
+//! the broker's process dies, however, the kernel clears the id from each
+//! such word and wakes its sleeper (ARCHITECTURE §3, "The fast path").
+//! Slot 0's state holds the id alone while the broker lives: a client
+//! checks it after it starts waiting, so it never starts a wait the kernel
+//! will not end.
+//!
+//! When the table closes, the broker *moves* every waiter to its queue in
+//! ticket order: it sets the waiter's state to *woken* without a gift and
+//! queues an `Acquire` for it, whose `Grant` comes over the socket.
+//!
 //! [`Request::Returned`]: crate::protocol::Request::Returned
+//! [`DeathGuard`]: herdless_platform::DeathGuard
 
 use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::SeqCst};
+use std::time::Instant;
 
-use herdless_platform::Segment;
+use herdless_platform::{DeathGuard, Segment, FUTEX_OWNER_DIED, FUTEX_TID_MASK, FUTEX_WAITERS};
 
 /// A word not lent to the table.
 pub const OUT: u32 = u32::MAX;
 /// A lent word that nobody holds.
 pub const FREE: u32 = 0;
+/// The bit that marks a gift in a token word: `GIFT | giver << 16 | heir`.
+const GIFT: u32 = 0x8000_0000;
+/// The giver named in a gift the broker makes (never a client's id).
+pub const BROKER_GIVER: u32 = 0x7fff;
+/// The most client slots a table has (each id is 1 to this).
+pub const MAX_SLOTS: u32 = 1024;
 
 /// Header word: [`MAGIC`].
 const H_MAGIC: u32 = 0;
 /// Header word: the layout version, [`LAYOUT`].
 const H_LAYOUT: u32 = 1;
-/// Header word: the number of table words.
+/// Header word: the number of token words.
 const H_WORDS: u32 = 2;
 /// Header word: 0 while the table is open, 1 while it is closed.
 pub const GATE: u32 = 3;
+/// Header word: the number of client slots.
+const H_SLOTS: u32 = 4;
 /// Header word: tokens held from the table or the broker's pool now, as
 /// far as the clients and the broker have counted them.
 const H_IN_USE: u32 = 5;
 /// Header word: the most of [`H_IN_USE`] seen.
 const H_PEAK: u32 = 6;
+/// Header word: the highest client id in use (givers look no further).
+const H_HI: u32 = 7;
+/// Header word: the guard thread's id; 0 when nobody may wait in the
+/// table.
+const H_TID: u32 = 10;
+/// Header word: waits in the table (clients count them, wrapping).
+const H_WAITS: u32 = 11;
+/// Header word: waits in the table withdrawn at their deadline.
+const H_CANCELLED: u32 = 12;
+/// Header word: waiters woken with a token handed to them (wrapping).
+const H_HANDOFFS: u32 = 13;
+
+/// After the slots: the sum of the waits in the table that ended in a
+/// token (ns, 64 bits), then their longest (ns, 64 bits), then one count
+/// per bucket of `crate::stats::Histogram`.
+const X_SUM: u32 = 0;
+const X_MAX: u32 = 2;
+const X_COUNTS: u32 = 4;
 
 /// "HRDT" as a little-endian word.
 const MAGIC: u32 = u32::from_le_bytes(*b"HRDT");
 /// The layout of this module.
-const LAYOUT: u32 = 1;
+const LAYOUT: u32 = 2;
+
+/// A slot's state: not waiting.
+const IDLE: u32 = 0;
+
+/// The gift of a token from `giver` to `heir`.
+pub fn gift(giver: u32, heir: u32) -> u32 {
+    GIFT | (giver & 0x7fff) << 16 | (heir & 0xffff)
+}
+
+/// The giver and heir of a gift, if `v` is one.
+pub fn as_gift(v: u32) -> Option<(u32, u32)> {
+    (v != OUT && v & GIFT != 0).then_some(((v >> 16) & 0x7fff, v & 0xffff))
+}
+
+/// How a wait in the table ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WaitEnd {
+    /// A giver handed this client tokens: it holds this many (at least 1).
+    Got(u32),
+    /// The broker moved the wait to its queue: the grant comes over the
+    /// socket.
+    Moved,
+    /// The table is closed, or nobody may wait in it: ask the broker.
+    Closed,
+    /// The deadline passed; the wait is withdrawn.
+    TimedOut,
+    /// The broker's process is gone.
+    Gone,
+}
+
+/// How a hand-on ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HandOn {
+    /// The token went to a waiter.
+    Handed,
+    /// Nobody waited: the word is free.
+    Freed,
+    /// The word was free and somebody took it meanwhile.
+    Taken,
+    /// The word no longer held what the giver thought (the broker took it
+    /// back).
+    Lost,
+}
+
+/// Where the slot area starts, in the segment's words: after the token
+/// words, 8-aligned.
+fn slot_base(words: u32) -> u32 {
+    (words + 1) & !1
+}
+
+/// Where the wait figures start: after the slots (8-aligned, as the slot
+/// area is).
+fn extra_base(words: u32, slots: u32) -> u32 {
+    slot_base(words) + 2 * (slots + 1)
+}
+
+/// The segment words of a table of `words` token words and `slots` slots.
+pub fn segment_words(words: u32, slots: u32) -> u32 {
+    extra_base(words, slots) + X_COUNTS + crate::stats::BUCKETS as u32
+}
 
 /// The shared token table, as both the broker and a client see it.
 #[derive(Debug)]
 pub struct Table {
     seg: Segment,
+    words: u32,
+    slots: u32,
 }
 
 impl Table {
-    /// Makes a table of `words` words, all [`OUT`], closed (broker side).
+    /// Makes a table of `words` token words, all [`OUT`], and `slots`
+    /// client slots, closed, with nobody allowed to wait in it (broker
+    /// side; [`guard`](Self::guard) allows waiting).
     ///
     /// # Errors
     ///
-    /// Those of [`Segment::create`].
-    pub fn create(words: u32) -> io::Result<Table> {
-        let seg = Segment::create(words)?;
-        let t = Table { seg };
+    /// `InvalidInput` for more than [`MAX_SLOTS`] slots; those of
+    /// [`Segment::create`].
+    pub fn create(words: u32, slots: u32) -> io::Result<Table> {
+        if slots > MAX_SLOTS || words == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("a table has 1 or more words and at most {MAX_SLOTS} slots"),
+            ));
+        }
+        let seg = Segment::create(segment_words(words, slots))?;
+        let t = Table { seg, words, slots };
         for i in 0..words {
             t.word(i).store(OUT, SeqCst);
         }
         t.seg.header(H_LAYOUT).store(LAYOUT, SeqCst);
         t.seg.header(H_WORDS).store(words, SeqCst);
+        t.seg.header(H_SLOTS).store(slots, SeqCst);
         t.seg.header(GATE).store(1, SeqCst);
         t.seg.header(H_MAGIC).store(MAGIC, SeqCst);
         Ok(t)
     }
 
-    /// Maps a table received from the broker (client side).
+    /// Maps a table received from the broker (client side); `total` is the
+    /// segment's size in words, as the broker said.
     ///
     /// # Errors
     ///
     /// Those of [`Segment::open`], or `InvalidData` when the header is not
     /// a table's of this layout and size.
-    pub fn open(fd: OwnedFd, words: u32) -> io::Result<Table> {
-        let seg = Segment::open(fd, words)?;
+    pub fn open(fd: OwnedFd, total: u32) -> io::Result<Table> {
+        let seg = Segment::open(fd, total)?;
+        let words = seg.header(H_WORDS).load(SeqCst);
+        let slots = seg.header(H_SLOTS).load(SeqCst);
         if seg.header(H_MAGIC).load(SeqCst) != MAGIC
             || seg.header(H_LAYOUT).load(SeqCst) != LAYOUT
-            || seg.header(H_WORDS).load(SeqCst) != words
+            || words == 0
+            || slots > MAX_SLOTS
+            || u64::from(segment_words(words, slots)) != u64::from(total)
         {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidData,
                 "the shared token table has another layout",
             ));
         }
-        Ok(Table { seg })
+        Ok(Table { seg, words, slots })
     }
 
-    /// The number of words.
+    /// The number of token words.
     pub fn words(&self) -> u32 {
+        self.words
+    }
+
+    /// The number of client slots (client ids are 1 to this).
+    pub fn slots(&self) -> u32 {
+        self.slots
+    }
+
+    /// The segment's size in words.
+    pub fn total(&self) -> u32 {
         self.seg.words()
     }
 
-    /// Word `i`.
+    /// Token word `i`.
     pub fn word(&self, i: u32) -> &AtomicU32 {
+        assert!(i < self.words, "token word {i} out of range");
         self.seg.word(i)
+    }
+
+    fn state_index(&self, k: u32) -> u32 {
+        assert!(k <= self.slots, "slot {k} out of range");
+        slot_base(self.words) + 2 * k
+    }
+
+    /// Slot `k`'s state word (slot 0: the broker's life).
+    fn state(&self, k: u32) -> &AtomicU32 {
+        self.seg.word(self.state_index(k))
+    }
+
+    /// Slot `k`'s ticket word (slot 0: the next ticket).
+    fn ticket(&self, k: u32) -> &AtomicU32 {
+        self.seg.word(self.state_index(k) + 1)
     }
 
     fn header(&self, i: u32) -> &AtomicU32 {
@@ -144,12 +313,33 @@ impl Table {
         self.header(GATE).load(SeqCst) == 0
     }
 
+    /// The guard's thread id, when clients may wait in the table.
+    fn tid(&self) -> Option<u32> {
+        let tid = self.header(H_TID).load(SeqCst);
+        (tid != 0 && tid & !FUTEX_TID_MASK == 0).then_some(tid)
+    }
+
+    /// Whether clients may wait in the table (the broker put it under a
+    /// guard).
+    pub fn waits_here(&self) -> bool {
+        self.tid().is_some()
+    }
+
+    fn is_client(&self, k: u32) -> bool {
+        (1..=self.slots).contains(&k)
+    }
+
+    fn count_taken(&self) {
+        let now = self.header(H_IN_USE).fetch_add(1, SeqCst).wrapping_add(1);
+        self.header(H_PEAK).fetch_max(now, SeqCst);
+    }
+
     // ---- client side -----------------------------------------------------
 
     /// Takes a free word for `me` if the table is open: the index taken.
     /// `start` spreads clients over the table.
     pub fn take(&self, me: u32, start: u32) -> Option<u32> {
-        if me == FREE || me == OUT || !self.is_open() {
+        if !self.is_client(me) || !self.is_open() {
             return None;
         }
         let n = self.words();
@@ -157,8 +347,7 @@ impl Table {
             let i = (start % n + k) % n;
             let w = self.word(i);
             if w.load(SeqCst) == FREE && w.compare_exchange(FREE, me, SeqCst, SeqCst).is_ok() {
-                let now = self.header(H_IN_USE).fetch_add(1, SeqCst).wrapping_add(1);
-                self.header(H_PEAK).fetch_max(now, SeqCst);
+                self.count_taken();
                 self.grants().fetch_add(1, SeqCst);
                 return Some(i);
             }
@@ -166,32 +355,345 @@ impl Table {
         None
     }
 
-    /// Gives back one word `me` holds. `None` when it holds none (the
-    /// broker took them back: the connection was cut); otherwise whether
-    /// the broker must be told (the table was closed after the swap).
+    /// Gives back one word `me` holds: to the oldest waiter, or free.
+    /// `None` when it holds none (the broker took them back: the connection
+    /// was cut); otherwise whether the broker must be told (the word was
+    /// freed and the table was closed after that).
     pub fn give_back(&self, me: u32, hint: Option<u32>) -> Option<bool> {
-        if me == FREE || me == OUT {
+        if !self.is_client(me) {
             return None;
         }
         let n = self.words();
         let first = hint.filter(|&i| i < n).into_iter();
         for i in first.chain(0..n) {
-            let w = self.word(i);
-            if w.load(SeqCst) != me {
+            if self.word(i).load(SeqCst) != me {
                 continue;
             }
             // Counted down before the swap, so the count never exceeds the
             // words held, whatever instruction a kill lands on.
             self.header(H_IN_USE).fetch_sub(1, SeqCst);
-            if w.compare_exchange(me, FREE, SeqCst, SeqCst).is_ok() {
-                return Some(!self.is_open());
+            match self.hand_on(i, me, me) {
+                HandOn::Handed => return Some(false),
+                HandOn::Freed | HandOn::Taken => return Some(!self.is_open()),
+                HandOn::Lost => {
+                    self.header(H_IN_USE).fetch_add(1, SeqCst);
+                }
             }
-            self.header(H_IN_USE).fetch_add(1, SeqCst);
         }
         None
     }
 
+    /// The waiting slot with the oldest ticket.
+    fn heir(&self, tid: u32) -> Option<u32> {
+        let waiting = tid | FUTEX_WAITERS;
+        let next = self.ticket(0).load(SeqCst);
+        let hi = self.header(H_HI).load(SeqCst).min(self.slots);
+        let mut best: Option<(u32, u32)> = None;
+        for k in 1..=hi {
+            if self.state(k).load(SeqCst) != waiting {
+                continue;
+            }
+            let age = next.wrapping_sub(self.ticket(k).load(SeqCst));
+            if best.map_or(true, |(_, a)| age > a) {
+                best = Some((k, age));
+            }
+        }
+        best.map(|(k, _)| k)
+    }
+
+    /// Passes word `i`, which holds `cur` (the giver's id, or [`FREE`]), to
+    /// the oldest waiter, or frees it when nobody waits. `giver` is named
+    /// in the gift.
+    pub fn hand_on(&self, i: u32, cur: u32, giver: u32) -> HandOn {
+        let w = self.word(i);
+        let mut cur = cur;
+        loop {
+            match self.tid().and_then(|tid| self.heir(tid).map(|h| (tid, h))) {
+                Some((tid, h)) => {
+                    let g = gift(giver, h);
+                    if w.compare_exchange(cur, g, SeqCst, SeqCst).is_err() {
+                        return if cur == FREE {
+                            HandOn::Taken
+                        } else {
+                            HandOn::Lost
+                        };
+                    }
+                    let waiting = tid | FUTEX_WAITERS;
+                    if self
+                        .state(h)
+                        .compare_exchange(waiting, waiting | FUTEX_OWNER_DIED, SeqCst, SeqCst)
+                        .is_ok()
+                    {
+                        self.header(H_HANDOFFS).fetch_add(1, SeqCst);
+                        let _ = self.seg.wake_one(self.state_index(h));
+                        return HandOn::Handed;
+                    }
+                    // The heir withdrew or was woken by another giver: take
+                    // the gift back, unless it was already claimed.
+                    if w.compare_exchange(g, cur, SeqCst, SeqCst).is_err() {
+                        return HandOn::Handed;
+                    }
+                }
+                None if cur == FREE => return HandOn::Freed,
+                None => {
+                    if w.compare_exchange(cur, FREE, SeqCst, SeqCst).is_err() {
+                        return HandOn::Lost;
+                    }
+                    // Look once more: a waiter that came before the free.
+                    cur = FREE;
+                }
+            }
+        }
+    }
+
+    /// Turns every gift to `me` into a word `me` holds: how many.
+    fn claim_gifts(&self, me: u32) -> u32 {
+        let mut n = 0;
+        for i in 0..self.words() {
+            let w = self.word(i);
+            let v = w.load(SeqCst);
+            if as_gift(v).is_some_and(|(_, h)| h == me)
+                && w.compare_exchange(v, me, SeqCst, SeqCst).is_ok()
+            {
+                self.count_taken();
+                if n == 0 {
+                    self.grants().fetch_add(1, SeqCst);
+                }
+                n += 1;
+            }
+        }
+        n
+    }
+
+    /// The index of a word `me` holds, if any.
+    pub fn held_word(&self, me: u32) -> Option<u32> {
+        (0..self.words()).find(|&i| self.word(i).load(SeqCst) == me)
+    }
+
+    /// Withdraws the wait of `me`: `None` when withdrawn, or how it had
+    /// ended already.
+    fn leave(&self, me: u32, tid: u32) -> Option<WaitEnd> {
+        let waiting = tid | FUTEX_WAITERS;
+        match self
+            .state(me)
+            .compare_exchange(waiting, IDLE, SeqCst, SeqCst)
+        {
+            Ok(_) => None,
+            Err(_) => Some(self.ended(me, tid)),
+        }
+    }
+
+    /// What a wait of `me` that is no longer *waiting* ended in.
+    fn ended(&self, me: u32, tid: u32) -> WaitEnd {
+        let woken = tid | FUTEX_WAITERS | FUTEX_OWNER_DIED;
+        let n = self.claim_gifts(me);
+        let st = self.state(me);
+        let was = st.load(SeqCst);
+        if was == woken {
+            st.store(IDLE, SeqCst);
+        }
+        match (n, was == woken) {
+            (0, true) => WaitEnd::Moved,
+            (0, false) => WaitEnd::Gone,
+            (n, _) => WaitEnd::Got(n),
+        }
+    }
+
+    /// Waits in the table for a token, until `deadline` (`None`: no limit).
+    /// The caller found no free word. Signals do not end the wait.
+    ///
+    /// # Errors
+    ///
+    /// The OS error of the futex wait (other than an interruption); the
+    /// wait is withdrawn first.
+    pub fn wait(&self, me: u32, deadline: Option<Instant>) -> io::Result<WaitEnd> {
+        let Some(tid) = self.tid() else {
+            return Ok(WaitEnd::Closed);
+        };
+        if !self.is_client(me) {
+            return Ok(WaitEnd::Closed);
+        }
+        let waiting = tid | FUTEX_WAITERS;
+        let index = self.state_index(me);
+        self.header(H_WAITS).fetch_add(1, SeqCst);
+        let since = Instant::now();
+        let end = self.wait_from(me, tid, waiting, index, deadline)?;
+        if let WaitEnd::Got(_) = end {
+            self.record_wait(u64::try_from(since.elapsed().as_nanos()).unwrap_or(u64::MAX));
+        }
+        Ok(end)
+    }
+
+    fn wait_from(
+        &self,
+        me: u32,
+        tid: u32,
+        waiting: u32,
+        index: u32,
+        deadline: Option<Instant>,
+    ) -> io::Result<WaitEnd> {
+        'register: loop {
+            if !self.is_open() {
+                return Ok(WaitEnd::Closed);
+            }
+            let t = self.ticket(0).fetch_add(1, SeqCst);
+            self.ticket(me).store(t, SeqCst);
+            if self
+                .state(me)
+                .compare_exchange(IDLE, waiting, SeqCst, SeqCst)
+                .is_err()
+            {
+                // Left woken or marked by an earlier wait.
+                return Ok(self.ended(me, tid));
+            }
+            loop {
+                // After the state is set: the broker alive, the gate
+                // open, and no free word that a giver freed unseen.
+                if self.state(0).load(SeqCst) != tid {
+                    return Ok(self.leave(me, tid).unwrap_or(WaitEnd::Gone));
+                }
+                if !self.is_open() {
+                    return Ok(self.leave(me, tid).unwrap_or(WaitEnd::Closed));
+                }
+                if (0..self.words()).any(|i| self.word(i).load(SeqCst) == FREE) {
+                    if let Some(end) = self.leave(me, tid) {
+                        return Ok(end);
+                    }
+                    if self.take(me, 0).is_some() {
+                        return Ok(WaitEnd::Got(1));
+                    }
+                    continue 'register;
+                }
+                if self.state(me).load(SeqCst) != waiting {
+                    return Ok(self.ended(me, tid));
+                }
+                let timeout = match deadline {
+                    None => None,
+                    Some(d) => {
+                        let left = d.saturating_duration_since(Instant::now());
+                        if left.is_zero() {
+                            let end = self.leave(me, tid).unwrap_or(WaitEnd::TimedOut);
+                            if end == WaitEnd::TimedOut {
+                                self.header(H_CANCELLED).fetch_add(1, SeqCst);
+                            }
+                            return Ok(end);
+                        }
+                        Some(left)
+                    }
+                };
+                match self.seg.wait_word_for(index, waiting, timeout) {
+                    Ok(_) => {}
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                    Err(e) => {
+                        if let Some(end) = self.leave(me, tid) {
+                            return Ok(end);
+                        }
+                        return Err(e);
+                    }
+                }
+            }
+        }
+    }
+
     // ---- broker side -----------------------------------------------------
+
+    /// Puts the table under a guard: from now on clients may wait in it,
+    /// and the broker's death, however it comes, ends their waits. Keep
+    /// the guard for as long as the table.
+    ///
+    /// # Errors
+    ///
+    /// Those of [`Segment::guard`] (`Unsupported` but on Linux).
+    pub fn guard(&self) -> io::Result<DeathGuard> {
+        let states: Vec<u32> = (0..=self.slots).map(|k| self.state_index(k)).collect();
+        let guard = self.seg.guard(&states)?;
+        let tid = guard.tid();
+        self.state(0).store(tid, SeqCst);
+        self.header(H_TID).store(tid, SeqCst);
+        Ok(guard)
+    }
+
+    /// Notes the highest client id in use.
+    pub fn set_hi(&self, hi: u32) {
+        self.header(H_HI).store(hi.min(self.slots), SeqCst);
+    }
+
+    /// Resets slot `k` for its next client, and wakes a process still
+    /// asleep on it (a client cut off while it waited): it finds the wait
+    /// over and reads why from its socket.
+    pub fn clear_slot(&self, k: u32) {
+        if self.is_client(k) {
+            let was = self.state(k).swap(IDLE, SeqCst);
+            self.ticket(k).store(0, SeqCst);
+            if was != IDLE {
+                let _ = self.seg.wake_all(self.state_index(k));
+            }
+        }
+    }
+
+    /// The slots waiting now, oldest ticket first.
+    pub fn waiters(&self) -> Vec<u32> {
+        let Some(tid) = self.tid() else {
+            return Vec::new();
+        };
+        let waiting = tid | FUTEX_WAITERS;
+        let next = self.ticket(0).load(SeqCst);
+        let hi = self.header(H_HI).load(SeqCst).min(self.slots);
+        let mut w: Vec<(u32, u32)> = (1..=hi)
+            .filter(|&k| self.state(k).load(SeqCst) == waiting)
+            .map(|k| (k, next.wrapping_sub(self.ticket(k).load(SeqCst))))
+            .collect();
+        w.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+        w.into_iter().map(|(k, _)| k).collect()
+    }
+
+    /// Ends the wait of slot `k` without a gift (the broker queues it):
+    /// whether it was waiting.
+    pub fn move_waiter(&self, k: u32) -> bool {
+        let Some(tid) = self.tid() else {
+            return false;
+        };
+        let waiting = tid | FUTEX_WAITERS;
+        let moved = self.is_client(k)
+            && self
+                .state(k)
+                .compare_exchange(waiting, waiting | FUTEX_OWNER_DIED, SeqCst, SeqCst)
+                .is_ok();
+        if moved {
+            let _ = self.seg.wake_one(self.state_index(k));
+        }
+        moved
+    }
+
+    /// Finishes a gift in word `i` to `heir` whose giver died between its
+    /// two steps: wakes the heir when it waits or was woken, or frees the
+    /// word when the heir is not waiting (it never learns of the gift).
+    /// Returns whether the word was freed.
+    pub fn finish_gift(&self, i: u32, seen: u32, heir: u32) -> bool {
+        let Some(tid) = self.tid() else {
+            return self.free_gift(i, seen);
+        };
+        if !self.is_client(heir) {
+            return self.free_gift(i, seen);
+        }
+        let waiting = tid | FUTEX_WAITERS;
+        let woken = waiting | FUTEX_OWNER_DIED;
+        let st = self.state(heir);
+        if st.compare_exchange(waiting, woken, SeqCst, SeqCst).is_ok() {
+            self.header(H_HANDOFFS).fetch_add(1, SeqCst);
+        }
+        if st.load(SeqCst) == woken {
+            let _ = self.seg.wake_one(self.state_index(heir));
+            return false;
+        }
+        self.free_gift(i, seen)
+    }
+
+    fn free_gift(&self, i: u32, seen: u32) -> bool {
+        self.word(i)
+            .compare_exchange(seen, FREE, SeqCst, SeqCst)
+            .is_ok()
+    }
 
     /// Opens the table to takers.
     pub fn open_gate(&self) {
@@ -204,9 +706,11 @@ impl Table {
         self.header(GATE).store(1, SeqCst);
     }
 
-    /// Lends word `i` (which the broker knows to be [`OUT`]) as free.
+    /// Lends word `i` (which the broker knows to be [`OUT`]): to the
+    /// oldest waiter, or free.
     pub fn lend(&self, i: u32) {
         self.word(i).store(FREE, SeqCst);
+        self.hand_on(i, FREE, BROKER_GIVER);
     }
 
     /// Takes word `i` back if it is free. Whatever a client wrote into a
@@ -217,14 +721,14 @@ impl Table {
             .is_ok()
     }
 
-    /// Frees word `i` if it still reads `owner`; counted out of the tokens
-    /// in use.
+    /// Frees word `i` if it still reads `owner` (an id or a gift); counted
+    /// out of the tokens in use when it was an id.
     pub fn reclaim(&self, i: u32, owner: u32) -> bool {
         let done = self
             .word(i)
             .compare_exchange(owner, FREE, SeqCst, SeqCst)
             .is_ok();
-        if done {
+        if done && as_gift(owner).is_none() {
             let _ = self
                 .header(H_IN_USE)
                 .fetch_update(SeqCst, SeqCst, |v| v.checked_sub(1));
@@ -263,6 +767,44 @@ impl Table {
     /// Grants made from the table (clients count them).
     pub fn grant_count(&self) -> u64 {
         self.grants().load(SeqCst)
+    }
+
+    /// Notes a wait in the table that ended in a token after `ns`.
+    fn record_wait(&self, ns: u64) {
+        let x = extra_base(self.words, self.slots);
+        let bucket = crate::stats::index(ns) as u32;
+        self.seg.word(x + X_COUNTS + bucket).fetch_add(1, SeqCst);
+        self.seg.word64(x + X_SUM).fetch_add(ns, SeqCst);
+        self.seg.word64(x + X_MAX).fetch_max(ns, SeqCst);
+    }
+
+    /// Adds the waits in the table that ended in a token to `h`. Clients
+    /// write the figures: a count is believed as a count, nothing more.
+    pub fn add_waits_to(&self, h: &mut crate::stats::Histogram) {
+        let x = extra_base(self.words, self.slots);
+        let counts: Vec<u64> = (0..crate::stats::BUCKETS as u32)
+            .map(|b| u64::from(self.seg.word(x + X_COUNTS + b).load(SeqCst)))
+            .collect();
+        h.add_buckets(
+            &counts,
+            u128::from(self.seg.word64(x + X_SUM).load(SeqCst)),
+            self.seg.word64(x + X_MAX).load(SeqCst),
+        );
+    }
+
+    /// Waiters woken with a token handed to them (counted by the givers,
+    /// modulo 2³²).
+    pub fn handoffs(&self) -> u32 {
+        self.header(H_HANDOFFS).load(SeqCst)
+    }
+
+    /// Waits in the table, and of them those withdrawn at their deadline
+    /// (clients count them, modulo 2³²).
+    pub fn wait_counts(&self) -> (u32, u32) {
+        (
+            self.header(H_WAITS).load(SeqCst),
+            self.header(H_CANCELLED).load(SeqCst),
+        )
     }
 }
 

@@ -7,7 +7,8 @@
 
 const SUB_BITS: u32 = 4;
 const SUB: u64 = 1 << SUB_BITS;
-const BUCKETS: usize = ((64 - SUB_BITS as usize) + 1) * SUB as usize;
+/// The number of buckets.
+pub(crate) const BUCKETS: usize = ((64 - SUB_BITS as usize) + 1) * SUB as usize;
 
 /// Counts of values (any `u64` unit the caller chooses).
 #[derive(Clone, PartialEq, Eq)]
@@ -40,7 +41,8 @@ impl std::fmt::Debug for Histogram {
     }
 }
 
-fn index(v: u64) -> usize {
+/// The bucket of value `v`.
+pub(crate) fn index(v: u64) -> usize {
     if v < SUB {
         return v as usize;
     }
@@ -68,6 +70,17 @@ impl Histogram {
         self.total += 1;
         self.max = self.max.max(v);
         self.sum += u128::from(v);
+    }
+
+    /// Adds values known only by their buckets: `counts[i]` values in
+    /// bucket `i`, summing to `sum`, the largest `max`.
+    pub(crate) fn add_buckets(&mut self, counts: &[u64], sum: u128, max: u64) {
+        for (a, b) in self.counts.iter_mut().zip(counts) {
+            *a += b;
+            self.total += b;
+        }
+        self.max = self.max.max(max);
+        self.sum += sum;
     }
 
     /// Adds every value of `other`.

@@ -178,6 +178,16 @@ pub struct FastStatus {
     pub reclaimed: u64,
     /// Clients cut off for holding a word the broker never lent.
     pub cut_off: u64,
+    /// Whether clients wait in the table, each token handed by its giver
+    /// straight to the oldest waiter.
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub handoff: bool,
+    /// Clients waiting in the table now (counted in `waiting`).
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub waiting: u32,
+    /// Waits in the table moved to the broker's queue when it closed.
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub moved: u64,
 }
 
 /// What the operator controls: admission by load and memory, caps per
@@ -318,6 +328,9 @@ impl Status {
                 t.num("lends", f.lends);
                 t.num("reclaimed", f.reclaimed);
                 t.num("cut_off", f.cut_off);
+                t.raw("handoff", if f.handoff { "true" } else { "false" });
+                t.num("waiting", f.waiting);
+                t.num("moved", f.moved);
                 o.raw("fast", &t.finish());
             }
             None => o.raw("fast", "null"),
@@ -590,6 +603,9 @@ mod tests {
                 lends: 5,
                 reclaimed: 1,
                 cut_off: 0,
+                handoff: true,
+                waiting: 1,
+                moved: 2,
             }),
             wait_histogram: classic.then(|| WaitHistogram {
                 le_us: vec![10.0, 100.0],

@@ -93,7 +93,8 @@ pub use process::{
     sched_count, thread_cpu_ns, ProcessTable, SchedCount,
 };
 pub use segment::{
-    fork_generation, recv_with_fd, segment_support, send_with_fd, Segment, HEADER_WORDS, MAX_WORDS,
+    fork_generation, recv_with_fd, segment_support, send_with_fd, DeathGuard, Segment,
+    FUTEX_OWNER_DIED, FUTEX_TID_MASK, FUTEX_WAITERS, HEADER_WORDS, MAX_WORDS,
 };
 pub use shared_word::SharedWord;
 pub use signal::{sent_by_kernel, signal_ignored};

@@ -179,6 +179,26 @@ impl Segment {
         unsafe { &*self.base.as_ptr().add(8).cast::<AtomicU64>() }
     }
 
+    /// Table words `i` and `i + 1` as one 64-bit word.
+    ///
+    /// # Panics
+    ///
+    /// When `i + 1` is out of range, or word `i` is not 8-aligned in the
+    /// mapping.
+    pub fn word64(&self, i: u32) -> &AtomicU64 {
+        assert!(
+            i < self.words.saturating_sub(1),
+            "table word {i} out of range"
+        );
+        let index = HEADER_WORDS as usize + i as usize;
+        assert!(index % 2 == 0, "table word {i} is not 8-aligned");
+        // SAFETY: words `index` and `index + 1` lie inside the mapping
+        // (checked above), whose page-aligned start makes an even index
+        // 8-aligned; the mapping is live, backed (sealed) and only ever
+        // accessed atomically, this pair only as this 64-bit atomic.
+        unsafe { &*self.base.as_ptr().add(index).cast::<AtomicU64>() }
+    }
+
     /// Wakes at most one process sleeping in [`wait_word`](Self::wait_word)
     /// on table word `i`.
     ///
@@ -197,6 +217,361 @@ impl Segment {
     /// `Interrupted` on a signal; the OS error of the wait call.
     pub fn wait_word(&self, i: u32, expected: u32) -> io::Result<()> {
         crate::sys::futex_wait(self.word(i), expected)
+    }
+
+    /// Sleeps while table word `i` holds `expected`, for at most `timeout`
+    /// (`None`: no limit). `Ok(false)` when the time ran out; `Ok(true)` on
+    /// a wake-up, a spurious return, or a word that no longer holds
+    /// `expected`: the caller re-checks the word in every case.
+    ///
+    /// # Errors
+    ///
+    /// `Interrupted` on a signal whose handler does not restart calls; the
+    /// OS error of the wait call.
+    pub fn wait_word_for(
+        &self,
+        i: u32,
+        expected: u32,
+        timeout: Option<std::time::Duration>,
+    ) -> io::Result<bool> {
+        imp_wait::futex_wait_for(self.word(i), expected, timeout)
+    }
+
+    /// Wakes every process sleeping on table word `i`.
+    ///
+    /// # Errors
+    ///
+    /// The OS error of the wake call.
+    pub fn wake_all(&self, i: u32) -> io::Result<()> {
+        imp_wait::futex_wake_all(self.word(i))
+    }
+
+    /// Puts table words `words` under a [`DeathGuard`]: a thread of this
+    /// process whose thread id the caller stores in those words, and which
+    /// the kernel answers for when this process dies, however it dies.
+    ///
+    /// # Errors
+    ///
+    /// `InvalidInput` for more than [`DeathGuard::MAX_WORDS`] words, a word
+    /// out of range or not 8-aligned in the mapping; `Unsupported` where the
+    /// kernel keeps no robust futex list (everything but Linux); the error
+    /// of starting the thread or of `set_robust_list`.
+    pub fn guard(&self, words: &[u32]) -> io::Result<DeathGuard> {
+        let mut offsets = Vec::with_capacity(words.len());
+        for &i in words {
+            if i >= self.words {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    format!("table word {i} out of range"),
+                ));
+            }
+            let off = (HEADER_WORDS as usize + i as usize) * std::mem::size_of::<AtomicU32>();
+            if off % 8 != 0 {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    format!("table word {i} is not 8-aligned"),
+                ));
+            }
+            offsets.push(off);
+        }
+        if offsets.len() > DeathGuard::MAX_WORDS {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("a guard watches at most {} words", DeathGuard::MAX_WORDS),
+            ));
+        }
+        DeathGuard::start(self.base.as_ptr() as usize, self.len, offsets)
+    }
+}
+
+/// Futex words that the kernel itself answers for when a process dies.
+///
+/// A thread of the process registers the words in its robust futex list
+/// (`set_robust_list(2)`); the caller stores that thread's id
+/// ([`tid`](DeathGuard::tid)) in a word, with bit 31 (`FUTEX_WAITERS`) set
+/// while another process may sleep on it. When the thread ends for any
+/// reason, a `kill -9` of its process included, the kernel walks the list:
+/// every word whose low 30 bits still hold the thread's id gets those bits
+/// cleared and bit 30 (`FUTEX_OWNER_DIED`) set, and a sleeper on it is
+/// woken when bit 31 was set (the kernel's `handle_futex_death`). So a
+/// process asleep on such a word learns of the death without a timer.
+///
+/// The list and its entries live in this process's private memory, at one
+/// fixed distance from the words they name (the list's `futex_offset`), so
+/// no other process mapping the segment can change what the kernel walks.
+/// When the guard is dropped the thread does the kernel's part itself for
+/// every word that still names it (marks it and wakes its sleepers), puts
+/// back the C library's list and ends; the segment must outlive the guard.
+#[derive(Debug)]
+pub struct DeathGuard {
+    tid: u32,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+/// Bit 31 of a guarded word: a process may sleep on it.
+pub const FUTEX_WAITERS: u32 = 0x8000_0000;
+/// Bit 30 of a guarded word: the guarding thread ended.
+pub const FUTEX_OWNER_DIED: u32 = 0x4000_0000;
+/// The bits of a guarded word that hold a thread id.
+pub const FUTEX_TID_MASK: u32 = 0x3fff_ffff;
+
+impl DeathGuard {
+    /// The most words one guard watches (the kernel walks at most 2048
+    /// entries of a list).
+    pub const MAX_WORDS: usize = 2000;
+
+    /// The guarding thread's id, as the kernel compares it.
+    pub fn tid(&self) -> u32 {
+        self.tid
+    }
+
+    fn start(base: usize, len: usize, offsets: Vec<usize>) -> io::Result<DeathGuard> {
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (tx, rx) = std::sync::mpsc::channel::<io::Result<u32>>();
+        let flag = stop.clone();
+        let thread = std::thread::Builder::new()
+            .name("herdless-guard".into())
+            .spawn(move || imp_guard::run(base, len, &offsets, &flag, &tx))?;
+        match rx.recv() {
+            Ok(Ok(tid)) => Ok(DeathGuard {
+                tid,
+                stop,
+                thread: Some(thread),
+            }),
+            Ok(Err(e)) => {
+                let _ = thread.join();
+                Err(e)
+            }
+            Err(_) => {
+                let _ = thread.join();
+                Err(io::Error::other("the guard thread ended before it started"))
+            }
+        }
+    }
+}
+
+impl Drop for DeathGuard {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        if let Some(t) = self.thread.take() {
+            t.thread().unpark();
+            let _ = t.join();
+        }
+    }
+}
+
+#[cfg(target_os = "linux")]
+mod imp_wait {
+    use std::io;
+    use std::ptr;
+    use std::sync::atomic::AtomicU32;
+    use std::time::Duration;
+
+    pub(super) fn futex_wait_for(
+        word: &AtomicU32,
+        expected: u32,
+        timeout: Option<Duration>,
+    ) -> io::Result<bool> {
+        let ts = timeout.map(|d| libc::timespec {
+            tv_sec: d.as_secs().min(i64::MAX as u64) as libc::time_t,
+            tv_nsec: libc::c_long::from(d.subsec_nanos() as i32),
+        });
+        let tp = ts
+            .as_ref()
+            .map_or(ptr::null(), |t| t as *const libc::timespec);
+        // SAFETY: `word` is a live, aligned 32-bit word for the whole call;
+        // `tp` is null or points to a timespec that outlives the call (a
+        // relative timeout for FUTEX_WAIT); uaddr2 and val3 are ignored by
+        // this op.
+        let rc = unsafe {
+            libc::syscall(
+                libc::SYS_futex,
+                word.as_ptr(),
+                libc::FUTEX_WAIT,
+                expected,
+                tp,
+                ptr::null::<u32>(),
+                0u32,
+            )
+        };
+        if rc == -1 {
+            let err = io::Error::last_os_error();
+            return match err.raw_os_error() {
+                Some(libc::EAGAIN) => Ok(true),
+                Some(libc::ETIMEDOUT) => Ok(false),
+                _ => Err(err),
+            };
+        }
+        Ok(true)
+    }
+
+    pub(super) fn futex_wake_all(word: &AtomicU32) -> io::Result<()> {
+        // SAFETY: `word` is a live, aligned 32-bit word. FUTEX_WAKE only
+        // uses its address as a key and dereferences none of the other
+        // arguments.
+        let rc = unsafe {
+            libc::syscall(
+                libc::SYS_futex,
+                word.as_ptr(),
+                libc::FUTEX_WAKE,
+                i32::MAX,
+                ptr::null::<libc::timespec>(),
+                ptr::null::<u32>(),
+                0u32,
+            )
+        };
+        if rc == -1 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+mod imp_wait {
+    use std::io;
+    use std::sync::atomic::AtomicU32;
+    use std::time::Duration;
+
+    pub(super) fn futex_wait_for(_: &AtomicU32, _: u32, _: Option<Duration>) -> io::Result<bool> {
+        Err(io::Error::from(io::ErrorKind::Unsupported))
+    }
+
+    pub(super) fn futex_wake_all(_: &AtomicU32) -> io::Result<()> {
+        Err(io::Error::from(io::ErrorKind::Unsupported))
+    }
+}
+
+#[cfg(target_os = "linux")]
+mod imp_guard {
+    use std::io;
+    use std::sync::atomic::{AtomicBool, AtomicU32, Ordering::SeqCst};
+    use std::sync::mpsc::Sender;
+
+    use super::{FUTEX_OWNER_DIED, FUTEX_TID_MASK, FUTEX_WAITERS};
+
+    /// `struct robust_list_head` of `<linux/futex.h>`.
+    #[repr(C)]
+    struct Head {
+        next: usize,
+        futex_offset: libc::c_long,
+        list_op_pending: usize,
+    }
+
+    fn get_list() -> io::Result<(usize, usize)> {
+        let mut head: usize = 0;
+        let mut len: libc::size_t = 0;
+        // SAFETY: get_robust_list(0, …) writes this thread's head pointer
+        // and its length into the two locals, which outlive the call.
+        let rc = unsafe {
+            libc::syscall(
+                libc::SYS_get_robust_list,
+                0 as libc::c_long,
+                &mut head as *mut usize,
+                &mut len as *mut libc::size_t,
+            )
+        };
+        if rc == -1 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok((head, len))
+    }
+
+    fn set_list(head: usize, len: usize) -> io::Result<()> {
+        // SAFETY: the kernel stores the pointer and only reads through it
+        // (with user-access checks) when this thread ends; every caller
+        // keeps the head and its entries alive and unchanged until this
+        // thread has set another list or ended.
+        let rc = unsafe { libc::syscall(libc::SYS_set_robust_list, head, len) };
+        if rc == -1 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
+    pub(super) fn run(
+        base: usize,
+        len: usize,
+        offsets: &[usize],
+        stop: &AtomicBool,
+        tx: &Sender<io::Result<u32>>,
+    ) {
+        // The entries mirror the segment: entry k lies at the same offset
+        // in `mirror` as its word in the segment, so one futex_offset
+        // leads from every entry to its word.
+        let mut mirror = vec![0u64; len.div_ceil(8) + 1].into_boxed_slice();
+        let mirror_base = mirror.as_mut_ptr() as usize;
+        let mut head = Box::new(Head {
+            next: 0,
+            futex_offset: (base as isize).wrapping_sub(mirror_base as isize) as libc::c_long,
+            list_op_pending: 0,
+        });
+        let head_addr = &*head as *const Head as usize;
+        let mut next = head_addr;
+        for &off in offsets.iter().rev() {
+            mirror[off / 8] = next as u64;
+            next = mirror_base + off;
+        }
+        head.next = next;
+        let saved = match get_list() {
+            Ok(saved) => saved,
+            Err(e) => {
+                let _ = tx.send(Err(e));
+                return;
+            }
+        };
+        if let Err(e) = set_list(head_addr, std::mem::size_of::<Head>()) {
+            let _ = tx.send(Err(e));
+            return;
+        }
+        // SAFETY: gettid has no arguments and cannot fail.
+        let tid = unsafe { libc::gettid() } as u32;
+        let _ = tx.send(Ok(tid));
+        while !stop.load(SeqCst) {
+            std::thread::park();
+        }
+        // An orderly end: do what the kernel would, then put the C
+        // library's list back before the head and entries are freed.
+        for &off in offsets {
+            // SAFETY: `off` was checked to lie inside the live mapping and
+            // to be 8-aligned; the word is only accessed atomically.
+            let word = unsafe { &*((base + off) as *const AtomicU32) };
+            let mut v = word.load(SeqCst);
+            while v & FUTEX_TID_MASK == tid {
+                let marked = (v & FUTEX_WAITERS) | FUTEX_OWNER_DIED;
+                match word.compare_exchange(v, marked, SeqCst, SeqCst) {
+                    Ok(_) => {
+                        let _ = super::imp_wait::futex_wake_all(word);
+                        break;
+                    }
+                    Err(now) => v = now,
+                }
+            }
+        }
+        let _ = set_list(saved.0, saved.1);
+        drop(head);
+        drop(mirror);
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+mod imp_guard {
+    use std::io;
+    use std::sync::atomic::AtomicBool;
+    use std::sync::mpsc::Sender;
+
+    pub(super) fn run(
+        _: usize,
+        _: usize,
+        _: &[usize],
+        _: &AtomicBool,
+        tx: &Sender<io::Result<u32>>,
+    ) {
+        let _ = tx.send(Err(io::Error::new(
+            io::ErrorKind::Unsupported,
+            "a death guard needs the kernel's robust futex list (Linux)",
+        )));
     }
 }
 

@@ -17,7 +17,7 @@ use std::os::fd::AsFd;
 use mio::Token;
 
 use super::Broker;
-use crate::fast::{Table, FREE, OUT};
+use crate::fast::{as_gift, Table, BROKER_GIVER, FREE, MAX_SLOTS, OUT};
 use crate::log;
 use crate::log::Level;
 use crate::pool::{ClientId, ClientInfo, SlotKey};
@@ -25,10 +25,13 @@ use crate::protocol::Reply;
 
 /// The most words a table has: lending more tokens than this leaves the
 /// rest on the socket path.
-pub(super) const MAX_TABLE_WORDS: u32 = 1024;
+pub(super) const MAX_TABLE_WORDS: u32 = 4096;
 
 /// What the broker keeps for the table.
 pub(super) struct FastState {
+    /// Lets clients wait in the table (dropped before the table: it
+    /// names the table's words).
+    _guard: Option<herdless_platform::DeathGuard>,
     pub(super) table: Table,
     /// The words the broker lent (its own books; the table may say
     /// anything).
@@ -36,9 +39,8 @@ pub(super) struct FastState {
     lent_count: u32,
     /// The table's client in the pool.
     client: ClientId,
-    /// Table owner id → connection.
+    /// Table owner id (its slot, 1 to the table's slots) → connection.
     owners: HashMap<u32, Token>,
-    next_owner: u32,
     /// The slots that table clients name, with how many name each: while
     /// one of them is free, the table stays closed (the slot goes first,
     /// ARCHITECTURE §4.5).
@@ -61,12 +63,31 @@ pub(super) struct FastState {
     pub(super) held_at_shutdown: u64,
     /// What the broker has added to the table's count of tokens in use.
     base_in_use: u32,
+    /// Waits in the table the broker moved to its queue.
+    pub(super) moved: u64,
 }
 
 impl FastState {
     /// A table of `words` words, its client connected to `pool`.
     pub(super) fn new(pool: &mut crate::pool::Pool, words: u32) -> std::io::Result<FastState> {
-        let table = Table::create(words)?;
+        let table = Table::create(words, MAX_SLOTS)?;
+        // Without a guard (every OS but Linux, or `HERDLESS_HANDOFF=0`)
+        // nobody waits in the table: a client that finds it empty asks
+        // the broker.
+        let guard = if std::env::var_os("HERDLESS_HANDOFF").is_some_and(|v| v == "0") {
+            None
+        } else {
+            match table.guard() {
+                Ok(g) => Some(g),
+                Err(e) => {
+                    log!(
+                        Level::Debug,
+                        "no waiting in the shared table: {e}; waits go to the broker"
+                    );
+                    None
+                }
+            }
+        };
         let client = pool.connect(ClientInfo {
             pid: std::process::id(),
             borrows: None,
@@ -75,12 +96,12 @@ impl FastState {
             internal: true,
         });
         Ok(FastState {
+            _guard: guard,
             table,
             lent: vec![false; words as usize],
             lent_count: 0,
             client,
             owners: HashMap::new(),
-            next_owner: 1,
             named_slots: HashMap::new(),
             names: HashMap::new(),
             told_held: HashMap::new(),
@@ -90,6 +111,7 @@ impl FastState {
             cut_off: 0,
             held_at_shutdown: 0,
             base_in_use: 0,
+            moved: 0,
         })
     }
 
@@ -117,6 +139,7 @@ impl FastState {
                 match self.table.word(i).load(std::sync::atomic::Ordering::SeqCst) {
                     FREE => free += 1,
                     v if self.owners.contains_key(&v) => held += 1,
+                    v if as_gift(v).is_some_and(|(_, h)| self.owners.contains_key(&h)) => held += 1,
                     _ => {}
                 }
             }
@@ -148,12 +171,14 @@ impl Broker {
         let Some(fast) = self.fast.as_mut() else {
             return 0;
         };
-        let mut owner = fast.next_owner;
-        while owner == FREE || owner == OUT || fast.owners.contains_key(&owner) {
-            owner = owner.wrapping_add(1);
-        }
-        fast.next_owner = owner.wrapping_add(1);
+        let Some(owner) = (1..=fast.table.slots()).find(|k| !fast.owners.contains_key(k)) else {
+            // Every slot is taken: this client uses the socket.
+            return 0;
+        };
+        fast.table.clear_slot(owner);
         fast.owners.insert(owner, token);
+        fast.table
+            .set_hi(fast.owners.keys().copied().max().unwrap_or(0));
         if let Some(key) = key {
             *fast.named_slots.entry(key).or_insert(0) += 1;
             fast.names.insert(id, key);
@@ -168,7 +193,7 @@ impl Broker {
     pub(super) fn send_segment(&mut self, token: Token, id: ClientId) {
         let owner = self.fast_admit(token, id);
         let sent = owner != 0 && {
-            let words = self.fast.as_ref().map_or(0, |f| f.table.words());
+            let words = self.fast.as_ref().map_or(0, |f| f.table.total());
             let fast = self.fast.as_ref();
             let conn = self.conns.get_mut(&token);
             match (fast, conn) {
@@ -222,7 +247,10 @@ impl Broker {
         let Some(fast) = self.fast.as_ref() else {
             return false;
         };
+        // Every free token must fit in the table: a client waiting in it
+        // would not see one left in the pool.
         self.pool.plain()
+            && self.pool.free() <= fast.table.words() - fast.lent_count
             && fast
                 .named_slots
                 .keys()
@@ -256,10 +284,43 @@ impl Broker {
         } else {
             let was_open = fast.table.is_open();
             fast.table.close_gate();
-            if was_open || fast.dirty {
-                self.fast_sweep(true);
+            // After the gate: a client that starts waiting later sees it
+            // closed and asks the broker itself.
+            self.fast_move_waiters();
+            if let Some(fast) = self.fast.as_ref() {
+                if was_open || fast.dirty {
+                    self.fast_sweep(true);
+                }
             }
         }
+    }
+
+    /// Moves every wait in the closed table to the pool's queue, oldest
+    /// ticket first: the client gets its grant over the socket.
+    fn fast_move_waiters(&mut self) {
+        let now = self.now();
+        let Some(fast) = self.fast.as_mut() else {
+            return;
+        };
+        let mut queued = Vec::new();
+        for k in fast.table.waiters() {
+            let client = fast
+                .owners
+                .get(&k)
+                .and_then(|t| self.conns.get(t))
+                .and_then(|c| c.client);
+            let Some(client) = client else {
+                continue;
+            };
+            if fast.table.move_waiter(k) {
+                fast.moved += 1;
+                queued.push(client);
+            }
+        }
+        for client in queued {
+            let _ = self.pool.acquire(client, now);
+        }
+        self.apply_effects();
     }
 
     /// The pool granted the table's client a token: lend one word.
@@ -300,12 +361,23 @@ impl Broker {
         for i in 0..fast.table.words() {
             let v = fast.table.word(i).load(SeqCst);
             if fast.lent[i as usize] {
-                if v != FREE && v != OUT && !fast.owners.contains_key(&v) {
-                    log!(
-                        Level::Warn,
-                        "shared table word {i} names owner {v}, which is no client; freed"
-                    );
-                    fast.table.reclaim(i, v);
+                match as_gift(v) {
+                    Some((_, h)) if !fast.owners.contains_key(&h) => {
+                        fast.table.reclaim(i, v);
+                    }
+                    Some((g, h)) if g != BROKER_GIVER && !fast.owners.contains_key(&g) => {
+                        // Its giver died between its two steps.
+                        fast.table.finish_gift(i, v, h);
+                    }
+                    Some(_) => {}
+                    None if v != FREE && v != OUT && !fast.owners.contains_key(&v) => {
+                        log!(
+                            Level::Warn,
+                            "shared table word {i} names owner {v}, which is no client; freed"
+                        );
+                        fast.table.reclaim(i, v);
+                    }
+                    None => {}
                 }
                 let v = fast.table.word(i).load(SeqCst);
                 if v == OUT || (take_back && fast.table.take_back(i)) {
@@ -313,11 +385,19 @@ impl Broker {
                     fast.lent[i as usize] = false;
                     fast.lent_count -= 1;
                     returned += 1;
-                } else if v != FREE {
-                    *held.entry(v).or_insert(0) += 1;
+                } else if v == FREE {
+                    if !take_back {
+                        // A word freed by the broker (a dead client's)
+                        // goes to the oldest waiter.
+                        fast.table.hand_on(i, FREE, BROKER_GIVER);
+                    }
+                } else {
+                    let owner = as_gift(v).map_or(v, |(_, h)| h);
+                    *held.entry(owner).or_insert(0) += 1;
                 }
             } else if v != OUT {
-                if let Some(&token) = fast.owners.get(&v) {
+                let owner = as_gift(v).map_or(v, |(_, h)| h);
+                if let Some(&token) = fast.owners.get(&owner) {
                     cut.push(token);
                 }
                 fast.table.restore_out(i, v);
@@ -386,12 +466,34 @@ impl Broker {
         if let Some(id) = id {
             fast.forget_name(id);
         }
+        // The slot first: a giver that has not yet woken it fails to, and
+        // one that has, has written its gift, which the reading below
+        // finds.
+        fast.table.clear_slot(owner);
         let mut freed = 0;
         for i in 0..fast.table.words() {
-            if fast.lent[i as usize] && fast.table.reclaim(i, owner) {
-                freed += 1;
+            if !fast.lent[i as usize] {
+                continue;
+            }
+            let v = fast.table.word(i).load(std::sync::atomic::Ordering::SeqCst);
+            match as_gift(v) {
+                Some((_, h)) if h == owner => {
+                    if fast.table.reclaim(i, v) {
+                        freed += 1;
+                    }
+                }
+                Some((g, h)) if g == owner => {
+                    fast.table.finish_gift(i, v, h);
+                }
+                _ => {
+                    if fast.table.reclaim(i, owner) {
+                        freed += 1;
+                    }
+                }
             }
         }
+        fast.table
+            .set_hi(fast.owners.keys().copied().max().unwrap_or(0));
         if at_stop {
             fast.held_at_shutdown += u64::from(freed);
         } else {
@@ -419,16 +521,21 @@ impl Broker {
     /// A socket client asks for a token while the pool has none free but
     /// the table has: take the table's free words back first, so the ask
     /// is answered as if they had never left (a `TryAcquire` is granted,
-    /// an `Acquire` does not queue). The table reopens after the event if
-    /// it may.
+    /// an `Acquire` does not queue), and queue the clients waiting in the
+    /// table ahead of it. The table reopens after the event if it may.
     pub(super) fn fast_take_back_for_socket(&mut self) {
         let Some(fast) = self.fast.as_ref() else {
             return;
         };
-        if self.pool.free() > 0 || fast.lent() == 0 || self.pool.waiting() > 0 {
+        if self.pool.free() > 0 || self.pool.waiting() > 0 {
+            return;
+        }
+        if fast.lent() == 0 && fast.table.waiters().is_empty() {
             return;
         }
         fast.table.close_gate();
+        // Clients waiting in the table asked first: they queue first.
+        self.fast_move_waiters();
         self.fast_sweep(true);
     }
 }
@@ -445,6 +552,7 @@ impl Broker {
                 continue;
             }
             let v = fast.table.word(i).load(std::sync::atomic::Ordering::SeqCst);
+            let v = as_gift(v).map_or(v, |(_, h)| h);
             let client = fast
                 .owners
                 .get(&v)

@@ -20,7 +20,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 
 use super::Wait;
 use crate::error::{Error, ErrorKind, Result};
-use crate::fast::Table;
+use crate::fast::{Table, WaitEnd};
 use crate::protocol::{
     AbortReason, ControlOp, FrameBuffer, HelloFlags, Reply, Request, FAST_VERSION, PROTOCOL_VERSION,
 };
@@ -96,6 +96,9 @@ struct Fast {
     held: AtomicU32,
     /// The word taken last: where the next give-back looks first.
     last: AtomicU32,
+    /// A thread of this client waits in the table (one at a time: a
+    /// client has one slot there).
+    waiting: std::sync::atomic::AtomicBool,
 }
 
 /// Waits until `fd` is readable or writable. `Ok(false)` on timeout.
@@ -335,6 +338,7 @@ impl Native {
                                 owner,
                                 held: AtomicU32::new(0),
                                 last: AtomicU32::new(owner),
+                                waiting: std::sync::atomic::AtomicBool::new(false),
                             });
                         }
                     }
@@ -378,6 +382,50 @@ impl Native {
             }
             None => false,
         }
+    }
+
+    /// Waits in the shared table for a token, when this client may: the
+    /// broker allows it, the wait is not to end on a signal, and nothing
+    /// of this client's is queued at the broker or waits in the table
+    /// already (`st` says). `None` when it did not wait there, or the
+    /// table sent it to the broker; otherwise the answer.
+    fn may_wait_in_table(&self, st: &State, wait: Wait) -> bool {
+        let Some(f) = self.fast.as_ref() else {
+            return false;
+        };
+        !wait.interruptible
+            && f.table.waits_here()
+            && st.acquires <= st.cancels
+            && st.ready == 0
+            && st.tries == 0
+            && st.wanting == 0
+            && st.cancels == 0
+            && st.dead.is_none()
+            && st.aborted.is_none()
+            && f.waiting
+                .compare_exchange(false, true, Ordering::SeqCst, Ordering::SeqCst)
+                .is_ok()
+    }
+
+    /// The wait [`may_wait_in_table`](Self::may_wait_in_table) allowed.
+    /// On [`WaitEnd::Got`] this client holds one more token.
+    fn fast_wait(&self, wait: Wait) -> Result<WaitEnd> {
+        let f = self.fast.as_ref().expect("a table");
+        let end = f.table.wait(f.owner, wait.deadline);
+        f.waiting.store(false, Ordering::SeqCst);
+        let end = end.map_err(|e| Error::io(ErrorKind::Io, "wait in the shared token table", e))?;
+        if let WaitEnd::Got(n) = end {
+            f.held.fetch_add(n, Ordering::SeqCst);
+            if let Some(i) = f.table.held_word(f.owner) {
+                f.last.store(i, Ordering::Relaxed);
+            }
+            // More than one: a giver died between its two steps and the
+            // broker finished its gift as well. The extra goes on.
+            for _ in 1..n {
+                self.fast_give_back()?;
+            }
+        }
+        Ok(end)
     }
 
     /// Gives back a token taken from the shared table, if this client holds
@@ -715,6 +763,27 @@ impl Native {
     pub(crate) fn acquire(&self, wait: Wait) -> Result<bool> {
         if self.fast_take() {
             return Ok(true);
+        }
+        // Straight to the table when this client has nothing at the
+        // broker: what the socket could say (an abort, a stop) closes the
+        // table, which ends the wait there, so it need not be read first.
+        let in_table = self.may_wait_in_table(&lock(&self.state), wait);
+        if in_table {
+            let moved = match self.fast_wait(wait) {
+                Ok(WaitEnd::Got(_)) => return Ok(true),
+                Ok(WaitEnd::TimedOut) => return Ok(false),
+                Ok(WaitEnd::Moved) => true,
+                // Sent to the broker, or the broker is gone (the socket
+                // says so): the socket path goes on.
+                Ok(WaitEnd::Closed | WaitEnd::Gone) => false,
+                Err(e) => return Err(e),
+            };
+            // A wait the broker moved to its queue is an acquire this
+            // client did not send: counted as sent before its grant is
+            // read.
+            if moved {
+                lock(&self.state).acquires += 1;
+            }
         }
         let AtHand::Nothing(mut st) = self.settle_and_take_spare()? else {
             return Ok(true);

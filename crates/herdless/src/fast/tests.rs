@@ -46,7 +46,7 @@ struct Broker {
 impl Broker {
     fn new(capacity: u32) -> Broker {
         Broker {
-            table: Table::create(WORDS).expect("a table"),
+            table: Table::create(WORDS, OWNERS + 2).expect("a table"),
             lent: vec![false; WORDS as usize],
             pool_free: capacity,
             capacity,
@@ -180,7 +180,7 @@ proptest! {
 
 #[test]
 fn a_closed_table_gives_nothing_and_asks_for_the_broker() {
-    let t = Table::create(2).expect("a table");
+    let t = Table::create(2, 8).expect("a table");
     t.lend(0);
     assert_eq!(t.take(7, 0), None, "a new table is closed");
     t.open_gate();
@@ -200,7 +200,7 @@ fn a_closed_table_gives_nothing_and_asks_for_the_broker() {
 fn threads_racing_on_the_table_never_hold_more_than_was_lent() {
     use std::sync::atomic::AtomicU32;
     use std::sync::Arc;
-    let t = Arc::new(Table::create(8).expect("a table"));
+    let t = Arc::new(Table::create(8, 8).expect("a table"));
     for i in 0..3 {
         t.lend(i);
     }
