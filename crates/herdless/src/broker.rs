@@ -1429,7 +1429,7 @@ impl Broker {
             .saturating_sub(lent)
     }
 
-    fn note_in_use(&mut self) {
+    pub(super) fn note_in_use(&mut self) {
         let in_use = self.in_use();
         self.max_in_use = self.max_in_use.max(in_use);
         self.fast_note_in_use(in_use);
@@ -1606,7 +1606,7 @@ impl Broker {
         // Its table words are free before its last frames go out: a client
         // that reads them finds them taken back.
         let in_table = if conn.fast_owner != 0 {
-            self.fast_forget(conn.fast_owner, conn.client, at_stop)
+            self.fast_forget(conn.fast_owner, conn.client, at_stop, reason.is_some())
         } else {
             0
         };
@@ -1719,12 +1719,12 @@ impl Broker {
             .as_ref()
             .map_or(0, |f| f.table.peak().min(self.config.jobs));
         let free = self.pool.free() + table_free;
-        // A wait in the table that the broker moved to its queue is
-        // counted there again: once is enough.
-        let (table_waits, table_cancelled) = self.fast.as_ref().map_or((0, 0), |f| {
-            let (w, c) = f.table.wait_counts();
-            (u64::from(w).saturating_sub(f.moved), u64::from(c))
+        // A wait in the table counts when it ends in a token or at its
+        // deadline; one the broker moved counts in the queue.
+        let (table_got, table_cancelled) = self.fast.as_ref().map_or((0, 0), |f| {
+            (f.table.waits_got(), u64::from(f.table.waits_cancelled()))
         });
+        let table_waits = table_got + table_cancelled;
         // Waits in the table are timed by the clients that waited.
         let mut wait_ns = stats.wait_ns.clone();
         if let Some(f) = self.fast.as_ref() {
@@ -1739,15 +1739,12 @@ impl Broker {
             waiting: self.pool.waiting() as u32 + fast.as_ref().map_or(0, |f| f.waiting),
             aborted: self.pool.aborted().map(|r| (r.byte() as char).to_string()),
             grants: (stats.grants - lends).saturating_add(table_grants),
-            immediate: (stats.immediate - lends).saturating_add(table_grants),
+            immediate: (stats.immediate - lends)
+                .saturating_add(table_grants.saturating_sub(table_got)),
             waits: stats.waits + table_waits,
             // A waiter woken by its giver's hand-off; a wait moved from the
             // table to the queue counts when its grant wakes it.
-            wakeups: self.native_wakeups
-                + self
-                    .fast
-                    .as_ref()
-                    .map_or(0, |f| u64::from(f.table.handoffs())),
+            wakeups: self.native_wakeups + self.fast.as_ref().map_or(0, |f| f.table.handoffs()),
             denied: stats.denied,
             cancelled: stats.cancelled + table_cancelled,
             reclaimed: stats.reclaimed + table_reclaimed,

@@ -122,12 +122,11 @@ const H_HI: u32 = 7;
 /// Header word: the guard thread's id; 0 when nobody may wait in the
 /// table.
 const H_TID: u32 = 10;
-/// Header word: waits in the table (clients count them, wrapping).
-const H_WAITS: u32 = 11;
 /// Header word: waits in the table withdrawn at their deadline.
 const H_CANCELLED: u32 = 12;
-/// Header word: waiters woken with a token handed to them (wrapping).
-const H_HANDOFFS: u32 = 13;
+/// Header words 14–15: waiters woken with a token handed to them (64
+/// bits).
+const H_HANDOFFS: u32 = 14;
 
 /// After the slots: the sum of the waits in the table that ended in a
 /// token (ns, 64 bits), then their longest (ns, 64 bits), then one count
@@ -143,6 +142,33 @@ const LAYOUT: u32 = 2;
 
 /// A slot's state: not waiting.
 const IDLE: u32 = 0;
+/// A slot's state after the broker closed its client's connection: no
+/// wait can start in it.
+const SHUT: u32 = 0x3fff_fffe;
+/// The bit of a ticket word that says its wait was claimed, by the id in
+/// its low 16 bits (a giver, [`BROKER_GIVER`], or the waiter itself,
+/// withdrawing).
+const CLAIMED: u32 = 0x8000_0000;
+/// The bits of a ticket.
+const TICKET_MASK: u32 = 0x7fff_ffff;
+/// A ticket word claimed by its own waiter: the wait is withdrawn. (A
+/// giver may hand a token to a waiter of its own client: another thread.)
+const WITHDRAWN: u32 = CLAIMED | 0x7ffe;
+/// A ticket word claimed by the broker to move the wait to its queue (a
+/// token the broker itself hands on is claimed as [`BROKER_GIVER`]).
+const MOVED: u32 = CLAIMED | 0x7ffd;
+
+/// How a claimed wait ended, as its waiter finds it.
+enum Ended {
+    /// The claimer's gift is now the waiter's.
+    Got,
+    /// The broker moved the wait to its queue.
+    Moved,
+    /// The broker is gone, or closed this client.
+    Gone,
+    /// Woken with nothing: wait again.
+    Again,
+}
 
 /// The gift of a token from `giver` to `heir`.
 pub fn gift(giver: u32, heir: u32) -> u32 {
@@ -166,6 +192,9 @@ pub enum WaitEnd {
     Closed,
     /// The deadline passed; the wait is withdrawn.
     TimedOut,
+    /// A signal handler ran during an interruptible wait; the wait is
+    /// withdrawn.
+    Interrupted,
     /// The broker's process is gone.
     Gone,
 }
@@ -308,6 +337,11 @@ impl Table {
         self.seg.counter64()
     }
 
+    /// Header words `i` and `i + 1` as one 64-bit word.
+    fn header64(&self, i: u32) -> &AtomicU64 {
+        self.seg.header64(i)
+    }
+
     /// Whether the table is open.
     pub fn is_open(&self) -> bool {
         self.header(GATE).load(SeqCst) == 0
@@ -383,53 +417,111 @@ impl Table {
         None
     }
 
-    /// The waiting slot with the oldest ticket.
-    fn heir(&self, tid: u32) -> Option<u32> {
+    /// The waiting slots, each with its ticket, oldest first. Ages are
+    /// measured from the ticket counter read after the scan, so a waiter
+    /// that registers during it is never taken for the oldest.
+    fn waiting_slots(&self, tid: u32) -> Vec<(u32, u32)> {
         let waiting = tid | FUTEX_WAITERS;
-        let next = self.ticket(0).load(SeqCst);
         let hi = self.header(H_HI).load(SeqCst).min(self.slots);
-        let mut best: Option<(u32, u32)> = None;
+        let mut seen: Vec<(u32, u32)> = Vec::new();
         for k in 1..=hi {
             if self.state(k).load(SeqCst) != waiting {
                 continue;
             }
-            let age = next.wrapping_sub(self.ticket(k).load(SeqCst));
-            if best.map_or(true, |(_, a)| age > a) {
-                best = Some((k, age));
+            let t = self.ticket(k).load(SeqCst);
+            if t & CLAIMED == 0 {
+                seen.push((k, t));
             }
         }
-        best.map(|(k, _)| k)
+        let next = self.ticket(0).load(SeqCst) & TICKET_MASK;
+        seen.sort_by_key(|&(k, t)| (std::cmp::Reverse(next.wrapping_sub(t) & TICKET_MASK), k));
+        seen
+    }
+
+    /// The waiting slot with the oldest ticket, and its ticket. A ticket
+    /// drawn after the scan began counts as the youngest.
+    fn heir(&self, tid: u32) -> Option<(u32, u32)> {
+        let waiting = tid | FUTEX_WAITERS;
+        let hi = self.header(H_HI).load(SeqCst).min(self.slots);
+        let next = self.ticket(0).load(SeqCst) & TICKET_MASK;
+        let mut best: Option<(u32, u32, u32)> = None;
+        for k in 1..=hi {
+            if self.state(k).load(SeqCst) != waiting {
+                continue;
+            }
+            let t = self.ticket(k).load(SeqCst);
+            if t & CLAIMED != 0 {
+                continue;
+            }
+            let age = next.wrapping_sub(t) & TICKET_MASK;
+            let age = if age > TICKET_MASK / 2 { 0 } else { age };
+            if best.map_or(true, |(_, _, a)| age > a) {
+                best = Some((k, t, age));
+            }
+        }
+        best.map(|(k, t, _)| (k, t))
     }
 
     /// Passes word `i`, which holds `cur` (the giver's id, or [`FREE`]), to
-    /// the oldest waiter, or frees it when nobody waits. `giver` is named
-    /// in the gift.
+    /// the oldest waiter, or frees it when nobody waits or the table is
+    /// closed. `giver` is named in the claim and the gift.
+    ///
+    /// Three steps, each one compare-and-swap: claim the heir (its ticket
+    /// word, `ticket → CLAIMED | giver`: no other giver, nor the broker,
+    /// nor the heir's own withdrawal, can touch its wait from then on),
+    /// move the token (`cur → gift(giver, heir)`), wake the heir (its
+    /// state *waiting → woken*, then `FUTEX_WAKE`).
     pub fn hand_on(&self, i: u32, cur: u32, giver: u32) -> HandOn {
         let w = self.word(i);
         let mut cur = cur;
         loop {
-            match self.tid().and_then(|tid| self.heir(tid).map(|h| (tid, h))) {
-                Some((tid, h)) => {
+            let heir = match self.tid() {
+                Some(tid) if self.is_open() => self.heir(tid).map(|(h, t)| (tid, h, t)),
+                _ => None,
+            };
+            match heir {
+                Some((tid, h, t)) => {
+                    let waiting = tid | FUTEX_WAITERS;
+                    let claim = CLAIMED | (giver & 0xffff);
+                    if self
+                        .ticket(h)
+                        .compare_exchange(t, claim, SeqCst, SeqCst)
+                        .is_err()
+                    {
+                        // Another giver, the broker or the heir itself got
+                        // there first: look again.
+                        continue;
+                    }
                     let g = gift(giver, h);
                     if w.compare_exchange(cur, g, SeqCst, SeqCst).is_err() {
+                        // The token is gone (taken while free, or taken
+                        // back by the broker): the heir wakes to nothing
+                        // and waits again.
+                        if self
+                            .state(h)
+                            .compare_exchange(waiting, waiting | FUTEX_OWNER_DIED, SeqCst, SeqCst)
+                            .is_ok()
+                        {
+                            let _ = self.seg.wake_one(self.state_index(h));
+                        }
                         return if cur == FREE {
                             HandOn::Taken
                         } else {
                             HandOn::Lost
                         };
                     }
-                    let waiting = tid | FUTEX_WAITERS;
                     if self
                         .state(h)
                         .compare_exchange(waiting, waiting | FUTEX_OWNER_DIED, SeqCst, SeqCst)
                         .is_ok()
                     {
-                        self.header(H_HANDOFFS).fetch_add(1, SeqCst);
+                        self.header64(H_HANDOFFS).fetch_add(1, SeqCst);
                         let _ = self.seg.wake_one(self.state_index(h));
                         return HandOn::Handed;
                     }
-                    // The heir withdrew or was woken by another giver: take
-                    // the gift back, unless it was already claimed.
+                    // The heir's slot was reset (its client left) or the
+                    // broker died: the gift goes back, and on. If the
+                    // broker freed it first, it hands it on itself.
                     if w.compare_exchange(g, cur, SeqCst, SeqCst).is_err() {
                         return HandOn::Handed;
                     }
@@ -446,23 +538,19 @@ impl Table {
         }
     }
 
-    /// Turns every gift to `me` into a word `me` holds: how many.
-    fn claim_gifts(&self, me: u32) -> u32 {
-        let mut n = 0;
+    /// Turns the gift of `giver` to `me` into a word `me` holds: whether
+    /// there was one.
+    fn claim_gift(&self, me: u32, giver: u32) -> bool {
+        let g = gift(giver, me);
         for i in 0..self.words() {
             let w = self.word(i);
-            let v = w.load(SeqCst);
-            if as_gift(v).is_some_and(|(_, h)| h == me)
-                && w.compare_exchange(v, me, SeqCst, SeqCst).is_ok()
-            {
+            if w.load(SeqCst) == g && w.compare_exchange(g, me, SeqCst, SeqCst).is_ok() {
                 self.count_taken();
-                if n == 0 {
-                    self.grants().fetch_add(1, SeqCst);
-                }
-                n += 1;
+                self.grants().fetch_add(1, SeqCst);
+                return true;
             }
         }
-        n
+        false
     }
 
     /// The index of a word `me` holds, if any.
@@ -470,56 +558,91 @@ impl Table {
         (0..self.words()).find(|&i| self.word(i).load(SeqCst) == me)
     }
 
-    /// Withdraws the wait of `me`: `None` when withdrawn, or how it had
-    /// ended already.
-    fn leave(&self, me: u32, tid: u32) -> Option<WaitEnd> {
-        let waiting = tid | FUTEX_WAITERS;
-        match self
-            .state(me)
-            .compare_exchange(waiting, IDLE, SeqCst, SeqCst)
+    /// Withdraws the wait of `me` (ticket `t`): `None` when withdrawn, or
+    /// how it ended already.
+    fn leave(&self, me: u32, tid: u32, t: u32) -> Option<Ended> {
+        // The ticket first: once it is claimed by this client itself, no
+        // giver or broker can claim the wait.
+        if self
+            .ticket(me)
+            .compare_exchange(t, WITHDRAWN, SeqCst, SeqCst)
+            .is_ok()
         {
-            Ok(_) => None,
-            Err(_) => Some(self.ended(me, tid)),
+            self.state(me).store(IDLE, SeqCst);
+            return None;
         }
+        Some(self.ended(me, tid))
     }
 
-    /// What a wait of `me` that is no longer *waiting* ended in.
-    fn ended(&self, me: u32, tid: u32) -> WaitEnd {
-        let woken = tid | FUTEX_WAITERS | FUTEX_OWNER_DIED;
-        let n = self.claim_gifts(me);
+    /// What a wait of `me` whose ticket was claimed ended in: waits for
+    /// the claimer to wake it first (one compare-and-swap away, or the
+    /// broker's repair if the claimer died; the broker's death ends it
+    /// too).
+    fn ended(&self, me: u32, tid: u32) -> Ended {
+        let waiting = tid | FUTEX_WAITERS;
+        let woken = waiting | FUTEX_OWNER_DIED;
         let st = self.state(me);
+        loop {
+            let v = st.load(SeqCst);
+            if v != waiting {
+                break;
+            }
+            let _ = self.seg.wait_word_for(self.state_index(me), waiting, None);
+        }
+        let claim = self.ticket(me).load(SeqCst);
         let was = st.load(SeqCst);
         if was == woken {
             st.store(IDLE, SeqCst);
         }
-        match (n, was == woken) {
-            (0, true) => WaitEnd::Moved,
-            (0, false) => WaitEnd::Gone,
-            (n, _) => WaitEnd::Got(n),
+        if claim == MOVED {
+            if was == woken {
+                return Ended::Moved;
+            }
+        } else if claim & CLAIMED != 0 && claim != WITHDRAWN && self.claim_gift(me, claim & 0xffff)
+        {
+            return Ended::Got;
+        }
+        if was == woken {
+            // A giver whose token was gone meanwhile: wait again.
+            Ended::Again
+        } else {
+            Ended::Gone
         }
     }
 
     /// Waits in the table for a token, until `deadline` (`None`: no limit).
-    /// The caller found no free word. Signals do not end the wait.
+    /// The caller found no free word. With `interruptible`, a signal
+    /// handler that runs during the wait ends it, whether or not the
+    /// handler asked for restarts (a futex wait with a timeout is never
+    /// restarted after a handler: it fails with `EINTR`); otherwise
+    /// signals do not end it.
     ///
     /// # Errors
     ///
     /// The OS error of the futex wait (other than an interruption); the
     /// wait is withdrawn first.
-    pub fn wait(&self, me: u32, deadline: Option<Instant>) -> io::Result<WaitEnd> {
+    pub fn wait(
+        &self,
+        me: u32,
+        deadline: Option<Instant>,
+        interruptible: bool,
+    ) -> io::Result<WaitEnd> {
         let Some(tid) = self.tid() else {
             return Ok(WaitEnd::Closed);
         };
         if !self.is_client(me) {
             return Ok(WaitEnd::Closed);
         }
-        let waiting = tid | FUTEX_WAITERS;
-        let index = self.state_index(me);
-        self.header(H_WAITS).fetch_add(1, SeqCst);
         let since = Instant::now();
-        let end = self.wait_from(me, tid, waiting, index, deadline)?;
-        if let WaitEnd::Got(_) = end {
-            self.record_wait(u64::try_from(since.elapsed().as_nanos()).unwrap_or(u64::MAX));
+        let end = self.wait_from(me, tid, deadline, interruptible)?;
+        match end {
+            WaitEnd::Got(_) => {
+                self.record_wait(u64::try_from(since.elapsed().as_nanos()).unwrap_or(u64::MAX));
+            }
+            WaitEnd::TimedOut => {
+                self.header(H_CANCELLED).fetch_add(1, SeqCst);
+            }
+            _ => {}
         }
         Ok(end)
     }
@@ -528,67 +651,108 @@ impl Table {
         &self,
         me: u32,
         tid: u32,
-        waiting: u32,
-        index: u32,
         deadline: Option<Instant>,
+        interruptible: bool,
     ) -> io::Result<WaitEnd> {
+        let waiting = tid | FUTEX_WAITERS;
+        let index = self.state_index(me);
+        let finish = |e: Ended, otherwise: WaitEnd| -> Option<WaitEnd> {
+            match e {
+                Ended::Got => Some(WaitEnd::Got(1)),
+                Ended::Moved => Some(WaitEnd::Moved),
+                Ended::Gone => Some(WaitEnd::Gone),
+                Ended::Again => {
+                    let _ = otherwise;
+                    None
+                }
+            }
+        };
         'register: loop {
             if !self.is_open() {
                 return Ok(WaitEnd::Closed);
             }
-            let t = self.ticket(0).fetch_add(1, SeqCst);
-            self.ticket(me).store(t, SeqCst);
+            // The state first, then the ticket: the ticket word holds a
+            // claimed value between waits, so no giver or broker claims
+            // this wait before its state says waiting, and a claim's
+            // wake-up (waiting → woken) cannot fail.
             if self
                 .state(me)
                 .compare_exchange(IDLE, waiting, SeqCst, SeqCst)
                 .is_err()
             {
-                // Left woken or marked by an earlier wait.
-                return Ok(self.ended(me, tid));
+                // A slot the broker closed, or marked at its death.
+                return Ok(WaitEnd::Gone);
             }
+            let t = self.ticket(0).fetch_add(1, SeqCst) & TICKET_MASK;
+            self.ticket(me).store(t, SeqCst);
             loop {
                 // After the state is set: the broker alive, the gate
                 // open, and no free word that a giver freed unseen.
-                if self.state(0).load(SeqCst) != tid {
-                    return Ok(self.leave(me, tid).unwrap_or(WaitEnd::Gone));
-                }
-                if !self.is_open() {
-                    return Ok(self.leave(me, tid).unwrap_or(WaitEnd::Closed));
-                }
-                if (0..self.words()).any(|i| self.word(i).load(SeqCst) == FREE) {
-                    if let Some(end) = self.leave(me, tid) {
-                        return Ok(end);
+                let gone = self.state(0).load(SeqCst) != tid;
+                let closed = !self.is_open();
+                let free = !gone
+                    && !closed
+                    && (0..self.words()).any(|i| self.word(i).load(SeqCst) == FREE);
+                if gone || closed || free {
+                    match self.leave(me, tid, t) {
+                        None if gone => return Ok(WaitEnd::Gone),
+                        None if closed => return Ok(WaitEnd::Closed),
+                        None => {
+                            if self.take(me, 0).is_some() {
+                                return Ok(WaitEnd::Got(1));
+                            }
+                            continue 'register;
+                        }
+                        Some(e) => match finish(e, WaitEnd::Closed) {
+                            Some(end) => return Ok(end),
+                            None => continue 'register,
+                        },
                     }
-                    if self.take(me, 0).is_some() {
-                        return Ok(WaitEnd::Got(1));
-                    }
-                    continue 'register;
                 }
-                if self.state(me).load(SeqCst) != waiting {
-                    return Ok(self.ended(me, tid));
+                if self.state(me).load(SeqCst) != waiting || self.ticket(me).load(SeqCst) != t {
+                    match finish(self.ended(me, tid), WaitEnd::Closed) {
+                        Some(end) => return Ok(end),
+                        None => continue 'register,
+                    }
                 }
                 let timeout = match deadline {
+                    // A year stands for no limit where a timeout is
+                    // needed to make the wait interruptible.
+                    None if interruptible => Some(std::time::Duration::from_secs(365 * 86_400)),
                     None => None,
                     Some(d) => {
                         let left = d.saturating_duration_since(Instant::now());
                         if left.is_zero() {
-                            let end = self.leave(me, tid).unwrap_or(WaitEnd::TimedOut);
-                            if end == WaitEnd::TimedOut {
-                                self.header(H_CANCELLED).fetch_add(1, SeqCst);
-                            }
-                            return Ok(end);
+                            return Ok(match self.leave(me, tid, t) {
+                                None => WaitEnd::TimedOut,
+                                Some(e) => {
+                                    finish(e, WaitEnd::TimedOut).unwrap_or(WaitEnd::TimedOut)
+                                }
+                            });
                         }
                         Some(left)
                     }
                 };
                 match self.seg.wait_word_for(index, waiting, timeout) {
                     Ok(_) => {}
-                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                    Err(e) => {
-                        if let Some(end) = self.leave(me, tid) {
-                            return Ok(end);
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {
+                        if interruptible {
+                            return Ok(match self.leave(me, tid, t) {
+                                None => WaitEnd::Interrupted,
+                                Some(e) => {
+                                    finish(e, WaitEnd::Interrupted).unwrap_or(WaitEnd::Interrupted)
+                                }
+                            });
                         }
-                        return Err(e);
+                    }
+                    Err(e) => {
+                        return match self.leave(me, tid, t) {
+                            None => Err(e),
+                            Some(end) => match finish(end, WaitEnd::Closed) {
+                                Some(end) => Ok(end),
+                                None => Err(e),
+                            },
+                        };
                     }
                 }
             }
@@ -618,75 +782,108 @@ impl Table {
         self.header(H_HI).store(hi.min(self.slots), SeqCst);
     }
 
-    /// Resets slot `k` for its next client, and wakes a process still
-    /// asleep on it (a client cut off while it waited): it finds the wait
-    /// over and reads why from its socket.
-    pub fn clear_slot(&self, k: u32) {
+    /// Resets slot `k` for its next client (`shut`: for nobody, its
+    /// client's connection was closed while its process may still run),
+    /// and wakes a process still asleep on it: it finds the wait over and
+    /// reads why from its socket.
+    pub fn clear_slot(&self, k: u32, shut: bool) {
         if self.is_client(k) {
-            let was = self.state(k).swap(IDLE, SeqCst);
-            self.ticket(k).store(0, SeqCst);
+            let was = self.state(k).swap(if shut { SHUT } else { IDLE }, SeqCst);
+            self.ticket(k).store(WITHDRAWN, SeqCst);
             if was != IDLE {
                 let _ = self.seg.wake_all(self.state_index(k));
             }
         }
     }
 
-    /// The slots waiting now, oldest ticket first.
-    pub fn waiters(&self) -> Vec<u32> {
-        let Some(tid) = self.tid() else {
-            return Vec::new();
-        };
-        let waiting = tid | FUTEX_WAITERS;
-        let next = self.ticket(0).load(SeqCst);
-        let hi = self.header(H_HI).load(SeqCst).min(self.slots);
-        let mut w: Vec<(u32, u32)> = (1..=hi)
-            .filter(|&k| self.state(k).load(SeqCst) == waiting)
-            .map(|k| (k, next.wrapping_sub(self.ticket(k).load(SeqCst))))
-            .collect();
-        w.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
-        w.into_iter().map(|(k, _)| k).collect()
+    /// The slots waiting now, oldest ticket first, each with its ticket.
+    pub fn waiters(&self) -> Vec<(u32, u32)> {
+        match self.tid() {
+            Some(tid) => self.waiting_slots(tid),
+            None => Vec::new(),
+        }
     }
 
-    /// Ends the wait of slot `k` without a gift (the broker queues it):
-    /// whether it was waiting.
-    pub fn move_waiter(&self, k: u32) -> bool {
+    /// Ends the wait of slot `k` (ticket `t`) without a gift, the broker
+    /// queueing it instead: whether it was still waiting.
+    pub fn move_waiter(&self, k: u32, t: u32) -> bool {
         let Some(tid) = self.tid() else {
             return false;
         };
-        let waiting = tid | FUTEX_WAITERS;
-        let moved = self.is_client(k)
-            && self
-                .state(k)
-                .compare_exchange(waiting, waiting | FUTEX_OWNER_DIED, SeqCst, SeqCst)
-                .is_ok();
-        if moved {
-            let _ = self.seg.wake_one(self.state_index(k));
+        if !self.is_client(k)
+            || self
+                .ticket(k)
+                .compare_exchange(t, MOVED, SeqCst, SeqCst)
+                .is_err()
+        {
+            return false;
         }
+        let waiting = tid | FUTEX_WAITERS;
+        let moved = self
+            .state(k)
+            .compare_exchange(waiting, waiting | FUTEX_OWNER_DIED, SeqCst, SeqCst)
+            .is_ok();
+        let _ = self.seg.wake_one(self.state_index(k));
         moved
     }
 
-    /// Finishes a gift in word `i` to `heir` whose giver died between its
-    /// two steps: wakes the heir when it waits or was woken, or frees the
-    /// word when the heir is not waiting (it never learns of the gift).
-    /// Returns whether the word was freed.
-    pub fn finish_gift(&self, i: u32, seen: u32, heir: u32) -> bool {
+    /// Finishes what giver `g`, now dead, left half done: a wait it
+    /// claimed and gifted is woken; a wait it claimed without a gift is
+    /// moved to the broker's queue (the slots returned, to queue); a gift
+    /// of its whose heir is not waiting for it is freed (the words
+    /// returned, to hand on).
+    pub fn finish_giver(&self, g: u32) -> (Vec<u32>, Vec<u32>) {
+        let mut moved = Vec::new();
+        let mut freed = Vec::new();
         let Some(tid) = self.tid() else {
-            return self.free_gift(i, seen);
+            return (moved, freed);
         };
-        if !self.is_client(heir) {
-            return self.free_gift(i, seen);
-        }
         let waiting = tid | FUTEX_WAITERS;
         let woken = waiting | FUTEX_OWNER_DIED;
-        let st = self.state(heir);
-        if st.compare_exchange(waiting, woken, SeqCst, SeqCst).is_ok() {
-            self.header(H_HANDOFFS).fetch_add(1, SeqCst);
+        let claim = CLAIMED | (g & 0xffff);
+        let mut claimed_by_g = Vec::new();
+        for k in 1..=self.slots {
+            if self.ticket(k).load(SeqCst) == claim {
+                claimed_by_g.push(k);
+            }
         }
-        if st.load(SeqCst) == woken {
-            let _ = self.seg.wake_one(self.state_index(heir));
-            return false;
+        for i in 0..self.words() {
+            let v = self.word(i).load(SeqCst);
+            let Some((giver, h)) = as_gift(v) else {
+                continue;
+            };
+            if giver != (g & 0x7fff) {
+                continue;
+            }
+            if claimed_by_g.contains(&h) && self.state(h).load(SeqCst) == waiting {
+                let _ = self
+                    .state(h)
+                    .compare_exchange(waiting, woken, SeqCst, SeqCst);
+            }
+            if claimed_by_g.contains(&h) && self.state(h).load(SeqCst) == woken {
+                let _ = self.seg.wake_one(self.state_index(h));
+                claimed_by_g.retain(|&k| k != h);
+            } else if self.free_gift(i, v) {
+                freed.push(i);
+            }
         }
-        self.free_gift(i, seen)
+        // Claimed, never gifted: the broker queues the wait.
+        for k in claimed_by_g {
+            if self.state(k).load(SeqCst) == waiting
+                && self
+                    .ticket(k)
+                    .compare_exchange(claim, MOVED, SeqCst, SeqCst)
+                    .is_ok()
+                && self
+                    .state(k)
+                    .compare_exchange(waiting, woken, SeqCst, SeqCst)
+                    .is_ok()
+            {
+                moved.push(k);
+            }
+            let _ = self.seg.wake_one(self.state_index(k));
+        }
+        (moved, freed)
     }
 
     fn free_gift(&self, i: u32, seen: u32) -> bool {
@@ -769,6 +966,14 @@ impl Table {
         self.grants().load(SeqCst)
     }
 
+    /// Waits in the table that ended in a token (counted with their time).
+    pub fn waits_got(&self) -> u64 {
+        let x = extra_base(self.words, self.slots);
+        (0..crate::stats::BUCKETS as u32)
+            .map(|b| u64::from(self.seg.word(x + X_COUNTS + b).load(SeqCst)))
+            .sum()
+    }
+
     /// Notes a wait in the table that ended in a token after `ns`.
     fn record_wait(&self, ns: u64) {
         let x = extra_base(self.words, self.slots);
@@ -792,19 +997,15 @@ impl Table {
         );
     }
 
-    /// Waiters woken with a token handed to them (counted by the givers,
-    /// modulo 2³²).
-    pub fn handoffs(&self) -> u32 {
-        self.header(H_HANDOFFS).load(SeqCst)
+    /// Waiters woken with a token handed to them (counted by the givers).
+    pub fn handoffs(&self) -> u64 {
+        self.header64(H_HANDOFFS).load(SeqCst)
     }
 
-    /// Waits in the table, and of them those withdrawn at their deadline
-    /// (clients count them, modulo 2³²).
-    pub fn wait_counts(&self) -> (u32, u32) {
-        (
-            self.header(H_WAITS).load(SeqCst),
-            self.header(H_CANCELLED).load(SeqCst),
-        )
+    /// Waits in the table withdrawn at their deadline (clients count
+    /// them, modulo 2³²).
+    pub fn waits_cancelled(&self) -> u32 {
+        self.header(H_CANCELLED).load(SeqCst)
     }
 }
 

@@ -169,6 +169,25 @@ impl Segment {
         self.at(HEADER_WORDS as usize + i as usize)
     }
 
+    /// Header words `i` and `i + 1` (`i` even, below 15) as one 64-bit
+    /// word.
+    ///
+    /// # Panics
+    ///
+    /// When `i` is odd or `i + 1` is not a header word.
+    pub fn header64(&self, i: u32) -> &AtomicU64 {
+        assert!(
+            i % 2 == 0 && i + 1 < HEADER_WORDS,
+            "header words {i}, {} out of range",
+            i + 1
+        );
+        // SAFETY: header words `i` and `i + 1` lie inside the mapping at
+        // byte offset 4·i from its page-aligned start, 8-aligned for an
+        // even `i`, and are only ever accessed atomically, this pair only
+        // as this 64-bit atomic.
+        unsafe { &*self.base.as_ptr().add(i as usize).cast::<AtomicU64>() }
+    }
+
     /// The 64-bit counter made of header words 8 and 9.
     pub fn counter64(&self) -> &AtomicU64 {
         // SAFETY: header words 8 and 9 lie inside the mapping at byte
@@ -280,7 +299,13 @@ impl Segment {
                 format!("a guard watches at most {} words", DeathGuard::MAX_WORDS),
             ));
         }
-        DeathGuard::start(self.base.as_ptr() as usize, self.len, offsets)
+        // The guard maps the file again, on its own: the words it names
+        // live as long as it does, whatever happens to this mapping (a
+        // futex on a shared file mapping is keyed by file and offset, so
+        // a wake through either mapping reaches sleepers on both).
+        let fd = self.fd.try_clone()?;
+        let mine = Segment::map(fd, self.words)?;
+        DeathGuard::start(mine, offsets)
     }
 }
 
@@ -307,6 +332,11 @@ pub struct DeathGuard {
     tid: u32,
     stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
     thread: Option<std::thread::JoinHandle<()>>,
+    /// The guard's own mapping of the segment, unmapped after the thread
+    /// has ended.
+    _map: std::sync::Arc<Segment>,
+    /// The process that started the guard: a fork has no guard thread.
+    pid: u32,
 }
 
 /// Bit 31 of a guarded word: a process may sleep on it.
@@ -326,18 +356,27 @@ impl DeathGuard {
         self.tid
     }
 
-    fn start(base: usize, len: usize, offsets: Vec<usize>) -> io::Result<DeathGuard> {
+    fn start(map: Segment, offsets: Vec<usize>) -> io::Result<DeathGuard> {
+        imp_guard::kernel_walks_lists()?;
+        let map = std::sync::Arc::new(map);
+        let (base, len) = (map.base.as_ptr() as usize, map.len);
         let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
         let (tx, rx) = std::sync::mpsc::channel::<io::Result<u32>>();
         let flag = stop.clone();
+        let keep = map.clone();
         let thread = std::thread::Builder::new()
             .name("herdless-guard".into())
-            .spawn(move || imp_guard::run(base, len, &offsets, &flag, &tx))?;
+            .spawn(move || {
+                imp_guard::run(base, len, &offsets, &flag, &tx);
+                drop(keep);
+            })?;
         match rx.recv() {
             Ok(Ok(tid)) => Ok(DeathGuard {
                 tid,
                 stop,
                 thread: Some(thread),
+                _map: map,
+                pid: std::process::id(),
             }),
             Ok(Err(e)) => {
                 let _ = thread.join();
@@ -353,6 +392,15 @@ impl DeathGuard {
 
 impl Drop for DeathGuard {
     fn drop(&mut self) {
+        if std::process::id() != self.pid {
+            // A fork's copy: the thread is not in this process. Its
+            // mapping is left as it is.
+            if let Some(t) = self.thread.take() {
+                std::mem::forget(t);
+            }
+            std::mem::forget(self._map.clone());
+            return;
+        }
         self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
         if let Some(t) = self.thread.take() {
             t.thread().unpark();
@@ -490,6 +538,59 @@ mod imp_guard {
         Ok(())
     }
 
+    /// Whether the kernel walks a thread's robust list when the thread
+    /// ends (some emulations accept the list and never walk it): a
+    /// scratch thread lists one word holding its id and ends; the word
+    /// must then read `FUTEX_OWNER_DIED`. Checked once per process.
+    pub(super) fn kernel_walks_lists() -> io::Result<()> {
+        static CHECKED: std::sync::OnceLock<Result<(), String>> = std::sync::OnceLock::new();
+        CHECKED
+            .get_or_init(|| {
+                let word = Box::new(AtomicU32::new(0));
+                let mut entry = Box::new(0usize);
+                let mut head = Box::new(Head {
+                    next: 0,
+                    futex_offset: 0,
+                    list_op_pending: 0,
+                });
+                let word_addr = &*word as *const AtomicU32 as usize;
+                let entry_addr = &mut *entry as *mut usize as usize;
+                let head_addr = &mut *head as *mut Head as usize;
+                *entry = head_addr;
+                head.next = entry_addr;
+                head.futex_offset =
+                    (word_addr as isize).wrapping_sub(entry_addr as isize) as libc::c_long;
+                let w = word_addr;
+                let outcome = std::thread::spawn(move || -> io::Result<()> {
+                    // SAFETY: `w` is the address of the boxed AtomicU32,
+                    // which the spawning thread keeps alive until after
+                    // this thread is joined.
+                    let word = unsafe { &*(w as *const AtomicU32) };
+                    // SAFETY: gettid has no arguments and cannot fail.
+                    let tid = unsafe { libc::gettid() } as u32;
+                    word.store(tid, SeqCst);
+                    // The C library's list is not put back: this thread
+                    // ends at once, and its list is the one walked.
+                    set_list(head_addr, std::mem::size_of::<Head>())
+                })
+                .join();
+                let seen = word.load(SeqCst);
+                drop((entry, head));
+                match outcome {
+                    Ok(Ok(())) if seen & FUTEX_OWNER_DIED != 0 && seen & FUTEX_TID_MASK == 0 => {
+                        Ok(())
+                    }
+                    Ok(Ok(())) => Err(format!(
+                        "the kernel does not walk robust futex lists (word {seen:#x})"
+                    )),
+                    Ok(Err(e)) => Err(format!("set_robust_list: {e}")),
+                    Err(_) => Err("the check's thread panicked".to_owned()),
+                }
+            })
+            .clone()
+            .map_err(|e| io::Error::new(io::ErrorKind::Unsupported, e))
+    }
+
     pub(super) fn run(
         base: usize,
         len: usize,
@@ -560,6 +661,13 @@ mod imp_guard {
     use std::io;
     use std::sync::atomic::AtomicBool;
     use std::sync::mpsc::Sender;
+
+    pub(super) fn kernel_walks_lists() -> io::Result<()> {
+        Err(io::Error::new(
+            io::ErrorKind::Unsupported,
+            "a death guard needs the kernel's robust futex list (Linux)",
+        ))
+    }
 
     pub(super) fn run(
         _: usize,

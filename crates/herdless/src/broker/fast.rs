@@ -41,6 +41,9 @@ pub(super) struct FastState {
     client: ClientId,
     /// Table owner id (its slot, 1 to the table's slots) → connection.
     owners: HashMap<u32, Token>,
+    /// Slots of connections the broker closed while their process may
+    /// still run: never given to another client.
+    shut: std::collections::HashSet<u32>,
     /// The slots that table clients name, with how many name each: while
     /// one of them is free, the table stays closed (the slot goes first,
     /// ARCHITECTURE §4.5).
@@ -102,6 +105,7 @@ impl FastState {
             lent_count: 0,
             client,
             owners: HashMap::new(),
+            shut: std::collections::HashSet::new(),
             named_slots: HashMap::new(),
             names: HashMap::new(),
             told_held: HashMap::new(),
@@ -171,11 +175,13 @@ impl Broker {
         let Some(fast) = self.fast.as_mut() else {
             return 0;
         };
-        let Some(owner) = (1..=fast.table.slots()).find(|k| !fast.owners.contains_key(k)) else {
+        let Some(owner) = (1..=fast.table.slots())
+            .find(|k| !fast.owners.contains_key(k) && !fast.shut.contains(k))
+        else {
             // Every slot is taken: this client uses the socket.
             return 0;
         };
-        fast.table.clear_slot(owner);
+        fast.table.clear_slot(owner, false);
         fast.owners.insert(owner, token);
         fast.table
             .set_hi(fast.owners.keys().copied().max().unwrap_or(0));
@@ -265,6 +271,13 @@ impl Broker {
             return;
         };
         if open {
+            // What the broker holds back counts down in the table's count
+            // before a lent word can be taken: the count's peak never
+            // sees a token twice.
+            self.note_in_use();
+            let Some(fast) = self.fast.as_mut() else {
+                return;
+            };
             fast.table.open_gate();
             if fast.dirty {
                 self.fast_sweep(false);
@@ -303,21 +316,38 @@ impl Broker {
             return;
         };
         let mut queued = Vec::new();
-        for k in fast.table.waiters() {
+        for (k, t) in fast.table.waiters() {
+            if fast.owners.contains_key(&k) && fast.table.move_waiter(k, t) {
+                queued.push(k);
+            }
+        }
+        let _ = now;
+        self.fast_queue_moved(queued);
+    }
+
+    /// Queues an `Acquire` for each client of these slots, whose wait in
+    /// the table the broker ended without a gift.
+    fn fast_queue_moved(&mut self, slots: Vec<u32>) {
+        if slots.is_empty() {
+            return;
+        }
+        let now = self.now();
+        let Some(fast) = self.fast.as_mut() else {
+            return;
+        };
+        let mut clients = Vec::new();
+        for k in slots {
             let client = fast
                 .owners
                 .get(&k)
                 .and_then(|t| self.conns.get(t))
                 .and_then(|c| c.client);
-            let Some(client) = client else {
-                continue;
-            };
-            if fast.table.move_waiter(k) {
+            if let Some(client) = client {
                 fast.moved += 1;
-                queued.push(client);
+                clients.push(client);
             }
         }
-        for client in queued {
+        for client in clients {
             let _ = self.pool.acquire(client, now);
         }
         self.apply_effects();
@@ -357,6 +387,7 @@ impl Broker {
         fast.dirty = false;
         let mut returned = 0;
         let mut cut = Vec::new();
+        let mut dead_givers = std::collections::BTreeSet::new();
         let mut held: HashMap<u32, u32> = HashMap::new();
         for i in 0..fast.table.words() {
             let v = fast.table.word(i).load(SeqCst);
@@ -365,9 +396,9 @@ impl Broker {
                     Some((_, h)) if !fast.owners.contains_key(&h) => {
                         fast.table.reclaim(i, v);
                     }
-                    Some((g, h)) if g != BROKER_GIVER && !fast.owners.contains_key(&g) => {
-                        // Its giver died between its two steps.
-                        fast.table.finish_gift(i, v, h);
+                    Some((g, _)) if g != BROKER_GIVER && !fast.owners.contains_key(&g) => {
+                        // Its giver died between its steps.
+                        dead_givers.insert(g);
                     }
                     Some(_) => {}
                     None if v != FREE && v != OUT && !fast.owners.contains_key(&v) => {
@@ -396,12 +427,22 @@ impl Broker {
                     *held.entry(owner).or_insert(0) += 1;
                 }
             } else if v != OUT {
-                let owner = as_gift(v).map_or(v, |(_, h)| h);
-                if let Some(&token) = fast.owners.get(&owner) {
-                    cut.push(token);
+                // An id in a word never lent: its client wrote it. A gift
+                // there may name anyone: nobody is cut off for it.
+                if as_gift(v).is_none() {
+                    if let Some(&token) = fast.owners.get(&v) {
+                        cut.push(token);
+                    }
                 }
                 fast.table.restore_out(i, v);
             }
+        }
+        let mut moved = Vec::new();
+        for g in dead_givers {
+            let (m, _freed) = fast.table.finish_giver(g);
+            moved.extend(m);
+            // Freed words are handed on by the next read of the table.
+            fast.dirty = true;
         }
         // Caps count what each client holds from the table: the pool
         // learns it before the returned tokens reach its waiters.
@@ -437,6 +478,7 @@ impl Broker {
             let _ = self.pool.release(client, now);
         }
         self.apply_effects();
+        self.fast_queue_moved(moved);
         for token in cut {
             if let Some(fast) = self.fast.as_mut() {
                 fast.cut_off += 1;
@@ -458,7 +500,13 @@ impl Broker {
     /// The connection of owner `owner` in the table is closing (the
     /// broker closes it at its stop when `at_stop`): free what it held
     /// there. Returns the words freed.
-    pub(super) fn fast_forget(&mut self, owner: u32, id: Option<ClientId>, at_stop: bool) -> u32 {
+    pub(super) fn fast_forget(
+        &mut self,
+        owner: u32,
+        id: Option<ClientId>,
+        at_stop: bool,
+        shut: bool,
+    ) -> u32 {
         let Some(fast) = self.fast.as_mut() else {
             return 0;
         };
@@ -469,7 +517,10 @@ impl Broker {
         // The slot first: a giver that has not yet woken it fails to, and
         // one that has, has written its gift, which the reading below
         // finds.
-        fast.table.clear_slot(owner);
+        fast.table.clear_slot(owner, shut);
+        if shut {
+            fast.shut.insert(owner);
+        }
         let mut freed = 0;
         for i in 0..fast.table.words() {
             if !fast.lent[i as usize] {
@@ -482,9 +533,7 @@ impl Broker {
                         freed += 1;
                     }
                 }
-                Some((g, h)) if g == owner => {
-                    fast.table.finish_gift(i, v, h);
-                }
+                Some((g, _)) if g == owner => {}
                 _ => {
                     if fast.table.reclaim(i, owner) {
                         freed += 1;
@@ -494,12 +543,15 @@ impl Broker {
         }
         fast.table
             .set_hi(fast.owners.keys().copied().max().unwrap_or(0));
+        // What it was handing on when it died.
+        let (moved, _freed) = fast.table.finish_giver(owner);
         if at_stop {
             fast.held_at_shutdown += u64::from(freed);
         } else {
             fast.reclaimed += u64::from(freed);
         }
         fast.dirty = true;
+        self.fast_queue_moved(moved);
         freed
     }
 
@@ -574,5 +626,9 @@ impl Broker {
             fast.table.close_gate();
             fast.dirty = true;
         }
+        // After the gate: no giver hands a word to a waiter from now on,
+        // and every waiter hears of the close (and the abort or stop that
+        // follows) from the socket.
+        self.fast_move_waiters();
     }
 }

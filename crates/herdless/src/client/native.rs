@@ -70,6 +70,10 @@ struct State {
     statuses: std::collections::VecDeque<String>,
     /// `Controlled` replies not yet taken.
     controlled: u32,
+    /// Answers (a grant, or a try's denial read out of order) that came
+    /// for a wait in the table the broker moved to its queue before the
+    /// waiting thread counted it.
+    moves_answered: u32,
 }
 
 pub(crate) struct Native {
@@ -384,17 +388,16 @@ impl Native {
         }
     }
 
-    /// Waits in the shared table for a token, when this client may: the
-    /// broker allows it, the wait is not to end on a signal, and nothing
-    /// of this client's is queued at the broker or waits in the table
-    /// already (`st` says). `None` when it did not wait there, or the
-    /// table sent it to the broker; otherwise the answer.
-    fn may_wait_in_table(&self, st: &State, wait: Wait) -> bool {
+    /// Whether this client may wait in the shared table now: the broker
+    /// allows it, and nothing of this client's is queued at the broker or
+    /// waits in the table already (`st` says). When it may, this thread
+    /// is now the one that waits there: [`fast_wait`](Self::fast_wait)
+    /// must follow.
+    fn may_wait_in_table(&self, st: &State) -> bool {
         let Some(f) = self.fast.as_ref() else {
             return false;
         };
-        !wait.interruptible
-            && f.table.waits_here()
+        f.table.waits_here()
             && st.acquires <= st.cancels
             && st.ready == 0
             && st.tries == 0
@@ -407,11 +410,32 @@ impl Native {
                 .is_ok()
     }
 
+    /// A token handed over in the table. When the table has closed since,
+    /// the socket may hold an abort: then nothing is handed out, the token
+    /// goes back, and the abort is the answer.
+    fn after_table_grant(&self) -> Result<bool> {
+        let Some(f) = self.fast.as_ref() else {
+            return Ok(true);
+        };
+        if f.table.is_open() {
+            return Ok(true);
+        }
+        let mut st = lock(&self.state);
+        self.drain(&mut st);
+        if st.aborted.is_some() {
+            drop(st);
+            self.fast_give_back()?;
+            let st = lock(&self.state);
+            Self::check(&st)?;
+        }
+        Ok(true)
+    }
+
     /// The wait [`may_wait_in_table`](Self::may_wait_in_table) allowed.
     /// On [`WaitEnd::Got`] this client holds one more token.
     fn fast_wait(&self, wait: Wait) -> Result<WaitEnd> {
         let f = self.fast.as_ref().expect("a table");
-        let end = f.table.wait(f.owner, wait.deadline);
+        let end = f.table.wait(f.owner, wait.deadline, wait.interruptible);
         f.waiting.store(false, Ordering::SeqCst);
         let end = end.map_err(|e| Error::io(ErrorKind::Io, "wait in the shared token table", e))?;
         if let WaitEnd::Got(n) = end {
@@ -595,13 +619,22 @@ impl Native {
                 // one is outstanding, so a grant answers the try first.
                 if st.tries > 0 {
                     st.tries -= 1;
+                } else if st.acquires > 0 {
+                    st.acquires -= 1;
                 } else {
-                    st.acquires = st.acquires.saturating_sub(1);
+                    // The grant of a moved wait not yet counted.
+                    st.moves_answered += 1;
                 }
                 st.ready += 1;
             }
             Reply::Denied => {
-                st.tries = st.tries.saturating_sub(1);
+                if st.tries > 0 {
+                    st.tries -= 1;
+                } else {
+                    // The grant before it, taken as the try's answer, was
+                    // a moved wait's: the try was denied.
+                    st.moves_answered += 1;
+                }
             }
             Reply::Cancelled { cancelled } => {
                 st.cancels = st.cancels.saturating_sub(1);
@@ -767,28 +800,51 @@ impl Native {
         // Straight to the table when this client has nothing at the
         // broker: what the socket could say (an abort, a stop) closes the
         // table, which ends the wait there, so it need not be read first.
-        let in_table = self.may_wait_in_table(&lock(&self.state), wait);
+        // An interruptible wait keeps to the socket: interrupted, its
+        // request must stay queued at the broker for the next call, as it
+        // is there from the start.
+        let in_table = !wait.interruptible && self.may_wait_in_table(&lock(&self.state));
+        let mut counted = None;
         if in_table {
-            let moved = match self.fast_wait(wait) {
-                Ok(WaitEnd::Got(_)) => return Ok(true),
+            match self.fast_wait(wait) {
+                Ok(WaitEnd::Got(_)) => return self.after_table_grant(),
                 Ok(WaitEnd::TimedOut) => return Ok(false),
-                Ok(WaitEnd::Moved) => true,
+                Ok(WaitEnd::Interrupted) => {
+                    return Err(Error::new(
+                        ErrorKind::Interrupted,
+                        "interrupted by a signal",
+                    ));
+                }
+                Ok(WaitEnd::Moved) => {
+                    // An acquire this client did not send: counted as
+                    // sent (or as answered, if its grant was read
+                    // already), and wanted, under one lock.
+                    let mut st = lock(&self.state);
+                    if st.moves_answered > 0 {
+                        st.moves_answered -= 1;
+                    } else {
+                        st.acquires += 1;
+                    }
+                    st.wanting += 1;
+                    self.drain(&mut st);
+                    counted = Some(self.settle_nowait(st));
+                }
                 // Sent to the broker, or the broker is gone (the socket
                 // says so): the socket path goes on.
-                Ok(WaitEnd::Closed | WaitEnd::Gone) => false,
+                Ok(WaitEnd::Closed | WaitEnd::Gone) => {}
                 Err(e) => return Err(e),
-            };
-            // A wait the broker moved to its queue is an acquire this
-            // client did not send: counted as sent before its grant is
-            // read.
-            if moved {
-                lock(&self.state).acquires += 1;
             }
         }
-        let AtHand::Nothing(mut st) = self.settle_and_take_spare()? else {
-            return Ok(true);
+        let mut st = match counted {
+            Some(st) => st,
+            None => {
+                let AtHand::Nothing(mut st) = self.settle_and_take_spare()? else {
+                    return Ok(true);
+                };
+                st.wanting += 1;
+                st
+            }
         };
-        st.wanting += 1;
         let result = loop {
             if let Err(e) = Self::check(&st) {
                 break Err(e);
