@@ -233,3 +233,4 @@ fn threads_racing_on_the_table_never_hold_more_than_was_lent() {
 }
 
 mod handoff;
+mod model;
