@@ -52,6 +52,16 @@ fn helper_process() {
     let Ok(role) = std::env::var(ROLE) else {
         return;
     };
+    if role == "drop-segment-first" {
+        // Safe code only: the segment goes first, then its guard.
+        let seg = Segment::create(64).expect("segment");
+        let guard = seg.guard(&[0]).expect("guard");
+        seg.word(0).store(guard.tid() | FUTEX_WAITERS, SeqCst);
+        drop(seg);
+        drop(guard);
+        println!("dropped");
+        std::process::exit(0);
+    }
     assert_eq!(role, "guard");
     let n: u32 = std::env::var(COUNT).unwrap().parse().unwrap();
     let seg = Segment::create(WORDS).expect("segment");
@@ -265,4 +275,28 @@ fn a_guard_refuses_words_it_cannot_watch() {
         .collect();
     let err = big.guard(&too_many).map(|_| ()).unwrap_err();
     assert_eq!(err.kind(), std::io::ErrorKind::InvalidInput, "too many");
+}
+
+/// `Segment::guard` is safe and its guard borrows nothing from the
+/// segment, so safe code may drop the segment first; the guard's end then
+/// writes to (and wakes) words of a mapping that is gone.
+#[test]
+#[ignore = "a guard outliving its segment writes to the unmapped words when dropped (SIGSEGV, or another mapping's memory)"]
+fn a_guard_that_outlives_its_segment_touches_no_memory() {
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "helper_process",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(ROLE, "drop-segment-first")
+        .stdin(Stdio::null())
+        .output()
+        .expect("run");
+    assert!(
+        out.status.success() && String::from_utf8_lossy(&out.stdout).contains("dropped"),
+        "{:?}",
+        out.status
+    );
 }
