@@ -12,9 +12,27 @@ use std::process::Stdio;
 
 use common::{Helper, Serve, PATIENCE};
 
+const SPIN: &str = "HERDLESS_HANDOFF_TEST_SPIN";
+
 #[test]
 fn helper_process() {
     common::helper_main();
+    // Takes and gives back this many tokens as fast as it can, then exits.
+    if let Some(n) = std::env::var(SPIN).ok().and_then(|n| n.parse::<u32>().ok()) {
+        let client = herdless::client::Client::from_env_with(
+            herdless::client::Options::default().implicit_token(false),
+        )
+        .expect("connect to the broker");
+        println!("role: {}", client.token_path());
+        for _ in 0..n {
+            let t = client.acquire().expect("acquire");
+            // Held a moment, so the others wait in the table meanwhile.
+            std::thread::sleep(std::time::Duration::from_micros(50));
+            drop(t);
+        }
+        println!("role: done");
+        std::process::exit(0);
+    }
 }
 
 /// A helper process holding `n` tokens of `serve`.
@@ -236,6 +254,80 @@ fn a_broker_told_not_to_hand_off_keeps_waits_at_its_queue() {
     }
     let s = serve.wait_for("all free", |s| s.clients.is_empty() && s.free == 1);
     assert_eq!(s.lost, 0, "{s:#?}");
+    let (status, log) = serve.stop();
+    assert!(status.success(), "{log}");
+}
+
+#[test]
+fn givers_stopped_anywhere_leave_no_wait_hanging() {
+    // Six clients spin on two tokens, so most releases hand a token to a
+    // waiter in two steps; the test stops one of them (SIGSTOP) at random
+    // points, now and then between those steps, while the others go on,
+    // then lets it go on. Every client finishes its rounds: no wait in the
+    // table, or at the broker after one, is left without its token.
+    const ROUNDS: u32 = 1500;
+    let serve = Serve::start(3);
+    let mut spinners: Vec<std::process::Child> = (0..6)
+        .map(|_| {
+            let mut c = common::helper_command()
+                .env(SPIN, ROUNDS.to_string())
+                .env("HERDLESS_SOCKET", &serve.socket)
+                .stdin(Stdio::null())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::inherit())
+                .spawn()
+                .expect("spawn a spinner");
+            let mut out = BufReader::new(c.stdout.take().unwrap());
+            let mut line = String::new();
+            while !line.contains("role: ") {
+                line.clear();
+                let n = std::io::BufRead::read_line(&mut out, &mut line).unwrap();
+                assert!(n > 0, "a spinner ended before it connected");
+            }
+            assert!(line.contains("role: shared table"), "{line:?}");
+            std::mem::forget(out);
+            c
+        })
+        .collect();
+    let mut rng = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos() as u64
+        | 1;
+    eprintln!("seed {rng}");
+    let mut next = move || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng
+    };
+    let mut stops = 0;
+    while spinners.iter_mut().any(|c| c.try_wait().unwrap().is_none()) && stops < 3000 {
+        let c = &spinners[(next() % 6) as usize];
+        let pid = c.id() as i32;
+        common::signal(pid, libc::SIGSTOP);
+        std::thread::sleep(std::time::Duration::from_micros(next() % 1500));
+        common::signal(pid, libc::SIGCONT);
+        stops += 1;
+    }
+    for (i, c) in spinners.iter_mut().enumerate() {
+        common::signal(c.id() as i32, libc::SIGCONT);
+        let status = common::wait_timeout(c, PATIENCE).unwrap_or_else(|| {
+            panic!(
+                "spinner {i} never finished its rounds (a wait that never ends); {:#?}",
+                serve.status()
+            )
+        });
+        assert!(status.success(), "spinner {i}: {status:?}");
+    }
+    let s = serve.wait_for("all free", |s| s.clients.is_empty() && s.free == 2);
+    assert_eq!(s.lost, 0, "{s:#?}");
+    eprintln!(
+        "{stops} stops; {} table grants, {} hand-offs, {} moved",
+        s.fast.as_ref().map_or(0, |f| f.grants),
+        s.wakeups,
+        s.fast.as_ref().map_or(0, |f| f.moved)
+    );
     let (status, log) = serve.stop();
     assert!(status.success(), "{log}");
 }
