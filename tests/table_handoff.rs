@@ -331,3 +331,35 @@ fn givers_stopped_anywhere_leave_no_wait_hanging() {
     let (status, log) = serve.stop();
     assert!(status.success(), "{log}");
 }
+
+#[test]
+fn a_stop_ends_every_wait_in_the_table_with_no_grant() {
+    // -j 3: both shared tokens held; six clients wait in the table. A
+    // SIGTERM closes the table: each wait moves to the broker, which
+    // refuses it; nobody is granted a token after the stop, and the
+    // holder's release during it is not handed to a waiter.
+    let serve = Serve::start(3);
+    let a = holder(&serve, 2);
+    let mut ws = waiters(&serve, 6, true);
+    common::signal(serve.pid(), libc::SIGTERM);
+    for (i, w) in ws.iter_mut().enumerate() {
+        let line = w.line();
+        assert!(
+            line.starts_with("error"),
+            "waiter {i} was told {line:?} after the stop"
+        );
+    }
+    a.finish();
+    let (status, log) = serve.stop();
+    assert!(status.success(), "{log}");
+    assert_eq!(
+        common::stat(&log, "taken back"),
+        "0 from clients that died holding them",
+        "{log}"
+    );
+    for (i, mut w) in ws.into_iter().enumerate() {
+        let status = common::wait_timeout(&mut w.child, PATIENCE)
+            .unwrap_or_else(|| panic!("waiter {i} did not exit"));
+        assert_eq!(status.code(), Some(4), "waiter {i}");
+    }
+}
