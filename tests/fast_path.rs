@@ -32,6 +32,11 @@ fn helper_process() {
             println!("role: {}", client.token_path());
             let dir = PathBuf::from(std::env::var_os(DIR).expect("dir"));
             let me = std::process::id();
+            // Between a release and the next ask, when set.
+            let pause = std::env::var("HERDLESS_FAST_TEST_PAUSE_US")
+                .ok()
+                .and_then(|p| p.parse().ok())
+                .map(Duration::from_micros);
             let mine = dir.join("held").join(me.to_string());
             let mut peaks = std::fs::OpenOptions::new()
                 .append(true)
@@ -43,10 +48,13 @@ fn helper_process() {
                 let n = live_holders(&dir.join("held"));
                 // One write per record: appends of one write do not mix.
                 peaks
-                    .write_all(format!("{n}\n").as_bytes())
+                    .write_all(format!("{n} {me}\n").as_bytes())
                     .expect("record");
                 std::fs::remove_file(&mine).expect("unregister");
                 drop(t);
+                if let Some(pause) = pause {
+                    std::thread::sleep(pause);
+                }
             }
         }
         other => panic!("unknown role {other}"),
@@ -76,8 +84,17 @@ fn live_holders(held: &Path) -> u32 {
     n
 }
 
-fn churner(serve: &Serve, dir: &Path) -> Child {
-    let mut child = common::helper_command()
+/// A process that takes and gives back tokens forever, from the table, or
+/// over the socket when `socket` (`HERDLESS_FAST_PATH=0`).
+fn churner(serve: &Serve, dir: &Path, socket: bool) -> Child {
+    let mut cmd = common::helper_command();
+    if socket {
+        // Now and then: the table reopens in between, and each ask finds
+        // waiters in it to move to the queue.
+        cmd.env("HERDLESS_FAST_PATH", "0")
+            .env("HERDLESS_FAST_TEST_PAUSE_US", "2000");
+    }
+    let mut child = cmd
         .env(ROLE, "churn")
         .env(DIR, dir)
         .env("HERDLESS_SOCKET", &serve.socket)
@@ -96,8 +113,8 @@ fn churner(serve: &Serve, dir: &Path) -> Child {
         if let Some(at) = line.find("role: ") {
             assert_eq!(
                 line[at + 6..].trim(),
-                "shared table",
-                "the churner uses the table"
+                if socket { "socket" } else { "shared table" },
+                "the churner uses the path it was told to"
             );
             break;
         }
@@ -143,12 +160,43 @@ fn killing_table_clients_at_random_points_loses_and_duplicates_nothing() {
     // Fewer clients than tokens: nobody waits, the table stays open, and
     // the kills land in takes and give-backs from it.
     kill_churners(8, 5, "open");
-    // More clients than tokens: the table opens and closes as waiters come
-    // and go, and kills land in waits, grants and give-backs too.
+    // More clients than tokens: they wait in the table, and kills land in
+    // waits, in hand-offs between a giver's two steps and in give-backs.
     kill_churners(4, 6, "contended");
 }
 
+#[test]
+fn killing_waiters_and_givers_in_a_crowded_table_loses_nothing() {
+    // Many more clients than tokens: long lines of waiters in the table,
+    // most tokens handed on rather than freed, and kills landing between
+    // a giver's two steps and in woken waiters before they claim.
+    kill_churners(3, 10, "crowded");
+}
+
+#[test]
+fn moves_to_the_queue_racing_hand_offs_and_kills_lose_nothing() {
+    // One client kept to the socket asks now and then: each ask closes the
+    // table and moves its waiters to the broker's queue, racing hand-offs
+    // and kills.
+    kill_mixed_churners(6, 8, 1, "mixed");
+}
+
 fn kill_churners(jobs: u32, churners: usize, name: &str) {
+    kill_mixed_churners(jobs, churners, 0, name);
+}
+
+/// The pids that recorded a take in `peaks` from line `from` on.
+fn takers_since(peaks: &str, from: usize) -> std::collections::HashSet<u32> {
+    peaks
+        .lines()
+        .skip(from)
+        .filter_map(|l| l.split(' ').nth(1)?.parse().ok())
+        .collect()
+}
+
+/// `churners` processes, the first `socket` of them kept to the socket,
+/// killed at random points and replaced, 200 times.
+fn kill_mixed_churners(jobs: u32, churners: usize, socket: usize, name: &str) {
     let serve = Serve::start(jobs);
     let dir = tempfile_dir(&format!("fast-kill-{name}"));
     std::fs::create_dir_all(dir.join("held")).unwrap();
@@ -160,13 +208,15 @@ fn kill_churners(jobs: u32, churners: usize, name: &str) {
         | 1;
     eprintln!("seed {seed}");
     let mut rng = Rng(seed);
-    let mut workers: Vec<Child> = (0..churners).map(|_| churner(&serve, &dir)).collect();
+    let mut workers: Vec<Child> = (0..churners)
+        .map(|i| churner(&serve, &dir, i < socket))
+        .collect();
     let mut kills = 0;
     let start = Instant::now();
     while kills < 200 && start.elapsed() < Duration::from_secs(60) {
         std::thread::sleep(Duration::from_micros(rng.next() % 3000));
         let i = (rng.next() % workers.len() as u64) as usize;
-        let mut victim = std::mem::replace(&mut workers[i], churner(&serve, &dir));
+        let mut victim = std::mem::replace(&mut workers[i], churner(&serve, &dir, i < socket));
         victim.kill().unwrap();
         victim.wait().unwrap();
         kills += 1;
@@ -177,6 +227,35 @@ fn kill_churners(jobs: u32, churners: usize, name: &str) {
         fast.grants > 0,
         "tokens were taken from the table: {mid:#?}"
     );
+    assert!(fast.handoff, "clients may wait in the table: {mid:#?}");
+    if churners as u32 >= jobs {
+        assert!(mid.wakeups > 0, "tokens were handed to waiters: {mid:#?}");
+    }
+    // After all those kills, every churner alive now still gets a token:
+    // no wait sleeps on while a token is free, none was left in a gift to
+    // a dead client, none is held by nobody.
+    let pids: Vec<u32> = workers.iter().map(Child::id).collect();
+    let from = std::fs::read_to_string(dir.join("peaks"))
+        .unwrap()
+        .lines()
+        .count();
+    let start = Instant::now();
+    loop {
+        let peaks = std::fs::read_to_string(dir.join("peaks")).unwrap();
+        let served = takers_since(&peaks, from);
+        if pids.iter().all(|p| served.contains(p)) {
+            break;
+        }
+        assert!(
+            start.elapsed() < PATIENCE,
+            "churners never served after the kills: {:?} of {pids:?}; {:#?}",
+            pids.iter()
+                .filter(|p| !served.contains(p))
+                .collect::<Vec<_>>(),
+            serve.status()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
     for mut w in workers {
         w.kill().unwrap();
         w.wait().unwrap();
@@ -187,16 +266,19 @@ fn kill_churners(jobs: u32, churners: usize, name: &str) {
     assert!(s.max_in_use <= jobs, "at most N in use: {s:#?}");
     let fast = s.fast.clone().expect("a table");
     assert_eq!(fast.held, 0, "{s:#?}");
+    assert_eq!(fast.waiting, 0, "{s:#?}");
+    assert_eq!(s.waiting, 0, "{s:#?}");
     assert_eq!(fast.cut_off, 0, "no honest client is cut off: {s:#?}");
     assert!(s.reclaimed > 0, "kills landed on holders: {s:#?}");
     eprintln!(
-        "{name}: {kills} kills, {} taken back ({} from the table), {} table grants",
-        s.reclaimed, fast.reclaimed, fast.grants
+        "{name}: {kills} kills, {} taken back ({} from the table), {} table grants, \
+         {} hand-offs, {} moved",
+        s.reclaimed, fast.reclaimed, fast.grants, s.wakeups, fast.moved
     );
     let peaks = std::fs::read_to_string(dir.join("peaks")).unwrap();
     let most = peaks
         .lines()
-        .filter_map(|l| l.parse::<u32>().ok())
+        .filter_map(|l| l.split(' ').next()?.parse::<u32>().ok())
         .max()
         .unwrap_or(0);
     let held: Vec<_> = std::fs::read_dir(dir.join("held"))

@@ -1,0 +1,365 @@
+//! Waiting in the shared token table (ARCHITECTURE §3, "The fast path")
+//! with real processes: every wait there ends when the broker is killed
+//! with SIGKILL, waits in the table come before a socket client's ask
+//! that closes it, status counts them, and a broker told not to let
+//! clients wait there keeps them at its queue.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::io::BufReader;
+use std::process::Stdio;
+
+use common::{Helper, Serve, PATIENCE};
+
+const SPIN: &str = "HERDLESS_HANDOFF_TEST_SPIN";
+
+#[test]
+fn helper_process() {
+    common::helper_main();
+    // Takes and gives back this many tokens as fast as it can, then exits.
+    if let Some(n) = std::env::var(SPIN).ok().and_then(|n| n.parse::<u32>().ok()) {
+        let client = herdless::client::Client::from_env_with(
+            herdless::client::Options::default().implicit_token(false),
+        )
+        .expect("connect to the broker");
+        println!("role: {}", client.token_path());
+        for _ in 0..n {
+            let t = client.acquire().expect("acquire");
+            // Held a moment, so the others wait in the table meanwhile.
+            std::thread::sleep(std::time::Duration::from_micros(50));
+            drop(t);
+        }
+        println!("role: done");
+        std::process::exit(0);
+    }
+}
+
+/// A helper process holding `n` tokens of `serve`.
+fn holder(serve: &Serve, n: u32) -> Helper {
+    let mut h = Helper::spawn(&serve.socket, "hold", n);
+    assert_eq!(h.line(), format!("held {n}"));
+    h
+}
+
+/// `n` clients of the table that wait for a token, each started once the
+/// one before waits (in the table when the broker lets them).
+fn waiters(serve: &Serve, n: u32, in_table: bool) -> Vec<Helper> {
+    (1..=n)
+        .map(|i| {
+            let mut w = Helper::spawn(&serve.socket, "acquire-report", 1);
+            assert_eq!(w.line(), "waiting");
+            let s = serve.wait_for("one more waiter", |s| s.waiting == i);
+            let fast = s.fast.clone().expect("a table");
+            if in_table {
+                assert_eq!(fast.waiting, i, "waits in the table: {s:#?}");
+                assert!(fast.handoff, "{s:#?}");
+            } else {
+                assert_eq!(fast.waiting, 0, "no wait in the table: {s:#?}");
+                assert!(!fast.handoff, "{s:#?}");
+            }
+            w
+        })
+        .collect()
+}
+
+/// A client kept to the socket (`HERDLESS_FAST_PATH=0`) that waits for a
+/// token.
+fn socket_client(serve: &Serve) -> Helper {
+    let mut child = common::helper_command()
+        .env("HERDLESS_TEST_ROLE", "acquire-report")
+        .env("HERDLESS_SOCKET", &serve.socket)
+        .env("HERDLESS_FAST_PATH", "0")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("spawn a socket client");
+    let stdin = child.stdin.take();
+    let stdout = BufReader::new(child.stdout.take().unwrap());
+    Helper {
+        child,
+        stdin,
+        stdout,
+    }
+}
+
+/// Which of `pids` hold a token now, as the broker counts.
+fn holding(serve: &Serve, pids: &[u32]) -> BTreeMap<u32, u32> {
+    serve
+        .status()
+        .clients
+        .iter()
+        .filter(|c| pids.contains(&c.pid) && c.held > 0)
+        .map(|c| (c.pid, c.held))
+        .collect()
+}
+
+#[test]
+fn killing_the_broker_ends_every_wait_in_the_table() {
+    // -j 3: two shared tokens, both held; eight clients wait in the table.
+    let serve = Serve::start(3);
+    let a = holder(&serve, 2);
+    let s = serve.status();
+    assert!(s.fast.as_ref().unwrap().open, "the table is open: {s:#?}");
+    let mut ws = waiters(&serve, 8, true);
+    let s = serve.status();
+    assert_eq!(s.waiting, 8, "{s:#?}");
+    // SIGKILL: the broker runs no code again; only the kernel, through
+    // its guard's robust list, can wake these sleepers.
+    let _log = serve.kill();
+    for (i, w) in ws.iter_mut().enumerate() {
+        let line = w.line();
+        assert!(
+            line.starts_with("error"),
+            "waiter {i} was told {line:?} after the broker died"
+        );
+        let status = common::wait_timeout(&mut w.child, PATIENCE)
+            .unwrap_or_else(|| panic!("waiter {i} did not exit"));
+        assert_eq!(status.code(), Some(4), "waiter {i}");
+    }
+    // The holder is told nothing until it asks; it exits cleanly.
+    a.finish();
+}
+
+#[test]
+fn killing_the_broker_ends_waits_in_the_table_again_and_again() {
+    // Broker deaths that land while waiters come and go: none hangs.
+    for round in 0..4 {
+        let serve = Serve::start(2);
+        let a = holder(&serve, 1);
+        let mut ws: Vec<Helper> = (0..5)
+            .map(|_| Helper::spawn(&serve.socket, "acquire-report", 1))
+            .collect();
+        for w in &mut ws {
+            assert_eq!(w.line(), "waiting");
+        }
+        // Some in the table already, some maybe still on their way.
+        serve.wait_for("a waiter in the table", |s| {
+            s.fast.as_ref().is_some_and(|f| f.waiting > round % 3)
+        });
+        let _ = serve.kill();
+        for (i, mut w) in ws.into_iter().enumerate() {
+            let line = w.line();
+            assert!(
+                line.starts_with("error"),
+                "round {round}, waiter {i}: {line:?}"
+            );
+            w.finish();
+        }
+        a.finish();
+    }
+}
+
+#[test]
+fn a_socket_ask_queues_behind_the_waits_in_the_table() {
+    // -j 3: two shared tokens, held by two clients of the table.
+    let serve = Serve::start(3);
+    let h1 = holder(&serve, 1);
+    let h2 = holder(&serve, 1);
+    let mut ws = waiters(&serve, 3, true);
+    // A client kept off the table asks: the table closes, its three
+    // waiters move to the queue in ticket order, and this ask comes after.
+    let mut sock = socket_client(&serve);
+    assert_eq!(sock.line(), "waiting");
+    let s = serve.wait_for("four waiting at the broker", |s| {
+        s.waiting == 4 && s.fast.as_ref().is_some_and(|f| f.waiting == 0)
+    });
+    assert_eq!(s.fast.as_ref().unwrap().moved, 3, "{s:#?}");
+    let pids: Vec<u32> = ws.iter().map(Helper::pid).chain([sock.pid()]).collect();
+    assert!(holding(&serve, &pids).is_empty());
+    // Each release serves the next in line, and only it.
+    h1.finish();
+    assert_eq!(ws[0].line(), "got");
+    let s = serve.wait_for("three waiting", |s| s.waiting == 3);
+    assert_eq!(
+        holding(&serve, &pids),
+        BTreeMap::from([(pids[0], 1)]),
+        "{s:#?}"
+    );
+    h2.finish();
+    assert_eq!(ws[1].line(), "got");
+    serve.wait_for("two waiting", |s| s.waiting == 2);
+    assert_eq!(
+        holding(&serve, &pids),
+        BTreeMap::from([(pids[0], 1), (pids[1], 1)])
+    );
+    let w0 = ws.remove(0);
+    w0.finish();
+    assert_eq!(ws[1].line(), "got");
+    serve.wait_for("one waiting", |s| s.waiting == 1);
+    assert_eq!(
+        holding(&serve, &pids),
+        BTreeMap::from([(pids[1], 1), (pids[2], 1)])
+    );
+    let w1 = ws.remove(0);
+    w1.finish();
+    assert_eq!(sock.line(), "got");
+    let s = serve.wait_for("nobody waiting", |s| s.waiting == 0);
+    assert_eq!(
+        holding(&serve, &pids),
+        BTreeMap::from([(pids[2], 1), (pids[3], 1)]),
+        "{s:#?}"
+    );
+    for w in ws {
+        w.finish();
+    }
+    sock.finish();
+    let s = serve.wait_for("all free", |s| s.clients.is_empty() && s.free == 2);
+    assert_eq!(s.lost, 0, "{s:#?}");
+    assert_eq!(s.reclaimed, 0, "{s:#?}");
+    let (status, log) = serve.stop();
+    assert!(status.success(), "{log}");
+}
+
+#[test]
+fn tokens_go_round_waiters_in_the_table_in_ticket_order() {
+    // One shared token, six waiters in the table: each release hands it
+    // to the oldest, without the broker's queue.
+    let serve = Serve::start(2);
+    let h = holder(&serve, 1);
+    let mut ws = waiters(&serve, 6, true);
+    let pids: Vec<u32> = ws.iter().map(Helper::pid).collect();
+    h.finish();
+    for k in 0..6 {
+        assert_eq!(ws[0].line(), "got", "waiter {k}");
+        serve.wait_for("the next served", |s| s.waiting == 5 - k as u32);
+        assert_eq!(
+            holding(&serve, &pids),
+            BTreeMap::from([(pids[k], 1)]),
+            "waiter {k} holds the only token"
+        );
+        ws.remove(0).finish();
+    }
+    let s = serve.wait_for("all free", |s| s.clients.is_empty() && s.free == 1);
+    assert_eq!(s.lost, 0, "{s:#?}");
+    let fast = s.fast.clone().expect("a table");
+    assert_eq!(fast.moved, 0, "nothing moved to the queue: {s:#?}");
+    assert!(s.wakeups >= 6, "six hand-offs: {s:#?}");
+    let (status, log) = serve.stop();
+    assert!(status.success(), "{log}");
+}
+
+#[test]
+fn a_broker_told_not_to_hand_off_keeps_waits_at_its_queue() {
+    let serve = Serve::start_with(2, |c| {
+        c.env("HERDLESS_HANDOFF", "0");
+    });
+    let h = holder(&serve, 1);
+    let mut ws = waiters(&serve, 3, false);
+    h.finish();
+    assert_eq!(ws[0].line(), "got");
+    for w in ws.drain(..) {
+        w.finish();
+    }
+    let s = serve.wait_for("all free", |s| s.clients.is_empty() && s.free == 1);
+    assert_eq!(s.lost, 0, "{s:#?}");
+    let (status, log) = serve.stop();
+    assert!(status.success(), "{log}");
+}
+
+#[test]
+fn givers_stopped_anywhere_leave_no_wait_hanging() {
+    // Six clients spin on two tokens, so most releases hand a token to a
+    // waiter in two steps; the test stops one of them (SIGSTOP) at random
+    // points, now and then between those steps, while the others go on,
+    // then lets it go on. Every client finishes its rounds: no wait in the
+    // table, or at the broker after one, is left without its token.
+    const ROUNDS: u32 = 1500;
+    let serve = Serve::start(3);
+    let mut spinners: Vec<std::process::Child> = (0..6)
+        .map(|_| {
+            let mut c = common::helper_command()
+                .env(SPIN, ROUNDS.to_string())
+                .env("HERDLESS_SOCKET", &serve.socket)
+                .stdin(Stdio::null())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::inherit())
+                .spawn()
+                .expect("spawn a spinner");
+            let mut out = BufReader::new(c.stdout.take().unwrap());
+            let mut line = String::new();
+            while !line.contains("role: ") {
+                line.clear();
+                let n = std::io::BufRead::read_line(&mut out, &mut line).unwrap();
+                assert!(n > 0, "a spinner ended before it connected");
+            }
+            assert!(line.contains("role: shared table"), "{line:?}");
+            std::mem::forget(out);
+            c
+        })
+        .collect();
+    let mut rng = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos() as u64
+        | 1;
+    eprintln!("seed {rng}");
+    let mut next = move || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng
+    };
+    let mut stops = 0;
+    while spinners.iter_mut().any(|c| c.try_wait().unwrap().is_none()) && stops < 3000 {
+        let c = &spinners[(next() % 6) as usize];
+        let pid = c.id() as i32;
+        common::signal(pid, libc::SIGSTOP);
+        std::thread::sleep(std::time::Duration::from_micros(next() % 1500));
+        common::signal(pid, libc::SIGCONT);
+        stops += 1;
+    }
+    for (i, c) in spinners.iter_mut().enumerate() {
+        common::signal(c.id() as i32, libc::SIGCONT);
+        let status = common::wait_timeout(c, PATIENCE).unwrap_or_else(|| {
+            panic!(
+                "spinner {i} never finished its rounds (a wait that never ends); {:#?}",
+                serve.status()
+            )
+        });
+        assert!(status.success(), "spinner {i}: {status:?}");
+    }
+    let s = serve.wait_for("all free", |s| s.clients.is_empty() && s.free == 2);
+    assert_eq!(s.lost, 0, "{s:#?}");
+    eprintln!(
+        "{stops} stops; {} table grants, {} hand-offs, {} moved",
+        s.fast.as_ref().map_or(0, |f| f.grants),
+        s.wakeups,
+        s.fast.as_ref().map_or(0, |f| f.moved)
+    );
+    let (status, log) = serve.stop();
+    assert!(status.success(), "{log}");
+}
+
+#[test]
+fn a_stop_ends_every_wait_in_the_table_with_no_grant() {
+    // -j 3: both shared tokens held; six clients wait in the table. A
+    // SIGTERM closes the table: each wait moves to the broker, which
+    // refuses it; nobody is granted a token after the stop, and the
+    // holder's release during it is not handed to a waiter.
+    let serve = Serve::start(3);
+    let a = holder(&serve, 2);
+    let mut ws = waiters(&serve, 6, true);
+    common::signal(serve.pid(), libc::SIGTERM);
+    for (i, w) in ws.iter_mut().enumerate() {
+        let line = w.line();
+        assert!(
+            line.starts_with("error"),
+            "waiter {i} was told {line:?} after the stop"
+        );
+    }
+    a.finish();
+    let (status, log) = serve.stop();
+    assert!(status.success(), "{log}");
+    assert_eq!(
+        common::stat(&log, "taken back"),
+        "0 from clients that died holding them",
+        "{log}"
+    );
+    for (i, mut w) in ws.into_iter().enumerate() {
+        let status = common::wait_timeout(&mut w.child, PATIENCE)
+            .unwrap_or_else(|| panic!("waiter {i} did not exit"));
+        assert_eq!(status.code(), Some(4), "waiter {i}");
+    }
+}
