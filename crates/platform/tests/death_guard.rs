@@ -281,7 +281,6 @@ fn a_guard_refuses_words_it_cannot_watch() {
 /// segment, so safe code may drop the segment first; the guard's end then
 /// writes to (and wakes) words of a mapping that is gone.
 #[test]
-#[ignore = "a guard outliving its segment writes to the unmapped words when dropped (SIGSEGV, or another mapping's memory)"]
 fn a_guard_that_outlives_its_segment_touches_no_memory() {
     let out = Command::new(std::env::current_exe().unwrap())
         .args([

@@ -231,6 +231,3 @@ fn threads_racing_on_the_table_never_hold_more_than_was_lent() {
         3
     );
 }
-
-mod handoff;
-mod model;
