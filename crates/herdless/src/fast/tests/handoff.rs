@@ -590,3 +590,30 @@ fn a_late_step_two_does_not_end_the_heirs_next_wait() {
     assert_eq!(t.give_back(4, None), Some(false));
     all_free(&t);
 }
+
+/// Giver 1 hands its token to slot 2; slot 2's ticket word keeps the
+/// claim `CLAIMED | 1` after that wait ends. Slot 2 starts its next wait
+/// (its state says waiting; its new ticket is not yet stored) and giver 1
+/// dies: `finish_giver(1)` must not take the old claim for one of its
+/// live hand-offs, nor move a wait nobody claimed.
+#[test]
+#[ignore = "finish_giver moves a wait whose ticket word still holds the claim of its previous wait"]
+fn a_dead_givers_claim_on_an_earlier_wait_moves_nothing() {
+    let (t, _guard) = guarded(1, 4);
+    assert_eq!(t.take(1, 0), Some(0));
+    let rx = registered(&t, 2);
+    assert_eq!(t.give_back(1, Some(0)), Some(false));
+    assert_eq!(ended(&t, &rx), WaitEnd::Got(1));
+    // Slot 2's next wait, its first instruction (`wait_from`).
+    let waiting = t.tid().unwrap() | FUTEX_WAITERS;
+    t.state(2)
+        .compare_exchange(IDLE, waiting, SeqCst, SeqCst)
+        .expect("slot 2 idle");
+    // Giver 1 dies: the broker finishes what it left.
+    assert_eq!(
+        t.finish_giver(1),
+        (vec![], vec![]),
+        "nothing of giver 1's is half done: {}",
+        dump(&t)
+    );
+}
