@@ -415,16 +415,22 @@ impl Hostile {
         use std::io::Read;
         let mut frame = Vec::new();
         Request::TryAcquire.encode(&mut frame);
-        self.stream.write_all(&frame).unwrap();
+        if self.stream.write_all(&frame).is_err() {
+            return false;
+        }
         let mut got = Vec::new();
         loop {
             let mut buf = [0u8; 64];
-            let n = self.stream.read(&mut buf).unwrap();
-            assert!(n > 0, "the broker closed the connection");
+            let n = self.stream.read(&mut buf).unwrap_or(0);
+            if n == 0 {
+                // Cut off (a scribbler is).
+                return false;
+            }
             got.extend_from_slice(&buf[..n]);
             match decode_reply(&got) {
                 Ok(Some((Reply::Grant, _))) => return true,
                 Ok(Some((Reply::Denied, _))) => return false,
+                Ok(Some((Reply::Error { .. }, _))) => return false,
                 Ok(None) => {}
                 other => panic!("unexpected {other:?}"),
             }
@@ -564,4 +570,136 @@ fn a_cap_counts_what_a_subtree_holds_from_the_table() {
     w.finish();
     ctl.cap(std::process::id(), None).expect("uncap");
     all_back(serve, 4);
+}
+
+/// Writes values, meaningful and random, into a third of every word of
+/// the table a client can map: token words, slots, figures and header.
+fn scribble(table: &herdless::fast::Table, rng: &mut Rng, values: &[u32]) {
+    use std::sync::atomic::Ordering::SeqCst;
+    let mut i = 0;
+    while let Some(w) = table.raw_word(i) {
+        if rng.next() % 3 == 0 {
+            let v = match rng.next() % 4 {
+                0 => values[(rng.next() % values.len() as u64) as usize],
+                1 => rng.next() as u32,
+                2 => w.load(SeqCst) ^ (1 << (rng.next() % 32)),
+                _ => w.load(SeqCst),
+            };
+            w.store(v, SeqCst);
+        }
+        i += 1;
+    }
+}
+
+#[test]
+fn a_client_scribbling_over_the_whole_table_cannot_crash_the_broker_or_overdraw_it() {
+    // -j 4: three shared tokens. Honest clients keep to the socket (a
+    // scribbler can stall clients of the table, whose words it owns as
+    // much as they do, but not the broker's pool).
+    let jobs = 4;
+    let serve = Serve::start(jobs);
+    let dir = tempfile_dir("fast-scribble");
+    std::fs::create_dir_all(dir.join("held")).unwrap();
+    std::fs::write(dir.join("peaks"), b"").unwrap();
+    let mut honest: Vec<Child> = (0..4).map(|_| churner(&serve, &dir, true)).collect();
+    let seed = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos() as u64
+        | 1;
+    eprintln!("seed {seed}");
+    let mut rng = Rng(seed);
+    let mut rounds = 0;
+    let mut scribblers = 0;
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_secs(4) {
+        let mut bad = Hostile::connect(&serve.socket);
+        scribblers += 1;
+        // Values that mean something: free, out, ids near its own, gifts
+        // between them, claimed tickets, the guard's id with its bits.
+        let tid = bad
+            .table
+            .raw_word(bad.table.total() + 10)
+            .map_or(0, |w| w.load(std::sync::atomic::Ordering::SeqCst));
+        let o = bad.owner;
+        let values = [
+            herdless::fast::FREE,
+            herdless::fast::OUT,
+            o,
+            o + 1,
+            herdless::fast::gift(o, o + 1),
+            herdless::fast::gift(o + 1, o),
+            herdless::fast::gift(herdless::fast::BROKER_GIVER, o),
+            0x8000_0000 | o,
+            0x8000_7ffd,
+            0x8000_7ffe,
+            tid,
+            tid | 0x8000_0000,
+            tid | 0xc000_0000,
+            0x4000_0000,
+        ];
+        for _ in 0..20 {
+            scribble(&bad.table, &mut rng, &values);
+            bad.poke();
+            if rng.next() % 4 == 0 {
+                let _ = bad.try_acquire_by_socket();
+            }
+            rounds += 1;
+        }
+        // The broker still answers, and never counts more than N in use.
+        let s = match Client::observe(&serve.socket).and_then(|o| o.json()) {
+            Ok(json) => serde_json::from_str::<herdless::status::Status>(&json).expect("json"),
+            Err(e) => {
+                let (status, log) = serve.stop();
+                panic!("the broker died ({e}): {status:?}\n{log}");
+            }
+        };
+        assert!(s.max_in_use <= jobs, "at most N in use: {s:#?}");
+        drop(bad);
+    }
+    // Once the scribblers are gone, everything comes back and the honest
+    // clients go on being served.
+    let from = std::fs::read_to_string(dir.join("peaks"))
+        .unwrap()
+        .lines()
+        .count();
+    let pids: Vec<u32> = honest.iter().map(Child::id).collect();
+    let start = Instant::now();
+    loop {
+        let peaks = std::fs::read_to_string(dir.join("peaks")).unwrap();
+        let served = takers_since(&peaks, from);
+        if pids.iter().all(|p| served.contains(p)) {
+            break;
+        }
+        assert!(
+            start.elapsed() < PATIENCE,
+            "honest clients never served after the scribbling: {:#?}",
+            serve.status()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    for w in &mut honest {
+        w.kill().unwrap();
+        w.wait().unwrap();
+    }
+    let s = serve.wait_for("every client gone, every token free", |s| {
+        s.clients.is_empty() && s.free == s.capacity
+    });
+    assert_eq!(s.lost, 0, "{s:#?}");
+    let peaks = std::fs::read_to_string(dir.join("peaks")).unwrap();
+    let most = peaks
+        .lines()
+        .filter_map(|l| l.split(' ').next()?.parse::<u32>().ok())
+        .max()
+        .unwrap_or(0);
+    assert!(
+        most < jobs,
+        "honest clients held at most {} shared tokens at once, saw {most}",
+        jobs - 1
+    );
+    eprintln!("{scribblers} scribblers, {rounds} rounds");
+    let (status, log) = serve.stop();
+    assert!(status.success(), "{log}");
+    assert!(log.contains("tokens lost   0"), "{log}");
+    let _ = std::fs::remove_dir_all(&dir);
 }

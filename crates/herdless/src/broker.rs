@@ -1724,7 +1724,7 @@ impl Broker {
         let (table_got, table_cancelled) = self.fast.as_ref().map_or((0, 0), |f| {
             (f.table.waits_got(), u64::from(f.table.waits_cancelled()))
         });
-        let table_waits = table_got + table_cancelled;
+        let table_waits = table_got.saturating_add(table_cancelled);
         // Waits in the table are timed by the clients that waited.
         let mut wait_ns = stats.wait_ns.clone();
         if let Some(f) = self.fast.as_ref() {
@@ -1736,17 +1736,21 @@ impl Broker {
             capacity: self.pool.capacity(),
             free,
             in_use: self.in_use() + table_held,
-            waiting: self.pool.waiting() as u32 + fast.as_ref().map_or(0, |f| f.waiting),
+            waiting: (self.pool.waiting() as u32)
+                .saturating_add(fast.as_ref().map_or(0, |f| f.waiting)),
             aborted: self.pool.aborted().map(|r| (r.byte() as char).to_string()),
             grants: (stats.grants - lends).saturating_add(table_grants),
             immediate: (stats.immediate - lends)
                 .saturating_add(table_grants.saturating_sub(table_got)),
-            waits: stats.waits + table_waits,
+            // Figures the table's clients write are added without trust.
+            waits: stats.waits.saturating_add(table_waits),
             // A waiter woken by its giver's hand-off; a wait moved from the
             // table to the queue counts when its grant wakes it.
-            wakeups: self.native_wakeups + self.fast.as_ref().map_or(0, |f| f.table.handoffs()),
+            wakeups: self
+                .native_wakeups
+                .saturating_add(self.fast.as_ref().map_or(0, |f| f.table.handoffs())),
             denied: stats.denied,
-            cancelled: stats.cancelled + table_cancelled,
+            cancelled: stats.cancelled.saturating_add(table_cancelled),
             reclaimed: stats.reclaimed + table_reclaimed,
             connections: stats.connections - u64::from(self.table_made),
             stopped: self.pool.stopped(),

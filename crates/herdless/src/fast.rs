@@ -307,6 +307,21 @@ impl Table {
         self.seg.words()
     }
 
+    /// Word `i` of the segment after its header (token words, slots,
+    /// figures), and header word `i - total()` past those: every word any
+    /// process mapping the table can write, for tests of what a hostile
+    /// client can do. `None` past the header.
+    pub fn raw_word(&self, i: u32) -> Option<&AtomicU32> {
+        let total = self.seg.words();
+        if i < total {
+            Some(self.seg.word(i))
+        } else if i - total < herdless_platform::HEADER_WORDS {
+            Some(self.seg.header(i - total))
+        } else {
+            None
+        }
+    }
+
     /// Token word `i`.
     pub fn word(&self, i: u32) -> &AtomicU32 {
         assert!(i < self.words, "token word {i} out of range");
@@ -775,6 +790,23 @@ impl Table {
         self.state(0).store(tid, SeqCst);
         self.header(H_TID).store(tid, SeqCst);
         Ok(guard)
+    }
+
+    /// Writes back what only the broker may write: the header's layout
+    /// words, the guard's id and slot 0's life word (`guarded`: the id
+    /// the guard has, or `None`), and the highest client id. Any client
+    /// can scribble over them; a client that then maps the table finds its
+    /// layout again, and waiters find the broker alive.
+    pub fn repair(&self, guarded: Option<u32>, hi: u32) {
+        self.header(H_MAGIC).store(MAGIC, SeqCst);
+        self.header(H_LAYOUT).store(LAYOUT, SeqCst);
+        self.header(H_WORDS).store(self.words, SeqCst);
+        self.header(H_SLOTS).store(self.slots, SeqCst);
+        self.header(H_TID).store(guarded.unwrap_or(0), SeqCst);
+        if let Some(tid) = guarded {
+            self.state(0).store(tid, SeqCst);
+        }
+        self.set_hi(hi);
     }
 
     /// Notes the highest client id in use.

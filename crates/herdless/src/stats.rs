@@ -76,11 +76,11 @@ impl Histogram {
     /// bucket `i`, summing to `sum`, the largest `max`.
     pub(crate) fn add_buckets(&mut self, counts: &[u64], sum: u128, max: u64) {
         for (a, b) in self.counts.iter_mut().zip(counts) {
-            *a += b;
-            self.total += b;
+            *a = a.saturating_add(*b);
+            self.total = self.total.saturating_add(*b);
         }
         self.max = self.max.max(max);
-        self.sum += sum;
+        self.sum = self.sum.saturating_add(sum);
     }
 
     /// Adds every value of `other`.

@@ -303,8 +303,9 @@ impl Segment {
         // live as long as it does, whatever happens to this mapping (a
         // futex on a shared file mapping is keyed by file and offset, so
         // a wake through either mapping reaches sleepers on both).
-        let fd = self.fd.try_clone()?;
-        let mine = Segment::map(fd, self.words)?;
+        // The descriptor closes once mapped: the mapping keeps the file,
+        // and a broker short of descriptors spends none on its guard.
+        let mine = Mapping::of(self.fd.try_clone()?, self.len)?;
         DeathGuard::start(mine, offsets)
     }
 }
@@ -334,9 +335,54 @@ pub struct DeathGuard {
     thread: Option<std::thread::JoinHandle<()>>,
     /// The guard's own mapping of the segment, unmapped after the thread
     /// has ended.
-    _map: std::sync::Arc<Segment>,
+    _map: std::sync::Arc<Mapping>,
     /// The process that started the guard: a fork has no guard thread.
     pid: u32,
+}
+
+/// A shared mapping of a segment's file that owns no descriptor.
+#[derive(Debug)]
+struct Mapping {
+    base: NonNull<AtomicU32>,
+    len: usize,
+}
+
+// SAFETY: as for `Segment`: the mapping is process-wide, lives until drop
+// and is only accessed atomically.
+unsafe impl Send for Mapping {}
+// SAFETY: as above.
+unsafe impl Sync for Mapping {}
+
+impl Mapping {
+    /// Maps `len` bytes of `fd` shared, then closes `fd`.
+    fn of(fd: OwnedFd, len: usize) -> io::Result<Mapping> {
+        let nz = NonZeroUsize::new(len).expect("a segment is not empty");
+        // SAFETY: a new mapping at an address of the kernel's choosing
+        // overlaps no Rust object; the file is at least `len` bytes and
+        // sealed against shrinking (the caller's segment checked it).
+        let ptr = unsafe {
+            mmap(
+                None,
+                nz,
+                ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
+                MapFlags::MAP_SHARED,
+                &fd,
+                0,
+            )?
+        };
+        Ok(Mapping {
+            base: ptr.cast(),
+            len,
+        })
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: the mapping was made in `of` with this address and
+        // length, and the guard's thread, the only user of it, has ended.
+        let _ = unsafe { munmap(self.base.cast(), self.len) };
+    }
 }
 
 /// Bit 31 of a guarded word: a process may sleep on it.
@@ -356,7 +402,7 @@ impl DeathGuard {
         self.tid
     }
 
-    fn start(map: Segment, offsets: Vec<usize>) -> io::Result<DeathGuard> {
+    fn start(map: Mapping, offsets: Vec<usize>) -> io::Result<DeathGuard> {
         imp_guard::kernel_walks_lists()?;
         let map = std::sync::Arc::new(map);
         let (base, len) = (map.base.as_ptr() as usize, map.len);

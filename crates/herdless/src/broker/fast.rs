@@ -31,7 +31,7 @@ pub(super) const MAX_TABLE_WORDS: u32 = 4096;
 pub(super) struct FastState {
     /// Lets clients wait in the table (dropped before the table: it
     /// names the table's words).
-    _guard: Option<herdless_platform::DeathGuard>,
+    guard: Option<herdless_platform::DeathGuard>,
     pub(super) table: Table,
     /// The words the broker lent (its own books; the table may say
     /// anything).
@@ -99,7 +99,7 @@ impl FastState {
             internal: true,
         });
         Ok(FastState {
-            _guard: guard,
+            guard,
             table,
             lent: vec![false; words as usize],
             lent_count: 0,
@@ -337,20 +337,33 @@ impl Broker {
         };
         let mut clients = Vec::new();
         for k in slots {
-            let client = fast
-                .owners
-                .get(&k)
-                .and_then(|t| self.conns.get(t))
-                .and_then(|c| c.client);
-            if let Some(client) = client {
+            let conn = fast.owners.get(&k).copied();
+            let client = conn.and_then(|t| self.conns.get(&t)).and_then(|c| c.client);
+            if let (Some(token), Some(client)) = (conn, client) {
                 fast.moved += 1;
-                clients.push(client);
+                clients.push((token, client));
             }
         }
-        for client in clients {
+        let mut cut = Vec::new();
+        for (token, client) in clients {
+            // A slot that keeps claiming to wait (its client writes it)
+            // queues no more than a connection may.
+            if self.pool.pending(client) >= super::MAX_PENDING_ACQUIRES {
+                cut.push(token);
+                continue;
+            }
             let _ = self.pool.acquire(client, now);
         }
         self.apply_effects();
+        for token in cut {
+            self.close(
+                token,
+                Some(format!(
+                    "more than {} acquires waiting on one connection",
+                    super::MAX_PENDING_ACQUIRES
+                )),
+            );
+        }
     }
 
     /// The pool granted the table's client a token: lend one word.
@@ -385,6 +398,10 @@ impl Broker {
             return;
         };
         fast.dirty = false;
+        fast.table.repair(
+            fast.guard.as_ref().map(herdless_platform::DeathGuard::tid),
+            fast.owners.keys().copied().max().unwrap_or(0),
+        );
         let mut returned = 0;
         let mut cut = Vec::new();
         let mut dead_givers = std::collections::BTreeSet::new();
