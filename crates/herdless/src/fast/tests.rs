@@ -231,3 +231,6 @@ fn threads_racing_on_the_table_never_hold_more_than_was_lent() {
         3
     );
 }
+
+mod handoff;
+mod model;
