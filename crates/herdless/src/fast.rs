@@ -606,23 +606,61 @@ impl Table {
         }
         let claim = self.ticket(me).load(SeqCst);
         let was = st.load(SeqCst);
-        if was == woken {
-            st.store(IDLE, SeqCst);
-        }
-        if claim == MOVED {
-            if was == woken {
-                return Ended::Moved;
-            }
+        let end = if claim == MOVED {
+            (was == woken).then_some(Ended::Moved)
         } else if claim & CLAIMED != 0 && claim != WITHDRAWN && self.claim_gift(me, claim & 0xffff)
         {
-            return Ended::Got;
-        }
-        if was == woken {
-            // A giver whose token was gone meanwhile: wait again.
-            Ended::Again
+            Some(Ended::Got)
+        } else if was == woken && self.claim_any_gift(me) {
+            // Woken by a giver that claimed this slot's previous client
+            // (dead, the slot given to this one) and gifted after: the
+            // gift is this client's now; nobody else claims it.
+            Some(Ended::Got)
         } else {
-            Ended::Gone
+            None
+        };
+        if was == woken {
+            // The ticket word is claimed again before the state is idle:
+            // no claim of this wait outlives it, and no giver claims the
+            // next one before its ticket is drawn.
+            self.ticket(me).store(WITHDRAWN, SeqCst);
+            st.store(IDLE, SeqCst);
         }
+        match end {
+            Some(e) => e,
+            // A giver whose token was gone meanwhile: wait again.
+            None if was == woken => Ended::Again,
+            None => Ended::Gone,
+        }
+    }
+
+    /// Turns one gift to `me`, from anyone, into a word `me` holds.
+    fn claim_any_gift(&self, me: u32) -> bool {
+        for i in 0..self.words() {
+            let w = self.word(i);
+            let v = w.load(SeqCst);
+            if as_gift(v).is_some_and(|(_, h)| h == me)
+                && w.compare_exchange(v, me, SeqCst, SeqCst).is_ok()
+            {
+                self.count_taken();
+                self.grants().fetch_add(1, SeqCst);
+                return true;
+            }
+        }
+        false
+    }
+
+    /// Whether the gift `(giver, heir)` belongs to no wait: the heir's
+    /// ticket is not claimed by the giver and the heir is not woken. The
+    /// broker frees such a gift (a giver that claimed a slot whose client
+    /// then died, and gifted to the slot's next client).
+    pub fn gift_is_stray(&self, giver: u32, heir: u32) -> bool {
+        if !self.is_client(heir) {
+            return true;
+        }
+        let woken = self.tid().map(|tid| tid | FUTEX_WAITERS | FUTEX_OWNER_DIED);
+        self.ticket(heir).load(SeqCst) != CLAIMED | (giver & 0xffff)
+            && Some(self.state(heir).load(SeqCst)) != woken
     }
 
     /// Waits in the table for a token, until `deadline` (`None`: no limit).

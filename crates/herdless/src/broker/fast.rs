@@ -417,6 +417,11 @@ impl Broker {
                         // Its giver died between its steps.
                         dead_givers.insert(g);
                     }
+                    Some((g, h)) if fast.table.gift_is_stray(g, h) => {
+                        // A giver between its steps has the heir's ticket
+                        // claimed throughout: this one belongs to no wait.
+                        fast.table.reclaim(i, v);
+                    }
                     Some(_) => {}
                     None if v != FREE && v != OUT && !fast.owners.contains_key(&v) => {
                         log!(

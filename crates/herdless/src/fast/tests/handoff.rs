@@ -597,7 +597,6 @@ fn a_late_step_two_does_not_end_the_heirs_next_wait() {
 /// dies: `finish_giver(1)` must not take the old claim for one of its
 /// live hand-offs, nor move a wait nobody claimed.
 #[test]
-#[ignore = "finish_giver moves a wait whose ticket word still holds the claim of its previous wait"]
 fn a_dead_givers_claim_on_an_earlier_wait_moves_nothing() {
     let (t, _guard) = guarded(1, 4);
     assert_eq!(t.take(1, 0), Some(0));

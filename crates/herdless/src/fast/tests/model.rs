@@ -815,9 +815,6 @@ proptest! {
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(1000))]
     #[test]
-    #[ignore = "a dead giver's claim left in its heir's ticket word moves the heir's next wait; \
-                a wait woken with nothing registers again with a stale ticket a giver can claim; \
-                a giver's late wake-up lands on a new client's wait in its dead heir's slot"]
     fn step_by_step_with_deaths_hand_offs_lose_nothing_and_leave_nobody_asleep(
         ops in proptest::collection::vec(op(true), 1..150)
     ) {
@@ -825,7 +822,6 @@ proptest! {
     }
 
     #[test]
-    #[ignore = "as above, and the wrongly moved wait is granted a token it never asked for"]
     fn step_by_step_with_deaths_and_stale_steps_no_grant_is_unasked(
         ops in proptest::collection::vec(op(true), 1..150)
     ) {
@@ -841,7 +837,6 @@ proptest! {
 /// and waits again; the gift stays in the word with a live giver and a
 /// live heir, which nobody claims or repairs.
 #[test]
-#[ignore = "a giver's wake-up swap lands on a new client's wait in its dead heir's slot; its gift stays unclaimed"]
 fn a_giver_stopped_across_its_heirs_death_and_a_new_client_in_the_slot_loses_no_token() {
     use self::Op::*;
     let ops = [
@@ -869,7 +864,6 @@ fn a_giver_stopped_across_its_heirs_death_and_a_new_client_in_the_slot_loses_no_
 /// finds its state woken with its own ticket, and waits again in the
 /// table; the broker's grant comes to a client that asked for nothing.
 #[test]
-#[ignore = "finish_giver takes a claim left from its heir's previous wait for a live one, and queues a wait nobody moved"]
 fn a_dead_givers_claim_from_an_earlier_wait_does_not_move_the_next_one() {
     use self::Op::*;
     let ops = [
@@ -899,7 +893,6 @@ fn a_dead_givers_claim_from_an_earlier_wait_does_not_move_the_next_one() {
 /// wakes to its own ticket, and waits again: giver 1's gift stays in the
 /// word, claimed by nobody, while both live.
 #[test]
-#[ignore = "a wait woken with nothing registers again with its old unclaimed ticket, which a giver claims and the new ticket overwrites"]
 fn a_wait_woken_with_nothing_registers_again_without_a_stale_ticket() {
     use self::Op::*;
     let ops = [
