@@ -232,5 +232,8 @@ fn threads_racing_on_the_table_never_hold_more_than_was_lent() {
     );
 }
 
+// Waiting in the table needs the broker's guard: Linux only.
+#[cfg(target_os = "linux")]
 mod handoff;
+#[cfg(target_os = "linux")]
 mod model;
