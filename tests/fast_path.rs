@@ -194,6 +194,43 @@ fn takers_since(peaks: &str, from: usize) -> std::collections::HashSet<u32> {
         .collect()
 }
 
+/// Waits until every one of `pids` has recorded a take in `DIR/peaks`
+/// after this call: no wait sleeps on while a token is free, none was left
+/// in a gift to a dead client, none is held by nobody.
+fn await_every_one_served(serve: &Serve, dir: &Path, pids: &[u32], what: &str) {
+    let from = std::fs::read_to_string(dir.join("peaks"))
+        .unwrap()
+        .lines()
+        .count();
+    let start = Instant::now();
+    loop {
+        let peaks = std::fs::read_to_string(dir.join("peaks")).unwrap();
+        let served = takers_since(&peaks, from);
+        if pids.iter().all(|p| served.contains(p)) {
+            return;
+        }
+        assert!(
+            start.elapsed() < PATIENCE,
+            "{what}: never served: {:?} of {pids:?}; {:#?}",
+            pids.iter()
+                .filter(|p| !served.contains(p))
+                .collect::<Vec<_>>(),
+            serve.status()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// The most shared tokens the churners recorded holding at once.
+fn most_at_once(dir: &Path) -> u32 {
+    std::fs::read_to_string(dir.join("peaks"))
+        .unwrap()
+        .lines()
+        .filter_map(|l| l.split(' ').next()?.parse::<u32>().ok())
+        .max()
+        .unwrap_or(0)
+}
+
 /// `churners` processes, the first `socket` of them kept to the socket,
 /// killed at random points and replaced, 200 times.
 fn kill_mixed_churners(jobs: u32, churners: usize, socket: usize, name: &str) {
@@ -231,31 +268,9 @@ fn kill_mixed_churners(jobs: u32, churners: usize, socket: usize, name: &str) {
     if churners as u32 >= jobs {
         assert!(mid.wakeups > 0, "tokens were handed to waiters: {mid:#?}");
     }
-    // After all those kills, every churner alive now still gets a token:
-    // no wait sleeps on while a token is free, none was left in a gift to
-    // a dead client, none is held by nobody.
+    // After all those kills, every churner alive now still gets a token.
     let pids: Vec<u32> = workers.iter().map(Child::id).collect();
-    let from = std::fs::read_to_string(dir.join("peaks"))
-        .unwrap()
-        .lines()
-        .count();
-    let start = Instant::now();
-    loop {
-        let peaks = std::fs::read_to_string(dir.join("peaks")).unwrap();
-        let served = takers_since(&peaks, from);
-        if pids.iter().all(|p| served.contains(p)) {
-            break;
-        }
-        assert!(
-            start.elapsed() < PATIENCE,
-            "churners never served after the kills: {:?} of {pids:?}; {:#?}",
-            pids.iter()
-                .filter(|p| !served.contains(p))
-                .collect::<Vec<_>>(),
-            serve.status()
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    await_every_one_served(&serve, &dir, &pids, "churners after the kills");
     for mut w in workers {
         w.kill().unwrap();
         w.wait().unwrap();
@@ -276,11 +291,7 @@ fn kill_mixed_churners(jobs: u32, churners: usize, socket: usize, name: &str) {
         s.reclaimed, fast.reclaimed, fast.grants, s.wakeups, fast.moved
     );
     let peaks = std::fs::read_to_string(dir.join("peaks")).unwrap();
-    let most = peaks
-        .lines()
-        .filter_map(|l| l.split(' ').next()?.parse::<u32>().ok())
-        .max()
-        .unwrap_or(0);
+    let most = most_at_once(&dir);
     let held: Vec<_> = std::fs::read_dir(dir.join("held"))
         .unwrap()
         .flatten()
@@ -659,25 +670,8 @@ fn a_client_scribbling_over_the_whole_table_cannot_crash_the_broker_or_overdraw_
     }
     // Once the scribblers are gone, everything comes back and the honest
     // clients go on being served.
-    let from = std::fs::read_to_string(dir.join("peaks"))
-        .unwrap()
-        .lines()
-        .count();
     let pids: Vec<u32> = honest.iter().map(Child::id).collect();
-    let start = Instant::now();
-    loop {
-        let peaks = std::fs::read_to_string(dir.join("peaks")).unwrap();
-        let served = takers_since(&peaks, from);
-        if pids.iter().all(|p| served.contains(p)) {
-            break;
-        }
-        assert!(
-            start.elapsed() < PATIENCE,
-            "honest clients never served after the scribbling: {:#?}",
-            serve.status()
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    await_every_one_served(&serve, &dir, &pids, "honest clients after the scribbling");
     for w in &mut honest {
         w.kill().unwrap();
         w.wait().unwrap();
@@ -686,12 +680,7 @@ fn a_client_scribbling_over_the_whole_table_cannot_crash_the_broker_or_overdraw_
         s.clients.is_empty() && s.free == s.capacity
     });
     assert_eq!(s.lost, 0, "{s:#?}");
-    let peaks = std::fs::read_to_string(dir.join("peaks")).unwrap();
-    let most = peaks
-        .lines()
-        .filter_map(|l| l.split(' ').next()?.parse::<u32>().ok())
-        .max()
-        .unwrap_or(0);
+    let most = most_at_once(&dir);
     assert!(
         most < jobs,
         "honest clients held at most {} shared tokens at once, saw {most}",

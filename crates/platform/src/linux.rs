@@ -74,33 +74,53 @@ pub(crate) fn futex_support(_kernel: &Kernel) -> Result<(), String> {
 /// spurious return and when the word no longer holds `expected`
 /// (`EAGAIN`); the caller re-checks the word in every case.
 pub(crate) fn futex_wait(word: &AtomicU32, expected: u32) -> io::Result<()> {
+    futex_wait_for(word, expected, None).map(drop)
+}
+
+/// [`futex_wait`] for at most `timeout`: `Ok(false)` when it ran out. A
+/// wait with a timeout is never restarted after a signal handler: it
+/// fails with `Interrupted`.
+pub(crate) fn futex_wait_for(
+    word: &AtomicU32,
+    expected: u32,
+    timeout: Option<std::time::Duration>,
+) -> io::Result<bool> {
+    let ts = timeout.map(|d| libc::timespec {
+        tv_sec: d.as_secs().min(i64::MAX as u64) as libc::time_t,
+        tv_nsec: libc::c_long::from(d.subsec_nanos() as i32),
+    });
+    let tp = ts
+        .as_ref()
+        .map_or(ptr::null(), |t| t as *const libc::timespec);
     // SAFETY: `word` is a live, aligned 32-bit word for the whole call.
-    // FUTEX_WAIT reads it and takes no other memory: the timeout is null
-    // (wait without a limit), and uaddr2 and val3 are ignored by this op.
+    // FUTEX_WAIT reads it and the timeout, which is null or a timespec that
+    // outlives the call (relative, for this op); uaddr2 and val3 are
+    // ignored by this op.
     let rc = unsafe {
         libc::syscall(
             libc::SYS_futex,
             word.as_ptr(),
             libc::FUTEX_WAIT,
             expected,
-            ptr::null::<libc::timespec>(),
+            tp,
             ptr::null::<u32>(),
             0u32,
         )
     };
     if rc == -1 {
         let err = io::Error::last_os_error();
-        if err.raw_os_error() != Some(libc::EAGAIN) {
-            return Err(err);
-        }
+        return match err.raw_os_error() {
+            Some(libc::EAGAIN) => Ok(true),
+            Some(libc::ETIMEDOUT) => Ok(false),
+            _ => Err(err),
+        };
     }
-    Ok(())
+    Ok(true)
 }
 
-/// Wakes at most one process sleeping in [`futex_wait`] on `word`; the
-/// kernel picks the longest waiter of the highest priority (FIFO among
-/// equals).
-pub(crate) fn futex_wake_one(word: &AtomicU32) -> io::Result<()> {
+/// Wakes at most `n` processes sleeping on `word`; the kernel picks the
+/// longest waiters of the highest priority (FIFO among equals).
+fn futex_wake(word: &AtomicU32, n: i32) -> io::Result<()> {
     // SAFETY: `word` is a live, aligned 32-bit word. FUTEX_WAKE only uses
     // its address as a key and dereferences none of the other arguments.
     let rc = unsafe {
@@ -108,7 +128,7 @@ pub(crate) fn futex_wake_one(word: &AtomicU32) -> io::Result<()> {
             libc::SYS_futex,
             word.as_ptr(),
             libc::FUTEX_WAKE,
-            1u32,
+            n,
             ptr::null::<libc::timespec>(),
             ptr::null::<u32>(),
             0u32,
@@ -118,6 +138,16 @@ pub(crate) fn futex_wake_one(word: &AtomicU32) -> io::Result<()> {
         return Err(io::Error::last_os_error());
     }
     Ok(())
+}
+
+/// Wakes at most one process sleeping in [`futex_wait`] on `word`.
+pub(crate) fn futex_wake_one(word: &AtomicU32) -> io::Result<()> {
+    futex_wake(word, 1)
+}
+
+/// Wakes every process sleeping on `word`.
+pub(crate) fn futex_wake_all(word: &AtomicU32) -> io::Result<()> {
+    futex_wake(word, i32::MAX)
 }
 
 /// Opens a new open file description of the pipe behind `fd` through

@@ -113,23 +113,9 @@ impl Segment {
 
     fn map(fd: OwnedFd, words: u32) -> io::Result<Segment> {
         let len = byte_len(words);
-        let nz = NonZeroUsize::new(len).expect("a segment is not empty");
-        // SAFETY: a new mapping at an address of the kernel's choosing
-        // overlaps no Rust object. The file is exactly `len` bytes long and
-        // sealed against shrinking, so every mapped byte stays backed; the
-        // page alignment satisfies AtomicU32's and AtomicU64's alignment.
-        let ptr = unsafe {
-            mmap(
-                None,
-                nz,
-                ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
-                MapFlags::MAP_SHARED,
-                &fd,
-                0,
-            )?
-        };
+        let base = map_shared(fd.as_fd(), len)?;
         Ok(Segment {
-            base: ptr.cast(),
+            base,
             len,
             words,
             fd,
@@ -340,6 +326,28 @@ pub struct DeathGuard {
     pid: u32,
 }
 
+/// Maps the first `len` bytes of the segment file `fd`, shared, read and
+/// write.
+fn map_shared(fd: BorrowedFd<'_>, len: usize) -> io::Result<NonNull<AtomicU32>> {
+    let nz = NonZeroUsize::new(len).expect("a segment is not empty");
+    // SAFETY: a new mapping at an address of the kernel's choosing overlaps
+    // no Rust object. Every caller maps a file of at least `len` bytes that
+    // is sealed against shrinking (checked when the segment was made or
+    // opened), so every mapped byte stays backed; the page alignment
+    // satisfies AtomicU32's and AtomicU64's alignment.
+    let ptr = unsafe {
+        mmap(
+            None,
+            nz,
+            ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
+            MapFlags::MAP_SHARED,
+            fd,
+            0,
+        )?
+    };
+    Ok(ptr.cast())
+}
+
 /// A shared mapping of a segment's file that owns no descriptor.
 #[derive(Debug)]
 struct Mapping {
@@ -356,22 +364,8 @@ unsafe impl Sync for Mapping {}
 impl Mapping {
     /// Maps `len` bytes of `fd` shared, then closes `fd`.
     fn of(fd: OwnedFd, len: usize) -> io::Result<Mapping> {
-        let nz = NonZeroUsize::new(len).expect("a segment is not empty");
-        // SAFETY: a new mapping at an address of the kernel's choosing
-        // overlaps no Rust object; the file is at least `len` bytes and
-        // sealed against shrinking (the caller's segment checked it).
-        let ptr = unsafe {
-            mmap(
-                None,
-                nz,
-                ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
-                MapFlags::MAP_SHARED,
-                &fd,
-                0,
-            )?
-        };
         Ok(Mapping {
-            base: ptr.cast(),
+            base: map_shared(fd.as_fd(), len)?,
             len,
         })
     }
@@ -457,69 +451,7 @@ impl Drop for DeathGuard {
 
 #[cfg(target_os = "linux")]
 mod imp_wait {
-    use std::io;
-    use std::ptr;
-    use std::sync::atomic::AtomicU32;
-    use std::time::Duration;
-
-    pub(super) fn futex_wait_for(
-        word: &AtomicU32,
-        expected: u32,
-        timeout: Option<Duration>,
-    ) -> io::Result<bool> {
-        let ts = timeout.map(|d| libc::timespec {
-            tv_sec: d.as_secs().min(i64::MAX as u64) as libc::time_t,
-            tv_nsec: libc::c_long::from(d.subsec_nanos() as i32),
-        });
-        let tp = ts
-            .as_ref()
-            .map_or(ptr::null(), |t| t as *const libc::timespec);
-        // SAFETY: `word` is a live, aligned 32-bit word for the whole call;
-        // `tp` is null or points to a timespec that outlives the call (a
-        // relative timeout for FUTEX_WAIT); uaddr2 and val3 are ignored by
-        // this op.
-        let rc = unsafe {
-            libc::syscall(
-                libc::SYS_futex,
-                word.as_ptr(),
-                libc::FUTEX_WAIT,
-                expected,
-                tp,
-                ptr::null::<u32>(),
-                0u32,
-            )
-        };
-        if rc == -1 {
-            let err = io::Error::last_os_error();
-            return match err.raw_os_error() {
-                Some(libc::EAGAIN) => Ok(true),
-                Some(libc::ETIMEDOUT) => Ok(false),
-                _ => Err(err),
-            };
-        }
-        Ok(true)
-    }
-
-    pub(super) fn futex_wake_all(word: &AtomicU32) -> io::Result<()> {
-        // SAFETY: `word` is a live, aligned 32-bit word. FUTEX_WAKE only
-        // uses its address as a key and dereferences none of the other
-        // arguments.
-        let rc = unsafe {
-            libc::syscall(
-                libc::SYS_futex,
-                word.as_ptr(),
-                libc::FUTEX_WAKE,
-                i32::MAX,
-                ptr::null::<libc::timespec>(),
-                ptr::null::<u32>(),
-                0u32,
-            )
-        };
-        if rc == -1 {
-            return Err(io::Error::last_os_error());
-        }
-        Ok(())
-    }
+    pub(super) use crate::sys::{futex_wait_for, futex_wake_all};
 }
 
 #[cfg(not(target_os = "linux"))]
