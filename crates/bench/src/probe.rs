@@ -148,7 +148,12 @@ pub fn probe(exe: PathBuf, progress: &mut dyn FnMut(&str)) -> io::Result<ProbeRe
             futex: caps.futex,
             kqueue: caps.kqueue,
             token_path: match herdless_platform::segment_support() {
-                Ok(()) if herdless::broker::fast_path_wanted() => "shared table".to_owned(),
+                Ok(()) if herdless::broker::fast_path_wanted() => {
+                    match herdless::fast::handoff_support() {
+                        Ok(()) => "shared table, waits in it handed off".to_owned(),
+                        Err(why) => format!("shared table, waits at the broker ({why})"),
+                    }
+                }
                 Ok(()) => format!("socket ({}=0)", herdless::broker::FAST_PATH_ENV),
                 Err(why) => format!("socket ({why})"),
             },

@@ -180,6 +180,24 @@ pub fn as_gift(v: u32) -> Option<(u32, u32)> {
     (v != OUT && v & GIFT != 0).then_some(((v >> 16) & 0x7fff, v & 0xffff))
 }
 
+/// The environment variable that, set to `0` in a broker's environment,
+/// keeps waits out of the table.
+pub const HANDOFF_ENV: &str = "HERDLESS_HANDOFF";
+
+/// Whether a broker here would let clients wait in its table: a table can
+/// be made and put under a guard, and [`HANDOFF_ENV`] does not forbid it.
+///
+/// # Errors
+///
+/// Why not, in words.
+pub fn handoff_support() -> Result<(), String> {
+    if std::env::var_os(HANDOFF_ENV).is_some_and(|v| v == "0") {
+        return Err(format!("{HANDOFF_ENV}=0"));
+    }
+    let table = Table::create(1, 1).map_err(|e| e.to_string())?;
+    table.guard().map(drop).map_err(|e| e.to_string())
+}
+
 /// How a wait in the table ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum WaitEnd {

@@ -77,7 +77,7 @@ impl FastState {
         // Without a guard (every OS but Linux, or `HERDLESS_HANDOFF=0`)
         // nobody waits in the table: a client that finds it empty asks
         // the broker.
-        let guard = if std::env::var_os("HERDLESS_HANDOFF").is_some_and(|v| v == "0") {
+        let guard = if std::env::var_os(crate::fast::HANDOFF_ENV).is_some_and(|v| v == "0") {
             None
         } else {
             match table.guard() {

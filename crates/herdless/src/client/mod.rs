@@ -403,7 +403,8 @@ impl Client {
     }
 
     /// How this client takes tokens: `"shared table"` (the broker's shared
-    /// token table, with the socket for waits and everything else),
+    /// token table, where it also waits when the broker allows it, with the
+    /// socket for everything else),
     /// `"socket"` (the broker's socket alone) or `"classic"` (a classic
     /// jobserver's pipe or fifo).
     pub fn token_path(&self) -> &'static str {
