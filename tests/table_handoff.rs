@@ -66,22 +66,12 @@ fn waiters(serve: &Serve, n: u32, in_table: bool) -> Vec<Helper> {
 /// A client kept to the socket (`HERDLESS_FAST_PATH=0`) that waits for a
 /// token.
 fn socket_client(serve: &Serve) -> Helper {
-    let mut child = common::helper_command()
-        .env("HERDLESS_TEST_ROLE", "acquire-report")
-        .env("HERDLESS_SOCKET", &serve.socket)
-        .env("HERDLESS_FAST_PATH", "0")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("spawn a socket client");
-    let stdin = child.stdin.take();
-    let stdout = BufReader::new(child.stdout.take().unwrap());
-    Helper {
-        child,
-        stdin,
-        stdout,
-    }
+    Helper::spawn_with(
+        &serve.socket,
+        "acquire-report",
+        1,
+        &[("HERDLESS_FAST_PATH", "0")],
+    )
 }
 
 /// Which of `pids` hold a token now, as the broker counts.

@@ -206,10 +206,17 @@ pub struct Helper {
 impl Helper {
     /// Starts this test binary as a client process of `socket`.
     pub fn spawn(socket: &Path, role: &str, count: u32) -> Helper {
+        Helper::spawn_with(socket, role, count, &[])
+    }
+
+    /// [`Helper::spawn`] with more environment variables.
+    #[allow(dead_code)]
+    pub fn spawn_with(socket: &Path, role: &str, count: u32, env: &[(&str, &str)]) -> Helper {
         let mut child = helper_command()
             .env("HERDLESS_TEST_ROLE", role)
             .env("HERDLESS_TEST_COUNT", count.to_string())
             .env("HERDLESS_SOCKET", socket)
+            .envs(env.iter().copied())
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())

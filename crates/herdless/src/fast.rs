@@ -210,9 +210,6 @@ pub enum WaitEnd {
     Closed,
     /// The deadline passed; the wait is withdrawn.
     TimedOut,
-    /// A signal handler ran during an interruptible wait; the wait is
-    /// withdrawn.
-    Interrupted,
     /// The broker's process is gone.
     Gone,
 }
@@ -450,49 +447,45 @@ impl Table {
         None
     }
 
-    /// The waiting slots, each with its ticket, oldest first. Ages are
-    /// measured from the ticket counter read after the scan, so a waiter
-    /// that registers during it is never taken for the oldest.
+    /// The waiting slots, each with its ticket, oldest first.
     fn waiting_slots(&self, tid: u32) -> Vec<(u32, u32)> {
-        let waiting = tid | FUTEX_WAITERS;
-        let hi = self.header(H_HI).load(SeqCst).min(self.slots);
-        let mut seen: Vec<(u32, u32)> = Vec::new();
-        for k in 1..=hi {
-            if self.state(k).load(SeqCst) != waiting {
-                continue;
-            }
-            let t = self.ticket(k).load(SeqCst);
-            if t & CLAIMED == 0 {
-                seen.push((k, t));
-            }
-        }
         let next = self.ticket(0).load(SeqCst) & TICKET_MASK;
-        seen.sort_by_key(|&(k, t)| (std::cmp::Reverse(next.wrapping_sub(t) & TICKET_MASK), k));
-        seen
+        let mut seen: Vec<(u32, u32, u32)> = self.claimable(tid, next).collect();
+        seen.sort_by_key(|&(k, _, age)| (std::cmp::Reverse(age), k));
+        seen.into_iter().map(|(k, t, _)| (k, t)).collect()
     }
 
-    /// The waiting slot with the oldest ticket, and its ticket. A ticket
-    /// drawn after the scan began counts as the youngest.
+    /// The waiting slot with the oldest ticket, and its ticket.
     fn heir(&self, tid: u32) -> Option<(u32, u32)> {
+        let next = self.ticket(0).load(SeqCst) & TICKET_MASK;
+        self.claimable(tid, next)
+            .fold(None, |best: Option<(u32, u32, u32)>, c| {
+                if best.map_or(true, |(_, _, a)| c.2 > a) {
+                    Some(c)
+                } else {
+                    best
+                }
+            })
+            .map(|(k, t, _)| (k, t))
+    }
+
+    /// The slots waiting with an unclaimed ticket, each with its ticket and
+    /// its age from `next` (the ticket counter read before the scan); a
+    /// ticket drawn after that read counts as the youngest (age 0).
+    fn claimable(&self, tid: u32, next: u32) -> impl Iterator<Item = (u32, u32, u32)> + '_ {
         let waiting = tid | FUTEX_WAITERS;
         let hi = self.header(H_HI).load(SeqCst).min(self.slots);
-        let next = self.ticket(0).load(SeqCst) & TICKET_MASK;
-        let mut best: Option<(u32, u32, u32)> = None;
-        for k in 1..=hi {
+        (1..=hi).filter_map(move |k| {
             if self.state(k).load(SeqCst) != waiting {
-                continue;
+                return None;
             }
             let t = self.ticket(k).load(SeqCst);
             if t & CLAIMED != 0 {
-                continue;
+                return None;
             }
             let age = next.wrapping_sub(t) & TICKET_MASK;
-            let age = if age > TICKET_MASK / 2 { 0 } else { age };
-            if best.map_or(true, |(_, _, a)| age > a) {
-                best = Some((k, t, age));
-            }
-        }
-        best.map(|(k, t, _)| (k, t))
+            Some((k, t, if age > TICKET_MASK / 2 { 0 } else { age }))
+        })
     }
 
     /// Passes word `i`, which holds `cur` (the giver's id, or [`FREE`]), to
@@ -682,22 +675,13 @@ impl Table {
     }
 
     /// Waits in the table for a token, until `deadline` (`None`: no limit).
-    /// The caller found no free word. With `interruptible`, a signal
-    /// handler that runs during the wait ends it, whether or not the
-    /// handler asked for restarts (a futex wait with a timeout is never
-    /// restarted after a handler: it fails with `EINTR`); otherwise
-    /// signals do not end it.
+    /// The caller found no free word. Signals do not end the wait.
     ///
     /// # Errors
     ///
     /// The OS error of the futex wait (other than an interruption); the
     /// wait is withdrawn first.
-    pub fn wait(
-        &self,
-        me: u32,
-        deadline: Option<Instant>,
-        interruptible: bool,
-    ) -> io::Result<WaitEnd> {
+    pub fn wait(&self, me: u32, deadline: Option<Instant>) -> io::Result<WaitEnd> {
         let Some(tid) = self.tid() else {
             return Ok(WaitEnd::Closed);
         };
@@ -705,7 +689,7 @@ impl Table {
             return Ok(WaitEnd::Closed);
         }
         let since = Instant::now();
-        let end = self.wait_from(me, tid, deadline, interruptible)?;
+        let end = self.wait_from(me, tid, deadline)?;
         match end {
             WaitEnd::Got(_) => {
                 self.record_wait(u64::try_from(since.elapsed().as_nanos()).unwrap_or(u64::MAX));
@@ -718,25 +702,15 @@ impl Table {
         Ok(end)
     }
 
-    fn wait_from(
-        &self,
-        me: u32,
-        tid: u32,
-        deadline: Option<Instant>,
-        interruptible: bool,
-    ) -> io::Result<WaitEnd> {
+    fn wait_from(&self, me: u32, tid: u32, deadline: Option<Instant>) -> io::Result<WaitEnd> {
         let waiting = tid | FUTEX_WAITERS;
         let index = self.state_index(me);
-        let finish = |e: Ended, otherwise: WaitEnd| -> Option<WaitEnd> {
-            match e {
-                Ended::Got => Some(WaitEnd::Got(1)),
-                Ended::Moved => Some(WaitEnd::Moved),
-                Ended::Gone => Some(WaitEnd::Gone),
-                Ended::Again => {
-                    let _ = otherwise;
-                    None
-                }
-            }
+        // How a claimed wait ended; `None`: wait again.
+        let finish = |e: Ended| match e {
+            Ended::Got => Some(WaitEnd::Got(1)),
+            Ended::Moved => Some(WaitEnd::Moved),
+            Ended::Gone => Some(WaitEnd::Gone),
+            Ended::Again => None,
         };
         'register: loop {
             if !self.is_open() {
@@ -774,31 +748,26 @@ impl Table {
                             }
                             continue 'register;
                         }
-                        Some(e) => match finish(e, WaitEnd::Closed) {
+                        Some(e) => match finish(e) {
                             Some(end) => return Ok(end),
                             None => continue 'register,
                         },
                     }
                 }
                 if self.state(me).load(SeqCst) != waiting || self.ticket(me).load(SeqCst) != t {
-                    match finish(self.ended(me, tid), WaitEnd::Closed) {
+                    match finish(self.ended(me, tid)) {
                         Some(end) => return Ok(end),
                         None => continue 'register,
                     }
                 }
                 let timeout = match deadline {
-                    // A year stands for no limit where a timeout is
-                    // needed to make the wait interruptible.
-                    None if interruptible => Some(std::time::Duration::from_secs(365 * 86_400)),
                     None => None,
                     Some(d) => {
                         let left = d.saturating_duration_since(Instant::now());
                         if left.is_zero() {
                             return Ok(match self.leave(me, tid, t) {
                                 None => WaitEnd::TimedOut,
-                                Some(e) => {
-                                    finish(e, WaitEnd::TimedOut).unwrap_or(WaitEnd::TimedOut)
-                                }
+                                Some(e) => finish(e).unwrap_or(WaitEnd::TimedOut),
                             });
                         }
                         Some(left)
@@ -806,20 +775,11 @@ impl Table {
                 };
                 match self.seg.wait_word_for(index, waiting, timeout) {
                     Ok(_) => {}
-                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {
-                        if interruptible {
-                            return Ok(match self.leave(me, tid, t) {
-                                None => WaitEnd::Interrupted,
-                                Some(e) => {
-                                    finish(e, WaitEnd::Interrupted).unwrap_or(WaitEnd::Interrupted)
-                                }
-                            });
-                        }
-                    }
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                     Err(e) => {
                         return match self.leave(me, tid, t) {
                             None => Err(e),
-                            Some(end) => match finish(end, WaitEnd::Closed) {
+                            Some(end) => match finish(end) {
                                 Some(end) => Ok(end),
                                 None => Err(e),
                             },

@@ -311,7 +311,6 @@ impl Broker {
     /// Moves every wait in the closed table to the pool's queue, oldest
     /// ticket first: the client gets its grant over the socket.
     fn fast_move_waiters(&mut self) {
-        let now = self.now();
         let Some(fast) = self.fast.as_mut() else {
             return;
         };
@@ -321,7 +320,6 @@ impl Broker {
                 queued.push(k);
             }
         }
-        let _ = now;
         self.fast_queue_moved(queued);
     }
 

@@ -435,7 +435,7 @@ impl Native {
     /// On [`WaitEnd::Got`] this client holds one more token.
     fn fast_wait(&self, wait: Wait) -> Result<WaitEnd> {
         let f = self.fast.as_ref().expect("a table");
-        let end = f.table.wait(f.owner, wait.deadline, wait.interruptible);
+        let end = f.table.wait(f.owner, wait.deadline);
         f.waiting.store(false, Ordering::SeqCst);
         let end = end.map_err(|e| Error::io(ErrorKind::Io, "wait in the shared token table", e))?;
         if let WaitEnd::Got(n) = end {
@@ -809,12 +809,6 @@ impl Native {
             match self.fast_wait(wait) {
                 Ok(WaitEnd::Got(_)) => return self.after_table_grant(),
                 Ok(WaitEnd::TimedOut) => return Ok(false),
-                Ok(WaitEnd::Interrupted) => {
-                    return Err(Error::new(
-                        ErrorKind::Interrupted,
-                        "interrupted by a signal",
-                    ));
-                }
                 Ok(WaitEnd::Moved) => {
                     // An acquire this client did not send: counted as
                     // sent (or as answered, if its grant was read

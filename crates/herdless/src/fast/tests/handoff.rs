@@ -70,7 +70,7 @@ fn waiter(t: &Arc<Table>, me: u32) -> (i32, mpsc::Receiver<WaitEnd>) {
     let t = t.clone();
     thread::spawn(move || {
         let _ = tid_tx.send(nix::unistd::gettid().as_raw());
-        let _ = tx.send(t.wait(me, None, false).expect("wait"));
+        let _ = tx.send(t.wait(me, None).expect("wait"));
     });
     (tid_rx.recv().expect("the waiter's id"), rx)
 }
@@ -173,7 +173,7 @@ fn many_threads_waiting_in_the_table_never_hold_more_than_was_lent() {
                     Some(i) => Some(i),
                     None => {
                         waits.fetch_add(1, SeqCst);
-                        match t.wait(me, None, false).expect("wait") {
+                        match t.wait(me, None).expect("wait") {
                             // Nobody dies here: one gift at a time.
                             WaitEnd::Got(1) => None,
                             other => panic!("slot {me} round {round}: wait ended {other:?}"),
@@ -247,7 +247,7 @@ fn waiters_are_served_in_ticket_order_and_a_taker_cannot_jump_the_queue() {
     for me in 2..=6u32 {
         let (t2, tx) = (t.clone(), tx.clone());
         thread::spawn(move || {
-            let end = t2.wait(me, None, false).expect("wait");
+            let end = t2.wait(me, None).expect("wait");
             tx.send((me, end)).unwrap();
             // Held: passed on to the next in line.
             assert_eq!(t2.give_back(me, Some(0)), Some(false));
@@ -426,7 +426,7 @@ fn a_moved_wait_ends_moved_holding_nothing() {
     assert_eq!(t.give_back(1, Some(0)), Some(true));
     // The slots are idle again: a later wait in a closed table is sent to
     // the broker at once.
-    assert_eq!(t.wait(2, None, false).unwrap(), WaitEnd::Closed);
+    assert_eq!(t.wait(2, None).unwrap(), WaitEnd::Closed);
 }
 
 /// A giver stopped after its claim (step 1) while the broker closes the
@@ -468,7 +468,7 @@ fn the_guards_end_ends_every_wait_gone() {
         assert_eq!(ended(&t, rx), WaitEnd::Gone);
     }
     // A wait begun after the guard ended never sleeps.
-    assert_eq!(t.wait(2, None, false).unwrap(), WaitEnd::Gone);
+    assert_eq!(t.wait(2, None).unwrap(), WaitEnd::Gone);
     // The holder still holds its word, and may give it back.
     assert_eq!(t.word(0).load(SeqCst), 1);
 }
@@ -478,7 +478,7 @@ fn a_deadline_ends_a_wait_and_leaves_nothing_behind() {
     let (t, _guard) = guarded(1, 4);
     assert_eq!(t.take(1, 0), Some(0));
     let deadline = Instant::now() + Duration::from_millis(20);
-    assert_eq!(t.wait(2, Some(deadline), false).unwrap(), WaitEnd::TimedOut);
+    assert_eq!(t.wait(2, Some(deadline)).unwrap(), WaitEnd::TimedOut);
     assert!(t.waiters().is_empty(), "{}", dump(&t));
     assert_eq!(t.state(2).load(SeqCst), IDLE);
     assert_eq!((t.waits_got(), t.waits_cancelled()), (0, 1));
@@ -487,7 +487,7 @@ fn a_deadline_ends_a_wait_and_leaves_nothing_behind() {
     all_free(&t);
     // A deadline already past: no sleep, nothing left.
     assert_eq!(
-        t.wait(2, Some(Instant::now()), false).unwrap(),
+        t.wait(2, Some(Instant::now())).unwrap(),
         WaitEnd::Got(1),
         "a free word is taken before the deadline is looked at"
     );
@@ -515,7 +515,7 @@ fn waits_with_deadlines_racing_givers_lose_no_token() {
                         None => {
                             // Deadlines from 0 to 200 µs: many expire.
                             let d = Duration::from_micros(u64::from(round % 5) * 50);
-                            match t.wait(me, Some(Instant::now() + d), false).expect("wait") {
+                            match t.wait(me, Some(Instant::now() + d)).expect("wait") {
                                 WaitEnd::Got(1) => true,
                                 WaitEnd::TimedOut => false,
                                 other => panic!("slot {me}: {other:?}"),

@@ -295,7 +295,7 @@ impl World {
             }
             WaitEnd::Moved => c.phase = Phase::Queued,
             WaitEnd::TimedOut | WaitEnd::Closed => c.phase = Phase::Idle,
-            WaitEnd::Gone | WaitEnd::Interrupted => {
+            WaitEnd::Gone => {
                 panic!("slot {k}: {end:?} while the guard lives: {}", self.dump())
             }
         }
