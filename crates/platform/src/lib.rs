@@ -9,7 +9,8 @@
 //! ([`ProcessTable`], [`process_state`], [`sched_count`]), questions about
 //! a descriptor ([`fd_path`], [`access_mode`], [`is_nonblocking`]) and the
 //! descriptor limit of a process serving many clients
-//! ([`raise_nofile_limit`]).
+//! ([`raise_nofile_limit`]) and waking a process that waits in its own
+//! poll loop ([`PollWake`], [`send_wake`]).
 //!
 //! # Backends
 //!
@@ -72,6 +73,7 @@ mod fair_wait;
 mod kernel;
 mod nofile;
 mod pipe;
+mod poll_wake;
 mod process;
 mod segment;
 mod shared_word;
@@ -87,6 +89,9 @@ pub use kernel::{kernel, parse_release, Kernel};
 pub use nofile::{child_nofile_limit, raise_nofile_limit, NofileLimit};
 pub use pipe::{
     access_mode, bytes_readable, fd_path, is_nonblocking, pipe_cloexec, pipe_one_buffer,
+};
+pub use poll_wake::{
+    poll_wake_support, send_wake, valid_wake_pid, PollWake, MAX_POLL_WAKES, PID_LIMIT, WAKE_SIGNAL,
 };
 pub use process::{
     current_tid, die_with_parent, parse_stat, process_exit_fd, process_state, resident_kib,
