@@ -205,7 +205,8 @@ fn hold_and_wait() {
     let observer = Client::observe(&socket).unwrap();
     let waiting = || -> u32 {
         let s: herdless::status::Status = serde_json::from_str(&observer.json().unwrap()).unwrap();
-        s.clients.iter().map(|c| c.waiting).sum()
+        // At the broker, or in the shared table.
+        s.clients.iter().map(|c| c.waiting).sum::<u32>() + s.fast.as_ref().map_or(0, |f| f.waiting)
     };
     let until = |what: &str, pred: &dyn Fn() -> bool| {
         let start = Instant::now();

@@ -116,6 +116,24 @@ export_slot (void)
     export_variable ("HERDLESS_SLOT", eq + 1);
 }
 
+/* This make now takes its tokens from herdless: its jobs learn its slot,
+   and its poll loop (pselect in jobserver_acquire) waits for tokens in the
+   broker's shared table where it can, woken by the giver's SIGURG. */
+static void
+connected (herdless_client *c)
+{
+  int r;
+  hl = c;
+  export_slot ();
+  r = herdless_poll_handoff (hl);
+  if (r < 0)
+    DB (DB_JOBS, ("herdless: waits over the socket only (%s)\n",
+                  herdless_strerror (r)));
+  else
+    DB (DB_JOBS, ("herdless: waits %s\n",
+                  r ? "in the shared table" : "over the socket only"));
+}
+
 static void
 report (const herdless_broker_report *r)
 {
@@ -198,8 +216,7 @@ __wrap_jobserver_setup (int slots, const char *style)
       broker = NULL;
       return __real_jobserver_setup (slots, style);
     }
-  hl = c;
-  export_slot ();
+  connected (c);
   auth = herdless_broker_classic_auth (broker);
   doomed_socket = xstrdup (herdless_broker_socket (broker));
   doomed_fifo = xstrdup (auth + CSTRLEN ("fifo:"));
@@ -238,8 +255,7 @@ __wrap_jobserver_parse_auth (const char *auth)
                     getenv ("HERDLESS_SOCKET"), herdless_strerror (-errno)));
       return classic;
     }
-  hl = c;
-  export_slot ();
+  connected (c);
   DB (DB_JOBS, ("herdless: tokens from the broker at %s\n",
                 getenv ("HERDLESS_SOCKET")));
   return 1;
@@ -360,9 +376,11 @@ __wrap_jobserver_pre_acquire (void)
 
 /* make calls this with SIGCHLD blocked; it is unblocked only inside
    pselect, so a child that ends is never missed: pselect fails with EINTR
-   and make goes to reap it. The request then stays queued at the broker
-   (make keeps its place) and a later call picks its grant up. Returns 1
-   with a token, 0 without. */
+   and make goes to reap it. The request then stays queued (make keeps its
+   place) and a later call picks its grant up. A token handed over in the
+   shared table comes with a SIGURG, which also ends pselect with EINTR,
+   and with herdless_fd readable: the next call takes it. Returns 1 with a
+   token, 0 without. */
 unsigned int
 __wrap_jobserver_acquire (int timeout)
 {
@@ -385,10 +403,11 @@ __wrap_jobserver_acquire (int timeout)
     {
       fd_set readfds;
       int fd;
-      /* At a high -j the pool is usually empty: queue the request with
-         one message rather than asking first whether a token is free (a
-         second broker wake-up per token). A free one makes the socket
-         readable at once. */
+      /* At a high -j the pool is usually empty: wait in the shared table
+         (no message at all), or queue the request with one message,
+         rather than asking first whether a token is free (a second broker
+         wake-up per token). A free one is taken from the table, or makes
+         the socket readable at once. */
       int r = herdless_request_grant (hl);
       if (r == 0)
         return 1;

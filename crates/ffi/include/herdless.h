@@ -293,6 +293,28 @@ int herdless_take_grant(herdless_client *c);
 int herdless_request_grant(herdless_client *c);
 
 /**
+ * Lets the caller's poll loop wait for tokens in the broker's shared
+ * table (Linux): a token another client gives back is handed to this one
+ * directly, without a message to the broker, and the giver wakes this
+ * process with `SIGURG`, which herdless handles from then on (with
+ * `SA_RESTART`; `poll`, `select` and sleeps return `EINTR` when it
+ * comes). Call it once, before the first `herdless_request_grant` or
+ * `herdless_take_grant`; from then on `herdless_fd` returns another
+ * descriptor, readable also when such a hand-over comes: poll that one.
+ *
+ * Returns 1 when it is on; 0 when it is not available (a classic
+ * jobserver, a broker that keeps waits out of its table, not Linux):
+ * requests go over the socket as before; `-EEXIST` when the program
+ * handles `SIGURG` itself (nothing changes); another negative errno when
+ * the descriptors cannot be made; `-EINVAL` when `c` is NULL.
+ *
+ * # Safety
+ *
+ * `c` is NULL or a live handle.
+ */
+int herdless_poll_handoff(herdless_client *c);
+
+/**
  * Withdraws a request left queued by `herdless_take_grant` or by an
  * acquire that a signal interrupted, when the caller no longer wants the
  * token (a make whose last jobs are running, for instance), so that it

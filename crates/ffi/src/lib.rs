@@ -385,6 +385,36 @@ pub unsafe extern "C" fn herdless_request_grant(c: *mut herdless_client) -> c_in
     guard(|| c.took_maybe(c.client.request_grant(), -libc::EAGAIN))
 }
 
+/// Lets the caller's poll loop wait for tokens in the broker's shared
+/// table (Linux): a token another client gives back is handed to this one
+/// directly, without a message to the broker, and the giver wakes this
+/// process with `SIGURG`, which herdless handles from then on (with
+/// `SA_RESTART`; `poll`, `select` and sleeps return `EINTR` when it
+/// comes). Call it once, before the first `herdless_request_grant` or
+/// `herdless_take_grant`; from then on `herdless_fd` returns another
+/// descriptor, readable also when such a hand-over comes: poll that one.
+///
+/// Returns 1 when it is on; 0 when it is not available (a classic
+/// jobserver, a broker that keeps waits out of its table, not Linux):
+/// requests go over the socket as before; `-EEXIST` when the program
+/// handles `SIGURG` itself (nothing changes); another negative errno when
+/// the descriptors cannot be made; `-EINVAL` when `c` is NULL.
+///
+/// # Safety
+///
+/// `c` is NULL or a live handle.
+#[no_mangle]
+pub unsafe extern "C" fn herdless_poll_handoff(c: *mut herdless_client) -> c_int {
+    // SAFETY: this function's contract is `handle`'s.
+    let Some(c) = (unsafe { handle(c) }) else {
+        return -libc::EINVAL;
+    };
+    guard(|| match c.client.enable_poll_handoff() {
+        Ok(on) => c_int::from(on),
+        Err(e) => -e.errno(),
+    })
+}
+
 /// Withdraws a request left queued by `herdless_take_grant` or by an
 /// acquire that a signal interrupted, when the caller no longer wants the
 /// token (a make whose last jobs are running, for instance), so that it

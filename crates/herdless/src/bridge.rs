@@ -72,6 +72,33 @@
 //! says. `status` reports what the bridge learnt ([`ClassicStatus`]:
 //! `command_native`, `classic_seen`, `backoff`).
 //!
+//! # The shared table
+//!
+//! Where the broker has a shared token table (`crate::fast`), native
+//! clients take, give back and wait for tokens there without a message to
+//! the broker. The table holds the pool's free tokens only while the
+//! classic side is *dormant*: the command connected natively and no
+//! classic client has been seen at work. Then:
+//!
+//! - while no native client waits (in the table or at the broker), one
+//!   *standing offer* is kept in the pipe, taken from a free word of the
+//!   table, so that a classic client below a native make finds a token;
+//! - while the offer is in the pipe, the table asks every client that
+//!   starts waiting there to tell the broker (one message: the broker sets
+//!   the table's notify word before it counts the waiters, the client
+//!   reads it after it starts its wait, so one of them sees the other);
+//!   the broker then takes the offer back at once and lends it to the
+//!   table, whose oldest waiter gets it;
+//! - the bridge never queues in the pool for an offer (that would close
+//!   the table): while natives wait, the pipe stays empty.
+//!
+//! A classic client that reads the offer wakes the classic side for good:
+//! the table closes (its waiters go to the pool's queue in ticket order)
+//! and the rules above apply. A classic client that starts waiting while
+//! natives wait gets a token at the next broker event at which none
+//! waits; it is never stuck meanwhile, as it runs on its own implicit
+//! token.
+//!
 //! # Backed pools
 //!
 //! When the pool's tokens are borrowed from an outer jobserver
@@ -185,6 +212,9 @@ pub struct Bridge {
     /// The pool's tokens are borrowed from an outer jobserver (see
     /// [`Bridge::set_backed`]).
     backed: bool,
+    /// The broker has a shared token table, which takes the free pool
+    /// while the classic side is dormant (see [`Bridge::set_table`]).
+    table: bool,
     /// A write-only description of `offers`, on a pipe of one buffer:
     /// writable again, edge-triggered, when a reader takes the last byte.
     drained: Option<File>,
@@ -277,6 +307,7 @@ impl Bridge {
             stray: 0,
             lost: 0,
             backed: false,
+            table: false,
             drained: None,
         })
     }
@@ -356,6 +387,33 @@ impl Bridge {
     /// clients were seen at work, or no native client has connected yet
     /// (the command may be a stock make, or start one; the first offer
     /// finds out).
+    /// The broker has a shared token table (`crate::fast`): while the
+    /// classic side is dormant the free pool goes to the table, not the
+    /// pipe (see *The shared table* in the module documentation).
+    pub fn set_table(&mut self, yes: bool) {
+        self.table = yes;
+    }
+
+    /// Whether the table takes the free pool now: there is one and the
+    /// classic side is dormant (the command is a native client, and no
+    /// classic client has been seen at work).
+    pub fn table_mode(&self) -> bool {
+        self.table && self.command_native && !self.classic_seen && self.aborted.is_none()
+    }
+
+    /// In [`table_mode`](Self::table_mode), whether the bridge wants a
+    /// token for its one standing offer: the pipe is empty.
+    pub fn wants_standing_offer(&self) -> bool {
+        self.table_mode() && self.expected_in_pipe == 0
+    }
+
+    /// In [`table_mode`](Self::table_mode), whether an offer is in the
+    /// pipe: every wait that starts in the table must then be told to the
+    /// broker, which takes the offer back for it.
+    pub fn offer_out(&self) -> bool {
+        self.table_mode() && self.expected_in_pipe > 0
+    }
+
     fn standing_offer(&self, pool: &Pool) -> bool {
         self.classic_seen || pool.external_connections() == 0
     }
@@ -601,7 +659,15 @@ impl Bridge {
     /// Rebalances the pool between native waiters and the pipe; called
     /// after every event the broker handles. `native_grants` counts grants
     /// to native clients so far.
-    pub fn balance(&mut self, pool: &mut Pool, native_grants: u64, now: std::time::Duration) {
+    /// `table_waiting`: natives waiting in the shared table, which the
+    /// pool does not see.
+    pub fn balance(
+        &mut self,
+        pool: &mut Pool,
+        native_grants: u64,
+        table_waiting: usize,
+        now: std::time::Duration,
+    ) {
         let Some(id) = self.client else {
             return;
         };
@@ -617,7 +683,26 @@ impl Bridge {
             // took, fifo style): read the surplus out so it cannot run jobs.
             in_pipe -= self.discard(in_pipe - tokens);
         }
-        let natives_waiting = pool.waiting().saturating_sub(usize::from(self.queued));
+        let natives_waiting =
+            pool.waiting().saturating_sub(usize::from(self.queued)) + table_waiting;
+        if self.table_mode() {
+            // The table takes the free pool: one standing offer while no
+            // native waits, taken back as soon as one does; never a
+            // request in the pool's queue, which would close the table.
+            self.offer = None;
+            let keep = u32::from(natives_waiting == 0);
+            if in_pipe > keep {
+                in_pipe -= self.take_back(pool, in_pipe - keep, now);
+            }
+            if self.queued {
+                let _ = pool.cancel(id);
+                self.queued = false;
+            }
+            if in_pipe < keep && pool.free() > 0 {
+                let _ = pool.try_acquire(id);
+            }
+            return;
+        }
         if natives_waiting == 0 && self.backed {
             // Nobody native is waiting, and every token is an outer one:
             // one standing offer at most, only for a live classic side.

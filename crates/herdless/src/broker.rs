@@ -120,7 +120,9 @@ pub struct Config {
     pub handshake_deadline: Duration,
     /// Offer the shared token table to native clients that ask for it
     /// (protocol version 4, `crate::fast`), where the OS can make one and
-    /// no classic bridge is attached. On unless `HERDLESS_FAST_PATH=0`.
+    /// the pool is not backed by an outer jobserver; under a classic
+    /// bridge it holds tokens only while the classic side is dormant. On
+    /// unless `HERDLESS_FAST_PATH=0`.
     pub fast_path: bool,
 }
 
@@ -454,9 +456,9 @@ impl Broker {
     /// Serves classic jobserver clients from the same pool through
     /// `bridge` (see [`crate::bridge`]).
     pub fn with_bridge(mut self, mut bridge: Bridge) -> io::Result<Broker> {
-        // Classic clients keep to the pipe, and the table would compete
-        // with the pipe for free tokens: no table under a bridge.
-        self.drop_table();
+        // The table takes the free pool only while the classic side is
+        // dormant (crate::bridge, "The shared table").
+        bridge.set_table(self.fast.is_some());
         if self.backing.is_some() {
             bridge.set_backed()?;
         }
@@ -533,8 +535,18 @@ impl Broker {
         // gives back); each frees fewer, so this ends.
         for _ in 0..64 {
             let now = self.now();
+            self.fast_standing_offer();
+            let (table_grants, table_waiting) = self
+                .fast
+                .as_ref()
+                .map_or((0, 0), |f| (f.table.grant_count(), f.table.waiting_count()));
             if let Some(bridge) = self.bridge.as_mut() {
-                bridge.balance(&mut self.pool, self.native_grants, now);
+                bridge.balance(
+                    &mut self.pool,
+                    self.native_grants.saturating_add(table_grants),
+                    table_waiting,
+                    now,
+                );
                 self.apply_effects();
             }
             let Some(backing) = self.backing.as_mut() else {
@@ -547,6 +559,9 @@ impl Broker {
             }
         }
         self.retire_from_pipe();
+        if let (Some(bridge), Some(fast)) = (self.bridge.as_ref(), self.fast.as_ref()) {
+            fast.table.set_notify(bridge.offer_out());
+        }
         self.fast_balance();
         self.note_in_use();
     }

@@ -89,7 +89,9 @@ use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::SeqCst};
 use std::time::Instant;
 
-use herdless_platform::{DeathGuard, Segment, FUTEX_OWNER_DIED, FUTEX_TID_MASK, FUTEX_WAITERS};
+use herdless_platform::{
+    send_wake, DeathGuard, Segment, FUTEX_OWNER_DIED, FUTEX_TID_MASK, FUTEX_WAITERS,
+};
 
 /// A word not lent to the table.
 pub const OUT: u32 = u32::MAX;
@@ -122,6 +124,11 @@ const H_HI: u32 = 7;
 /// Header word: the guard thread's id; 0 when nobody may wait in the
 /// table.
 const H_TID: u32 = 10;
+/// Header word: 1 while the broker wants to hear of every wait that
+/// starts in the table (a classic bridge has a token in its pipe that a
+/// waiter should get instead): a client that starts waiting then tells it
+/// ([`Request::Returned`]).
+const H_NOTIFY: u32 = 11;
 /// Header word: waits in the table withdrawn at their deadline.
 const H_CANCELLED: u32 = 12;
 /// Header words 14–15: waiters woken with a token handed to them (64
@@ -138,7 +145,7 @@ const X_COUNTS: u32 = 4;
 /// "HRDT" as a little-endian word.
 const MAGIC: u32 = u32::from_le_bytes(*b"HRDT");
 /// The layout of this module.
-const LAYOUT: u32 = 2;
+const LAYOUT: u32 = 3;
 
 /// A slot's state: not waiting.
 const IDLE: u32 = 0;
@@ -168,6 +175,57 @@ enum Ended {
     Gone,
     /// Woken with nothing: wait again.
     Again,
+}
+
+/// How withdrawing a wait went.
+enum Leave {
+    /// Withdrawn before anybody claimed it.
+    Withdrawn,
+    /// It had ended: how.
+    Ended(Ended),
+    /// Claimed, and not woken yet (only when the withdrawal does not
+    /// wait for that).
+    InFlight,
+}
+
+/// What looking at a wait found.
+enum Step {
+    /// It goes on.
+    Wait,
+    /// It ended.
+    End(WaitEnd),
+    /// Woken with nothing (or a free word taken by another): wait again.
+    Again,
+}
+
+impl From<Ended> for Step {
+    fn from(e: Ended) -> Step {
+        match e {
+            Ended::Got => Step::End(WaitEnd::Got(1)),
+            Ended::Moved => Step::End(WaitEnd::Moved),
+            Ended::Gone => Step::End(WaitEnd::Gone),
+            Ended::Again => Step::Again,
+        }
+    }
+}
+
+/// A wait in the table by a process that waits in its own poll loop
+/// ([`Table::poll_start`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PollWait {
+    t: u32,
+    tid: u32,
+    pid: u32,
+    since: Instant,
+}
+
+/// Where a poll-loop wait stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PollStep {
+    /// It goes on: poll, then look again.
+    Waiting(PollWait),
+    /// It ended ([`WaitEnd::Got`]: the caller holds the token).
+    Ended(WaitEnd),
 }
 
 /// The gift of a token from `giver` to `heir`.
@@ -234,10 +292,15 @@ fn slot_base(words: u32) -> u32 {
     (words + 1) & !1
 }
 
-/// Where the wait figures start: after the slots (8-aligned, as the slot
-/// area is).
-fn extra_base(words: u32, slots: u32) -> u32 {
+/// Where the wake words start (one per slot: how to wake its waiter):
+/// after the slots.
+fn wake_base(words: u32, slots: u32) -> u32 {
     slot_base(words) + 2 * (slots + 1)
+}
+
+/// Where the wait figures start: after the wake words, 8-aligned.
+fn extra_base(words: u32, slots: u32) -> u32 {
+    (wake_base(words, slots) + slots + 2) & !1
 }
 
 /// The segment words of a table of `words` token words and `slots` slots.
@@ -356,6 +419,24 @@ impl Table {
     /// Slot `k`'s ticket word (slot 0: the next ticket).
     fn ticket(&self, k: u32) -> &AtomicU32 {
         self.seg.word(self.state_index(k) + 1)
+    }
+
+    /// Slot `k`'s wake word: 0 while its waiter sleeps on its state word,
+    /// the waiter's process id while it waits in its own poll loop (woken
+    /// by [`send_wake`]).
+    fn wake_word(&self, k: u32) -> &AtomicU32 {
+        assert!(k <= self.slots, "slot {k} out of range");
+        self.seg.word(wake_base(self.words, self.slots) + k)
+    }
+
+    /// Wakes the waiter of slot `k` the way its wake word says: a signal
+    /// to a process that waits in its poll loop, `FUTEX_WAKE` otherwise
+    /// (also when the word holds no process that can be signalled: a
+    /// client can write anything there).
+    fn wake_slot(&self, k: u32) {
+        if !send_wake(self.wake_word(k).load(SeqCst)) {
+            let _ = self.seg.wake_one(self.state_index(k));
+        }
     }
 
     fn header(&self, i: u32) -> &AtomicU32 {
@@ -528,7 +609,7 @@ impl Table {
                             .compare_exchange(waiting, waiting | FUTEX_OWNER_DIED, SeqCst, SeqCst)
                             .is_ok()
                         {
-                            let _ = self.seg.wake_one(self.state_index(h));
+                            self.wake_slot(h);
                         }
                         return if cur == FREE {
                             HandOn::Taken
@@ -542,7 +623,7 @@ impl Table {
                         .is_ok()
                     {
                         self.header64(H_HANDOFFS).fetch_add(1, SeqCst);
-                        let _ = self.seg.wake_one(self.state_index(h));
+                        self.wake_slot(h);
                         return HandOn::Handed;
                     }
                     // The heir's slot was reset (its client left) or the
@@ -584,9 +665,10 @@ impl Table {
         (0..self.words()).find(|&i| self.word(i).load(SeqCst) == me)
     }
 
-    /// Withdraws the wait of `me` (ticket `t`): `None` when withdrawn, or
-    /// how it ended already.
-    fn leave(&self, me: u32, tid: u32, t: u32) -> Option<Ended> {
+    /// Withdraws the wait of `me` (ticket `t`). Without `block`, a wait a
+    /// claimer has not woken yet is left as it is ([`Leave::InFlight`]);
+    /// with it, this waits for that wake-up (one compare-and-swap away).
+    fn leave(&self, me: u32, tid: u32, t: u32, block: bool) -> Leave {
         // The ticket first: once it is claimed by this client itself, no
         // giver or broker can claim the wait.
         if self
@@ -594,10 +676,20 @@ impl Table {
             .compare_exchange(t, WITHDRAWN, SeqCst, SeqCst)
             .is_ok()
         {
-            self.state(me).store(IDLE, SeqCst);
-            return None;
+            let was = self.state(me).swap(IDLE, SeqCst);
+            if was == tid | FUTEX_WAITERS | FUTEX_OWNER_DIED && self.claim_any_gift(me) {
+                // Woken, with this wait unclaimed, by a giver that claimed
+                // the wait of this slot's previous client (dead, the slot
+                // given to this one) and gifted after: the gift is this
+                // client's; nobody else would claim it.
+                return Leave::Ended(Ended::Got);
+            }
+            return Leave::Withdrawn;
         }
-        Some(self.ended(me, tid))
+        if !block && self.state(me).load(SeqCst) == tid | FUTEX_WAITERS {
+            return Leave::InFlight;
+        }
+        Leave::Ended(self.ended(me, tid))
     }
 
     /// What a wait of `me` whose ticket was claimed ended in: waits for
@@ -608,6 +700,13 @@ impl Table {
         let waiting = tid | FUTEX_WAITERS;
         let woken = waiting | FUTEX_OWNER_DIED;
         let st = self.state(me);
+        if st.load(SeqCst) == waiting {
+            // Sleeps on the state word from here on, whatever the wait
+            // was: a claimer reads the wake word after its wake-up swap,
+            // so either it sees 0 and wakes this word, or its swap came
+            // first and the state is not *waiting* any more.
+            self.wake_word(me).store(0, SeqCst);
+        }
         loop {
             let v = st.load(SeqCst);
             if v != waiting {
@@ -682,6 +781,21 @@ impl Table {
     /// The OS error of the futex wait (other than an interruption); the
     /// wait is withdrawn first.
     pub fn wait(&self, me: u32, deadline: Option<Instant>) -> io::Result<WaitEnd> {
+        self.wait_nudging(me, deadline, &|| {})
+    }
+
+    /// [`wait`](Self::wait), calling `nudge` (which tells the broker) when
+    /// the broker wants to hear of a wait that starts ([`H_NOTIFY`]).
+    ///
+    /// # Errors
+    ///
+    /// Those of [`wait`](Self::wait).
+    pub fn wait_nudging(
+        &self,
+        me: u32,
+        deadline: Option<Instant>,
+        nudge: &dyn Fn(),
+    ) -> io::Result<WaitEnd> {
         let Some(tid) = self.tid() else {
             return Ok(WaitEnd::Closed);
         };
@@ -689,7 +803,13 @@ impl Table {
             return Ok(WaitEnd::Closed);
         }
         let since = Instant::now();
-        let end = self.wait_from(me, tid, deadline)?;
+        let end = self.wait_from(me, tid, deadline, nudge)?;
+        Ok(self.counted(end, since))
+    }
+
+    /// Counts a wait's end in the table's figures: its time when it ended
+    /// in a token, a withdrawal at a deadline.
+    fn counted(&self, end: WaitEnd, since: Instant) -> WaitEnd {
         match end {
             WaitEnd::Got(_) => {
                 self.record_wait(u64::try_from(since.elapsed().as_nanos()).unwrap_or(u64::MAX));
@@ -699,75 +819,115 @@ impl Table {
             }
             _ => {}
         }
-        Ok(end)
+        end
     }
 
-    fn wait_from(&self, me: u32, tid: u32, deadline: Option<Instant>) -> io::Result<WaitEnd> {
+    /// Starts a wait of `me`: its wake word (`pid`, or 0 for a wait on the
+    /// state word), its state, its ticket. The ticket, or why no wait
+    /// started.
+    fn register(&self, me: u32, tid: u32, pid: u32) -> Result<u32, WaitEnd> {
+        if !self.is_open() {
+            return Err(WaitEnd::Closed);
+        }
+        // The wake word before the state: a claimer reads it only after it
+        // found the state *waiting*.
+        self.wake_word(me).store(pid, SeqCst);
+        // The state first, then the ticket: the ticket word holds a
+        // claimed value between waits, so no giver or broker claims this
+        // wait before its state says waiting, and a claim's wake-up
+        // (waiting → woken) cannot fail.
+        if self
+            .state(me)
+            .compare_exchange(IDLE, tid | FUTEX_WAITERS, SeqCst, SeqCst)
+            .is_err()
+        {
+            // A slot the broker closed, or marked at its death.
+            return Err(WaitEnd::Gone);
+        }
+        let t = self.ticket(0).fetch_add(1, SeqCst) & TICKET_MASK;
+        self.ticket(me).store(t, SeqCst);
+        Ok(t)
+    }
+
+    /// Calls `nudge` if the broker wants to hear of every wait that
+    /// starts. After the wait's state is set: the broker sets the word and
+    /// then counts the waiters, all sequentially consistent, so either it
+    /// counts this one or this one sees the word.
+    fn nudge_if_asked(&self, nudge: &dyn Fn()) {
+        if self.header(H_NOTIFY).load(SeqCst) != 0 {
+            nudge();
+        }
+    }
+
+    /// Asks clients to tell the broker of every wait that starts (`on`),
+    /// or stops asking.
+    pub fn set_notify(&self, on: bool) {
+        self.header(H_NOTIFY).store(u32::from(on), SeqCst);
+    }
+
+    /// Looks at the wait of `me` (ticket `t`) after it started and after
+    /// each wake-up: the broker alive, the gate open, no free word that a
+    /// giver freed unseen, not claimed. Without `block` it never sleeps: a
+    /// wait claimed and not yet woken goes on ([`Step::Wait`]).
+    fn check(&self, me: u32, tid: u32, t: u32, block: bool) -> Step {
+        let gone = self.state(0).load(SeqCst) != tid;
+        let closed = !self.is_open();
+        let free = !gone && !closed && (0..self.words()).any(|i| self.word(i).load(SeqCst) == FREE);
+        if gone || closed || free {
+            return match self.leave(me, tid, t, block) {
+                Leave::Withdrawn if gone => Step::End(WaitEnd::Gone),
+                Leave::Withdrawn if closed => Step::End(WaitEnd::Closed),
+                Leave::Withdrawn => match self.take(me, 0) {
+                    Some(_) => Step::End(WaitEnd::Got(1)),
+                    None => Step::Again,
+                },
+                Leave::Ended(e) => Step::from(e),
+                Leave::InFlight => Step::Wait,
+            };
+        }
+        let waiting = tid | FUTEX_WAITERS;
+        if self.state(me).load(SeqCst) != waiting || self.ticket(me).load(SeqCst) != t {
+            if !block && self.state(me).load(SeqCst) == waiting {
+                // Claimed: the claimer's wake-up comes.
+                return Step::Wait;
+            }
+            return Step::from(self.ended(me, tid));
+        }
+        Step::Wait
+    }
+
+    fn wait_from(
+        &self,
+        me: u32,
+        tid: u32,
+        deadline: Option<Instant>,
+        nudge: &dyn Fn(),
+    ) -> io::Result<WaitEnd> {
         let waiting = tid | FUTEX_WAITERS;
         let index = self.state_index(me);
-        // How a claimed wait ended; `None`: wait again.
-        let finish = |e: Ended| match e {
-            Ended::Got => Some(WaitEnd::Got(1)),
-            Ended::Moved => Some(WaitEnd::Moved),
-            Ended::Gone => Some(WaitEnd::Gone),
-            Ended::Again => None,
-        };
         'register: loop {
-            if !self.is_open() {
-                return Ok(WaitEnd::Closed);
-            }
-            // The state first, then the ticket: the ticket word holds a
-            // claimed value between waits, so no giver or broker claims
-            // this wait before its state says waiting, and a claim's
-            // wake-up (waiting → woken) cannot fail.
-            if self
-                .state(me)
-                .compare_exchange(IDLE, waiting, SeqCst, SeqCst)
-                .is_err()
-            {
-                // A slot the broker closed, or marked at its death.
-                return Ok(WaitEnd::Gone);
-            }
-            let t = self.ticket(0).fetch_add(1, SeqCst) & TICKET_MASK;
-            self.ticket(me).store(t, SeqCst);
+            let t = match self.register(me, tid, 0) {
+                Ok(t) => t,
+                Err(end) => return Ok(end),
+            };
+            self.nudge_if_asked(nudge);
             loop {
-                // After the state is set: the broker alive, the gate
-                // open, and no free word that a giver freed unseen.
-                let gone = self.state(0).load(SeqCst) != tid;
-                let closed = !self.is_open();
-                let free = !gone
-                    && !closed
-                    && (0..self.words()).any(|i| self.word(i).load(SeqCst) == FREE);
-                if gone || closed || free {
-                    match self.leave(me, tid, t) {
-                        None if gone => return Ok(WaitEnd::Gone),
-                        None if closed => return Ok(WaitEnd::Closed),
-                        None => {
-                            if self.take(me, 0).is_some() {
-                                return Ok(WaitEnd::Got(1));
-                            }
-                            continue 'register;
-                        }
-                        Some(e) => match finish(e) {
-                            Some(end) => return Ok(end),
-                            None => continue 'register,
-                        },
-                    }
-                }
-                if self.state(me).load(SeqCst) != waiting || self.ticket(me).load(SeqCst) != t {
-                    match finish(self.ended(me, tid)) {
-                        Some(end) => return Ok(end),
-                        None => continue 'register,
-                    }
+                match self.check(me, tid, t, true) {
+                    Step::End(end) => return Ok(end),
+                    Step::Again => continue 'register,
+                    Step::Wait => {}
                 }
                 let timeout = match deadline {
                     None => None,
                     Some(d) => {
                         let left = d.saturating_duration_since(Instant::now());
                         if left.is_zero() {
-                            return Ok(match self.leave(me, tid, t) {
-                                None => WaitEnd::TimedOut,
-                                Some(e) => finish(e).unwrap_or(WaitEnd::TimedOut),
+                            return Ok(match self.leave(me, tid, t, true) {
+                                Leave::Ended(e) => match Step::from(e) {
+                                    Step::End(end) => end,
+                                    _ => WaitEnd::TimedOut,
+                                },
+                                Leave::Withdrawn | Leave::InFlight => WaitEnd::TimedOut,
                             });
                         }
                         Some(left)
@@ -777,16 +937,84 @@ impl Table {
                     Ok(_) => {}
                     Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                     Err(e) => {
-                        return match self.leave(me, tid, t) {
-                            None => Err(e),
-                            Some(end) => match finish(end) {
-                                Some(end) => Ok(end),
-                                None => Err(e),
+                        return match self.leave(me, tid, t, true) {
+                            Leave::Ended(end) => match Step::from(end) {
+                                Step::End(end) => Ok(end),
+                                _ => Err(e),
                             },
+                            Leave::Withdrawn | Leave::InFlight => Err(e),
                         };
                     }
                 }
             }
+        }
+    }
+
+    /// Starts a wait of `me` in the table for a process that waits in its
+    /// own poll loop, `pid`: a giver wakes it with [`send_wake`] instead
+    /// of `FUTEX_WAKE`. Never sleeps. The caller found no free word.
+    /// Returns the wait, to look at with [`poll_check`](Self::poll_check)
+    /// whenever the process wakes, or how it ended at once (a free word
+    /// taken, the table closed, the broker gone).
+    pub fn poll_start(&self, me: u32, pid: u32, nudge: &dyn Fn()) -> PollStep {
+        let Some(tid) = self.tid() else {
+            return PollStep::Ended(WaitEnd::Closed);
+        };
+        if !self.is_client(me) {
+            return PollStep::Ended(WaitEnd::Closed);
+        }
+        self.poll_register(
+            PollWait {
+                t: 0,
+                tid,
+                pid,
+                since: Instant::now(),
+            },
+            me,
+            nudge,
+        )
+    }
+
+    fn poll_register(&self, mut w: PollWait, me: u32, nudge: &dyn Fn()) -> PollStep {
+        loop {
+            w.t = match self.register(me, w.tid, w.pid) {
+                Ok(t) => t,
+                Err(end) => return PollStep::Ended(end),
+            };
+            self.nudge_if_asked(nudge);
+            match self.check(me, w.tid, w.t, false) {
+                Step::Wait => return PollStep::Waiting(w),
+                Step::End(end) => return PollStep::Ended(self.counted(end, w.since)),
+                Step::Again => {}
+            }
+        }
+    }
+
+    /// Looks whether the poll-loop wait `w` of `me` has ended, without
+    /// sleeping.
+    pub fn poll_check(&self, me: u32, w: PollWait, nudge: &dyn Fn()) -> PollStep {
+        match self.check(me, w.tid, w.t, false) {
+            Step::Wait => PollStep::Waiting(w),
+            Step::End(end) => PollStep::Ended(self.counted(end, w.since)),
+            // Woken with nothing: wait again.
+            Step::Again => self.poll_register(w, me, nudge),
+        }
+    }
+
+    /// Withdraws the poll-loop wait `w` of `me`: `None` when withdrawn
+    /// before anything came, otherwise how it ended first (a token handed
+    /// over: the caller holds it). A claimer's wake-up that is one step
+    /// away is waited for.
+    pub fn poll_withdraw(&self, me: u32, w: PollWait) -> Option<WaitEnd> {
+        match self.leave(me, w.tid, w.t, true) {
+            Leave::Withdrawn | Leave::InFlight => {
+                self.header(H_CANCELLED).fetch_add(1, SeqCst);
+                None
+            }
+            Leave::Ended(e) => match Step::from(e) {
+                Step::End(end) => Some(self.counted(end, w.since)),
+                Step::Wait | Step::Again => None,
+            },
         }
     }
 
@@ -852,6 +1080,17 @@ impl Table {
         }
     }
 
+    /// How many slots wait now.
+    pub fn waiting_count(&self) -> usize {
+        match self.tid() {
+            Some(tid) => {
+                let next = self.ticket(0).load(SeqCst) & TICKET_MASK;
+                self.claimable(tid, next).count()
+            }
+            None => 0,
+        }
+    }
+
     /// Ends the wait of slot `k` (ticket `t`) without a gift, the broker
     /// queueing it instead: whether it was still waiting.
     pub fn move_waiter(&self, k: u32, t: u32) -> bool {
@@ -871,7 +1110,7 @@ impl Table {
             .state(k)
             .compare_exchange(waiting, waiting | FUTEX_OWNER_DIED, SeqCst, SeqCst)
             .is_ok();
-        let _ = self.seg.wake_one(self.state_index(k));
+        self.wake_slot(k);
         moved
     }
 
@@ -909,7 +1148,7 @@ impl Table {
                     .compare_exchange(waiting, woken, SeqCst, SeqCst);
             }
             if claimed_by_g.contains(&h) && self.state(h).load(SeqCst) == woken {
-                let _ = self.seg.wake_one(self.state_index(h));
+                self.wake_slot(h);
                 claimed_by_g.retain(|&k| k != h);
             } else if self.free_gift(i, v) {
                 freed.push(i);
@@ -929,7 +1168,7 @@ impl Table {
             {
                 moved.push(k);
             }
-            let _ = self.seg.wake_one(self.state_index(k));
+            self.wake_slot(k);
         }
         (moved, freed)
     }

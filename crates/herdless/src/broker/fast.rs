@@ -248,7 +248,8 @@ impl Broker {
 
     /// Whether the table may be open: nothing but FIFO order would decide
     /// who gets a free token (no waiter, cap, admission limit, shrink,
-    /// abort or stop), and no client of the table names a free slot.
+    /// abort or stop), a classic bridge leaves the free pool to it, and no
+    /// client of the table names a free slot.
     fn fast_may_open(&self) -> bool {
         let Some(fast) = self.fast.as_ref() else {
             return false;
@@ -256,6 +257,10 @@ impl Broker {
         // Every free token must fit in the table: a client waiting in it
         // would not see one left in the pool.
         self.pool.plain()
+            && self
+                .bridge
+                .as_ref()
+                .map_or(true, crate::bridge::Bridge::table_mode)
             && self.pool.free() <= fast.table.words() - fast.lent_count
             && fast
                 .named_slots
@@ -507,6 +512,43 @@ impl Broker {
                 token,
                 Some("holds a shared table word the broker never lent; cut off".into()),
             );
+        }
+    }
+
+    /// Gives a classic bridge in table mode a token for its standing offer
+    /// (`crate::bridge`, "The shared table"): when it wants one, no native
+    /// client waits and none is free in the pool, one free word of the
+    /// table comes back to the pool. The notify word is set before the
+    /// waiters are counted: a wait that starts after the count is told to
+    /// the broker, which takes the offer back for it.
+    pub(super) fn fast_standing_offer(&mut self) {
+        let now = self.now();
+        let wants = self
+            .bridge
+            .as_ref()
+            .is_some_and(crate::bridge::Bridge::wants_standing_offer);
+        if !wants || self.pool.free() > 0 || self.pool.waiting() > 0 {
+            return;
+        }
+        let Some(fast) = self.fast.as_mut() else {
+            return;
+        };
+        if !fast.table.is_open() {
+            return;
+        }
+        fast.table.set_notify(true);
+        if fast.table.waiting_count() > 0 {
+            return;
+        }
+        for i in 0..fast.table.words() {
+            if fast.lent[i as usize] && fast.table.take_back(i) {
+                fast.lent[i as usize] = false;
+                fast.lent_count -= 1;
+                let client = fast.client;
+                let _ = self.pool.release(client, now);
+                self.apply_effects();
+                return;
+            }
         }
     }
 

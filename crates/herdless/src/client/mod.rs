@@ -570,6 +570,30 @@ impl Client {
         }
     }
 
+    /// Lets a caller's poll loop wait for tokens in the broker's shared
+    /// table, as blocking acquires do on Linux: a token given back by
+    /// another client is handed to this one directly, with no message to
+    /// the broker, and the giver wakes this process with a signal
+    /// (`SIGURG`, handled by herdless from then on). After it,
+    /// [`Client::as_fd`] is a different descriptor, readable also when
+    /// such a hand-over comes: poll that one.
+    ///
+    /// Returns whether it is on: `false` on a classic jobserver, on a
+    /// broker that keeps waits out of its table (`HERDLESS_HANDOFF=0`, or
+    /// not Linux), or when this client has no table; requests then go
+    /// over the socket as before.
+    ///
+    /// # Errors
+    ///
+    /// `Io` when the program handles `SIGURG` itself, or the descriptors
+    /// cannot be made; nothing changes then.
+    pub fn enable_poll_handoff(&self) -> Result<bool> {
+        match &self.inner.backend {
+            Backend::Native(n) => n.enable_poll_handoff(),
+            Backend::Classic(_) => Ok(false),
+        }
+    }
+
     /// Withdraws a request left pending by [`Client::take_grant`] or an
     /// interrupted acquire. Returns the token if it had been granted
     /// already. On a classic jobserver there is never one: `Ok(None)`.
@@ -662,7 +686,9 @@ impl Client {
 
 impl AsFd for Client {
     /// The socket to the broker: readable when a grant (or an abort, or
-    /// the broker's end) has arrived. On a classic jobserver, this client's
+    /// the broker's end) has arrived; after
+    /// [`Client::enable_poll_handoff`], a descriptor readable also when a
+    /// token is handed over in the shared table. On a classic jobserver, this client's
     /// own read description of the token pipe: readable while a byte is in
     /// the pipe. Watch it for reading only; read from it only through
     /// [`Client::take_grant`].

@@ -20,7 +20,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 
 use super::Wait;
 use crate::error::{Error, ErrorKind, Result};
-use crate::fast::{Table, WaitEnd};
+use crate::fast::{PollStep, PollWait, Table, WaitEnd};
 use crate::protocol::{
     AbortReason, ControlOp, FrameBuffer, HelloFlags, Reply, Request, FAST_VERSION, PROTOCOL_VERSION,
 };
@@ -101,8 +101,26 @@ struct Fast {
     /// The word taken last: where the next give-back looks first.
     last: AtomicU32,
     /// A thread of this client waits in the table (one at a time: a
-    /// client has one slot there).
+    /// client has one slot there), or its poll loop does.
     waiting: std::sync::atomic::AtomicBool,
+    /// Set once the caller's poll loop may wait in the table
+    /// ([`Native::enable_poll_handoff`]): what it polls instead of the
+    /// socket, readable also when a giver signals this process.
+    wake: std::sync::OnceLock<herdless_platform::PollWake>,
+    /// The poll loop's wait in the table, while there is one.
+    poll: Mutex<Option<PollWait>>,
+}
+
+/// Where the caller's poll-loop wait in the table stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PollNow {
+    /// It ended in a token: this client holds it.
+    Took,
+    /// It goes on.
+    Waiting,
+    /// There is none: the socket serves (a wait the broker moved to its
+    /// queue is counted as a request sent).
+    Off,
 }
 
 /// Waits until `fd` is readable or writable. `Ok(false)` on timeout.
@@ -343,6 +361,8 @@ impl Native {
                                 held: AtomicU32::new(0),
                                 last: AtomicU32::new(owner),
                                 waiting: std::sync::atomic::AtomicBool::new(false),
+                                wake: std::sync::OnceLock::new(),
+                                poll: Mutex::new(None),
                             });
                         }
                     }
@@ -435,21 +455,204 @@ impl Native {
     /// On [`WaitEnd::Got`] this client holds one more token.
     fn fast_wait(&self, wait: Wait) -> Result<WaitEnd> {
         let f = self.fast.as_ref().expect("a table");
-        let end = f.table.wait(f.owner, wait.deadline);
+        let end = f
+            .table
+            .wait_nudging(f.owner, wait.deadline, &|| self.nudge());
         f.waiting.store(false, Ordering::SeqCst);
         let end = end.map_err(|e| Error::io(ErrorKind::Io, "wait in the shared token table", e))?;
         if let WaitEnd::Got(n) = end {
-            f.held.fetch_add(n, Ordering::SeqCst);
-            if let Some(i) = f.table.held_word(f.owner) {
-                f.last.store(i, Ordering::Relaxed);
-            }
-            // More than one: a giver died between its two steps and the
-            // broker finished its gift as well. The extra goes on.
-            for _ in 1..n {
-                self.fast_give_back()?;
-            }
+            self.table_got(n)?;
         }
         Ok(end)
+    }
+
+    /// Counts `n` tokens handed over in the table as held (the words are
+    /// this client's already); more than one (a giver died between its
+    /// steps and the broker finished its gift as well) are passed on but
+    /// one.
+    fn table_got(&self, n: u32) -> Result<()> {
+        let f = self.fast.as_ref().expect("a table");
+        f.held.fetch_add(n, Ordering::SeqCst);
+        if let Some(i) = f.table.held_word(f.owner) {
+            f.last.store(i, Ordering::Relaxed);
+        }
+        for _ in 1..n {
+            self.fast_give_back()?;
+        }
+        Ok(())
+    }
+
+    /// Lets the caller's poll loop wait in the shared table
+    /// ([`Native::take_grant`]): from now on [`Native::fd`] is a descriptor
+    /// that also becomes readable when a giver hands this client a token
+    /// and signals this process (`herdless_platform::PollWake`).
+    /// `Ok(false)` when there is no table to wait in (the socket serves as
+    /// before).
+    ///
+    /// # Errors
+    ///
+    /// The program handles the wake-up signal itself, or the descriptors
+    /// cannot be made; nothing changes then.
+    pub(crate) fn enable_poll_handoff(&self) -> Result<bool> {
+        let Some(f) = self.fast.as_ref() else {
+            return Ok(false);
+        };
+        if !f.table.waits_here() {
+            return Ok(false);
+        }
+        if f.wake.get().is_some() {
+            return Ok(true);
+        }
+        let wake = herdless_platform::PollWake::new(self.stream.as_fd()).map_err(|e| {
+            if e.kind() == io::ErrorKind::AlreadyExists {
+                Error::io(
+                    ErrorKind::Io,
+                    "the program handles SIGURG itself: poll-loop hand-off unavailable",
+                    io::Error::from_raw_os_error(libc::EEXIST),
+                )
+            } else {
+                Error::io(ErrorKind::Io, "set up wake-ups for a poll loop", e)
+            }
+        })?;
+        // Another thread that won the race keeps its own.
+        let _ = f.wake.set(wake);
+        Ok(true)
+    }
+
+    /// Where this client's poll-loop wait in the table stands, when it
+    /// has one.
+    fn poll_step(&self) -> Result<PollNow> {
+        let Some(f) = self.fast.as_ref() else {
+            return Ok(PollNow::Off);
+        };
+        let Some(wake) = f.wake.get() else {
+            return Ok(PollNow::Off);
+        };
+        // Before looking: a wake-up after this leaves the descriptor
+        // readable for the next look.
+        wake.clear();
+        let mut slot = lock(&f.poll);
+        let Some(w) = *slot else {
+            return Ok(PollNow::Off);
+        };
+        let step = f.table.poll_check(f.owner, w, &|| self.nudge());
+        if let PollStep::Waiting(w) = step {
+            // The socket is read too, so that what it says (nothing but the
+            // end of the connection or an abort is expected while a wait is
+            // in the table) does not keep the descriptor readable.
+            let mut st = lock(&self.state);
+            self.drain(&mut st);
+            if st.dead.is_none() && st.aborted.is_none() {
+                *slot = Some(w);
+                return Ok(PollNow::Waiting);
+            }
+            drop(st);
+            let end = f.table.poll_withdraw(f.owner, w);
+            *slot = None;
+            f.waiting.store(false, Ordering::SeqCst);
+            drop(slot);
+            return match end {
+                Some(end) => self.poll_ended(end),
+                None => Ok(PollNow::Off),
+            };
+        }
+        *slot = None;
+        f.waiting.store(false, Ordering::SeqCst);
+        drop(slot);
+        match step {
+            PollStep::Ended(end) => self.poll_ended(end),
+            PollStep::Waiting(_) => unreachable!("handled above"),
+        }
+    }
+
+    /// A poll-loop wait in the table ended in `end`.
+    fn poll_ended(&self, end: WaitEnd) -> Result<PollNow> {
+        match end {
+            WaitEnd::Got(n) => {
+                self.table_got(n)?;
+                self.after_table_grant()?;
+                Ok(PollNow::Took)
+            }
+            WaitEnd::Moved => {
+                // An acquire this client did not send, queued for it:
+                // counted as sent (or as answered, if its grant was read
+                // already); its grant is then taken as any other.
+                let mut st = lock(&self.state);
+                self.drain(&mut st);
+                if st.moves_answered > 0 {
+                    st.moves_answered -= 1;
+                } else {
+                    st.acquires += 1;
+                }
+                Ok(if Self::hand_out_spare(&mut st)? {
+                    PollNow::Took
+                } else {
+                    PollNow::Off
+                })
+            }
+            WaitEnd::Closed | WaitEnd::Gone | WaitEnd::TimedOut => Ok(PollNow::Off),
+        }
+    }
+
+    /// Withdraws this client's poll-loop wait in the table, if it has one:
+    /// whether a token came first (this client holds it now). A wait the
+    /// broker had moved is counted as a queued request, for the caller to
+    /// withdraw on the socket.
+    fn poll_withdraw(&self) -> Result<bool> {
+        let Some(f) = self.fast.as_ref() else {
+            return Ok(false);
+        };
+        let mut slot = lock(&f.poll);
+        let Some(w) = slot.take() else {
+            return Ok(false);
+        };
+        let end = f.table.poll_withdraw(f.owner, w);
+        f.waiting.store(false, Ordering::SeqCst);
+        drop(slot);
+        match end {
+            None => Ok(false),
+            Some(end) => Ok(self.poll_ended(end)? == PollNow::Took),
+        }
+    }
+
+    /// Whether the caller's poll loop may start a wait in the table now
+    /// (`st` says): when it may, [`poll_start`](Self::poll_start) must
+    /// follow.
+    fn may_poll_in_table(&self, st: &State) -> bool {
+        self.fast.as_ref().is_some_and(|f| f.wake.get().is_some()) && self.may_wait_in_table(st)
+    }
+
+    /// Starts the poll-loop wait that
+    /// [`may_poll_in_table`](Self::may_poll_in_table) allowed.
+    fn poll_start(&self) -> Result<PollNow> {
+        let f = self.fast.as_ref().expect("a table");
+        let mut slot = lock(&f.poll);
+        match f
+            .table
+            .poll_start(f.owner, std::process::id(), &|| self.nudge())
+        {
+            PollStep::Waiting(w) => {
+                *slot = Some(w);
+                Ok(PollNow::Waiting)
+            }
+            PollStep::Ended(end) => {
+                f.waiting.store(false, Ordering::SeqCst);
+                drop(slot);
+                self.poll_ended(end)
+            }
+        }
+    }
+
+    /// Tells the broker that a wait started in the table, as it asked
+    /// (`crate::fast`, `H_NOTIFY`). A failure shows at the next socket
+    /// read.
+    fn nudge(&self) {
+        let _ = self.send(&Request::Returned);
+    }
+
+    /// Whether the caller's poll loop waits in the table now.
+    fn poll_waiting(&self) -> bool {
+        self.fast.as_ref().is_some_and(|f| lock(&f.poll).is_some())
     }
 
     /// Gives back a token taken from the shared table, if this client holds
@@ -495,8 +698,14 @@ impl Native {
         &self.path
     }
 
+    /// What a caller's poll loop polls: the socket, or once
+    /// [`enable_poll_handoff`](Self::enable_poll_handoff) succeeded, a
+    /// descriptor readable also when a token is handed over in the table.
     pub(crate) fn fd(&self) -> BorrowedFd<'_> {
-        self.stream.as_fd()
+        match self.fast.as_ref().and_then(|f| f.wake.get()) {
+            Some(w) => w.fd(),
+            None => self.stream.as_fd(),
+        }
     }
 
     fn send(&self, req: &Request) -> Result<()> {
@@ -927,6 +1136,11 @@ impl Native {
     /// waits for a token to be released; without `try_first` never waits
     /// for the broker at all.
     pub(crate) fn take_grant(&self, try_first: bool) -> Result<bool> {
+        match self.poll_step()? {
+            PollNow::Took => return Ok(true),
+            PollNow::Waiting => return Ok(false),
+            PollNow::Off => {}
+        }
         let AtHand::Nothing(mut st) = self.settle_and_take_spare()? else {
             return Ok(true);
         };
@@ -936,6 +1150,22 @@ impl Native {
         if st.acquires + st.ready > st.wanting || st.tries > 0 {
             // A request of this client's is queued: its grant will come.
             return Ok(false);
+        }
+        // The table's hand-off reaches the caller's poll loop too: wait
+        // there, with no message to the broker.
+        if self.may_poll_in_table(&st) {
+            drop(st);
+            match self.poll_start()? {
+                PollNow::Took => return Ok(true),
+                PollNow::Waiting => return Ok(false),
+                PollNow::Off => {}
+            }
+            st = lock(&self.state);
+            self.drain(&mut st);
+            if st.acquires + st.ready > st.wanting || st.tries > 0 {
+                // Moved to the broker's queue at once.
+                return Ok(false);
+            }
         }
         if !try_first {
             self.send(&Request::Acquire)?;
@@ -961,6 +1191,10 @@ impl Native {
     /// that arrived for them. A grant that races the withdrawal goes back
     /// to the broker when it arrives. Nothing is held or owed afterwards.
     pub(crate) fn cancel_nowait(&self) -> Result<()> {
+        if self.poll_withdraw()? {
+            // Handed over before the withdrawal: it goes on at once.
+            self.release()?;
+        }
         let mut st = lock(&self.state);
         self.drain(&mut st);
         Self::check_alive(&st)?;
@@ -988,6 +1222,9 @@ impl Native {
     /// what its blocked threads wait for, or a grant for one has arrived
     /// and is not taken yet.
     pub(crate) fn pending(&self) -> Result<bool> {
+        if self.poll_waiting() {
+            return Ok(true);
+        }
         let mut st = lock(&self.state);
         self.drain(&mut st);
         Self::check_alive(&st)?;
@@ -1002,6 +1239,9 @@ impl Native {
     /// that is no longer wanted. Returns whether a grant had arrived anyway
     /// (the caller now holds that token).
     pub(crate) fn cancel_pending(&self) -> Result<bool> {
+        if self.poll_withdraw()? {
+            return Ok(true);
+        }
         let st = self.settled();
         // Withdraws only requests beyond what blocked threads still want,
         // so their places in the queue are kept.

@@ -423,14 +423,14 @@ impl World {
                     if self.blocked(k, tk) {
                         return;
                     }
-                    match self.t.leave(k, self.tid, tk) {
-                        None if closed => {
+                    match self.t.leave(k, self.tid, tk, true) {
+                        Leave::Withdrawn if closed => {
                             self.ended(k, WaitEnd::Closed);
                             // The client asks the broker.
                             self.c(k).phase = Phase::Queued;
                             self.queue.push_back(k);
                         }
-                        None => {
+                        Leave::Withdrawn | Leave::InFlight => {
                             if self.t.take(k, 0).is_some() {
                                 self.ended(k, WaitEnd::Got(1));
                             } else {
@@ -439,7 +439,7 @@ impl World {
                                 self.register(k, true);
                             }
                         }
-                        Some(e) => self.finish(k, e, None),
+                        Leave::Ended(e) => self.finish(k, e, None),
                     }
                 } else if self.t.state(k).load(SeqCst) != waiting
                     || self.t.ticket(k).load(SeqCst) != tk
@@ -461,9 +461,9 @@ impl World {
                     // call that sleeps: it draws its ticket first.
                     Phase::Registering => self.draw(k),
                     Phase::Waiting(tk) if !self.blocked(k, tk) => {
-                        match self.t.leave(k, self.tid, tk) {
-                            None => self.ended(k, WaitEnd::TimedOut),
-                            Some(e) => self.finish(k, e, Some(WaitEnd::TimedOut)),
+                        match self.t.leave(k, self.tid, tk, true) {
+                            Leave::Withdrawn | Leave::InFlight => self.ended(k, WaitEnd::TimedOut),
+                            Leave::Ended(e) => self.finish(k, e, Some(WaitEnd::TimedOut)),
                         }
                     }
                     _ => {}
@@ -962,4 +962,24 @@ fn saved_cases_of_stopped_givers_close_and_reuse_pass_in_both_modes() {
         run(ops, false).unwrap();
         run(ops, true).unwrap();
     }
+}
+
+/// Giver 2 claims slot 1's wait and stops; slot 1's client dies, and a
+/// new client in the slot sets its state to waiting before giver 2 gifts
+/// and wakes it. The new client then finds a free word and withdraws its
+/// own wait, whose ticket nobody claimed: the gift addressed to the slot
+/// is its, not a stray left for the broker's next sweep.
+#[test]
+fn a_wait_withdrawn_after_a_wake_up_meant_for_the_slots_previous_client_keeps_its_gift() {
+    use self::Op::*;
+    let ops = [
+        Register(1),
+        Register(1),
+        Take(2),
+        Step1(2),
+        Kill(1),
+        Respawn(1),
+        Register(1),
+    ];
+    run(&ops, true).unwrap();
 }
