@@ -198,6 +198,89 @@ fn a_native_holding_and_waiting_is_not_stalled_by_an_unread_offer() {
     assert!(stdout.contains("role: second token granted"), "{stdout}");
 }
 
+#[test]
+fn a_wait_in_the_table_gets_the_token_of_the_standing_offer() {
+    // Under `herdless run -j 2` whose command is a native client, with no
+    // classic client at all: the one shared token goes to the shared
+    // table, and, while no native waits, into the classic pipe as the
+    // standing offer. A native that then waits in the table must get it:
+    // its wait tells the broker (the table's notify word), which takes
+    // the offer back. Each round waits so, once with a blocking acquire
+    // and once in a poll loop; a round that stalls fails the test.
+    let out = common::output_within(
+        std::process::Command::new(common::BIN)
+            .args(["run", "-j", "2", "--"])
+            .arg(std::env::current_exe().unwrap())
+            .args(["--exact", "helper_process", "--nocapture"])
+            .env("HERDLESS_TEST_ROLE", "wait-for-the-offer"),
+        common::PATIENCE * 2,
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("role: 40 rounds"), "{stdout}");
+}
+
+fn wait_for_the_offer() {
+    use std::os::fd::AsFd;
+    let socket = herdless::client::socket_from_env().unwrap();
+    let observer = Client::observe(&socket).unwrap();
+    let status =
+        || -> herdless::status::Status { serde_json::from_str(&observer.json().unwrap()).unwrap() };
+    let blocking = Client::from_env_with(Options::default().implicit_token(false)).unwrap();
+    let polling = Client::from_env_with(Options::default().implicit_token(false)).unwrap();
+    assert!(polling.enable_poll_handoff().unwrap());
+    for round in 0..20 {
+        // Nobody waits: the token goes into the pipe as the offer (the
+        // broker moves it at its next event; the status request is one).
+        let start = Instant::now();
+        loop {
+            let s = status();
+            let classic = s.classic.as_ref().expect("a bridge");
+            if classic.in_pipe == 1 {
+                assert!(s.fast.as_ref().is_some_and(|f| f.open), "{s:#?}");
+                break;
+            }
+            assert!(
+                start.elapsed() < common::PATIENCE,
+                "round {round}: no standing offer: {s:#?}"
+            );
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        drop(blocking.acquire().unwrap());
+        let start = Instant::now();
+        loop {
+            let s = status();
+            if s.classic.as_ref().is_some_and(|c| c.in_pipe == 1) {
+                break;
+            }
+            assert!(start.elapsed() < common::PATIENCE, "round {round}: {s:#?}");
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        let t = loop {
+            if let Some(t) = polling.request_grant().unwrap() {
+                break t;
+            }
+            let mut fds = [nix::poll::PollFd::new(
+                polling.as_fd(),
+                nix::poll::PollFlags::POLLIN,
+            )];
+            let _ = nix::poll::poll(&mut fds, nix::poll::PollTimeout::from(5000u16));
+            assert!(start.elapsed() < common::PATIENCE, "round {round}: poll");
+        };
+        drop(t);
+    }
+    let s = status();
+    assert!(
+        s.classic.as_ref().is_some_and(|c| c.offered >= 40),
+        "{s:#?}"
+    );
+    println!("role: 40 rounds");
+}
+
 fn hold_and_wait() {
     let socket = herdless::client::socket_from_env().unwrap();
     let connect =
@@ -247,6 +330,10 @@ fn hold_and_wait() {
 fn helper_process() {
     if std::env::var("HERDLESS_TEST_ROLE").as_deref() == Ok("hold-and-wait") {
         hold_and_wait();
+        std::process::exit(0);
+    }
+    if std::env::var("HERDLESS_TEST_ROLE").as_deref() == Ok("wait-for-the-offer") {
+        wait_for_the_offer();
         std::process::exit(0);
     }
     if std::env::var("HERDLESS_TEST_ROLE").as_deref() == Ok("try-twice") {

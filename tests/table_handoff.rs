@@ -13,6 +13,9 @@ use std::process::Stdio;
 use common::{Helper, Serve, PATIENCE};
 
 const SPIN: &str = "HERDLESS_HANDOFF_TEST_SPIN";
+/// As [`SPIN`], but waiting in a poll loop (`request_grant`, then
+/// `poll(2)` on the client's descriptor) with the poll-loop hand-off on.
+const POLL_SPIN: &str = "HERDLESS_HANDOFF_TEST_POLL_SPIN";
 
 #[test]
 fn helper_process() {
@@ -31,6 +34,38 @@ fn helper_process() {
             drop(t);
         }
         println!("role: done");
+        std::process::exit(0);
+    }
+    if let Some(n) = std::env::var(POLL_SPIN)
+        .ok()
+        .and_then(|n| n.parse::<u32>().ok())
+    {
+        use std::os::fd::AsFd;
+        let client = herdless::client::Client::from_env_with(
+            herdless::client::Options::default().implicit_token(false),
+        )
+        .expect("connect to the broker");
+        let on = client.enable_poll_handoff().expect("poll hand-off");
+        println!("role: poll hand-off {}", if on { "on" } else { "off" });
+        let mut polls = 0u64;
+        for _ in 0..n {
+            let t = loop {
+                if let Some(t) = client.request_grant().expect("request a grant") {
+                    break t;
+                }
+                let mut fds = [nix::poll::PollFd::new(
+                    client.as_fd(),
+                    nix::poll::PollFlags::POLLIN,
+                )];
+                match nix::poll::poll(&mut fds, nix::poll::PollTimeout::NONE) {
+                    Ok(_) | Err(nix::errno::Errno::EINTR) => polls += 1,
+                    Err(e) => panic!("poll: {e}"),
+                }
+            };
+            std::thread::sleep(std::time::Duration::from_micros(50));
+            drop(t);
+        }
+        println!("role: done after {polls} polls");
         std::process::exit(0);
     }
 }
@@ -317,6 +352,121 @@ fn givers_stopped_anywhere_leave_no_wait_hanging() {
         s.fast.as_ref().map_or(0, |f| f.grants),
         s.wakeups,
         s.fast.as_ref().map_or(0, |f| f.moved)
+    );
+    let (status, log) = serve.stop();
+    assert!(status.success(), "{log}");
+}
+
+/// Starts `n` spinner processes with `env` set, each past its handshake
+/// (its first line says how it connected, checked by `connected`).
+fn spinners(
+    serve: &Serve,
+    n: usize,
+    env: (&str, String),
+    connected: &str,
+) -> Vec<std::process::Child> {
+    (0..n)
+        .map(|_| {
+            let mut c = common::helper_command()
+                .env(env.0, &env.1)
+                .env("HERDLESS_SOCKET", &serve.socket)
+                .stdin(Stdio::null())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::inherit())
+                .spawn()
+                .expect("spawn a spinner");
+            let mut out = BufReader::new(c.stdout.take().unwrap());
+            let mut line = String::new();
+            while !line.contains("role: ") {
+                line.clear();
+                let n = std::io::BufRead::read_line(&mut out, &mut line).unwrap();
+                assert!(n > 0, "a spinner ended before it connected");
+            }
+            assert!(line.contains(connected), "{line:?}");
+            std::mem::forget(out);
+            c
+        })
+        .collect()
+}
+
+#[test]
+fn poll_loops_hand_off_in_the_table_through_stops_and_kills() {
+    // Six processes wait for two tokens in their own poll loops, with the
+    // poll-loop hand-off on: a giver hands its token to the oldest waiter
+    // in the table and signals that process, with no message to the
+    // broker. The test stops them (SIGSTOP) at random points, between a
+    // giver's steps now and then, and kills two of them (SIGKILL) midway,
+    // whatever they are doing. The survivors finish every round (no wait
+    // left without its token), the broker never counts more than two in
+    // use, and every token comes back.
+    const ROUNDS: u32 = 800;
+    let serve = Serve::start(3);
+    let mut procs = spinners(
+        &serve,
+        6,
+        (POLL_SPIN, ROUNDS.to_string()),
+        "role: poll hand-off on",
+    );
+    let mut rng = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos() as u64
+        | 1;
+    eprintln!("seed {rng}");
+    let mut next = move || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng
+    };
+    let mut stops = 0;
+    let mut killed = Vec::new();
+    while procs.iter_mut().any(|c| c.try_wait().unwrap().is_none()) && stops < 2000 {
+        let i = (next() % 6) as usize;
+        let pid = procs[i].id() as i32;
+        common::signal(pid, libc::SIGSTOP);
+        std::thread::sleep(std::time::Duration::from_micros(next() % 1500));
+        if (stops == 200 || stops == 400) && !killed.contains(&i) {
+            common::signal(pid, libc::SIGKILL);
+            killed.push(i);
+        } else {
+            common::signal(pid, libc::SIGCONT);
+        }
+        stops += 1;
+    }
+    for (i, c) in procs.iter_mut().enumerate() {
+        if !killed.contains(&i) {
+            common::signal(c.id() as i32, libc::SIGCONT);
+        }
+        let status = common::wait_timeout(c, PATIENCE).unwrap_or_else(|| {
+            panic!(
+                "spinner {i} never finished its rounds (a wait that never ends); {:#?}",
+                serve.status()
+            )
+        });
+        if !killed.contains(&i) {
+            assert!(status.success(), "spinner {i}: {status:?}");
+        }
+    }
+    let s = serve.wait_for("all free", |s| s.clients.is_empty() && s.free == 2);
+    assert_eq!(s.lost, 0, "{s:#?}");
+    assert!(s.max_in_use <= 2, "{s:#?}");
+    let fast = s.fast.clone().expect("a table");
+    // The rounds went through the table, and its hand-offs reached
+    // processes asleep in poll.
+    assert!(
+        fast.grants >= u64::from(ROUNDS) * 4,
+        "{} table grants for {} rounds: {s:#?}",
+        fast.grants,
+        ROUNDS * 4
+    );
+    assert!(s.wakeups > 0, "{s:#?}");
+    eprintln!(
+        "{stops} stops, {} killed; {} table grants, {} hand-offs, {} moved",
+        killed.len(),
+        fast.grants,
+        s.wakeups,
+        fast.moved
     );
     let (status, log) = serve.stop();
     assert!(status.success(), "{log}");
