@@ -76,29 +76,32 @@
 //!
 //! Where the broker has a shared token table (`crate::fast`), native
 //! clients take, give back and wait for tokens there without a message to
-//! the broker. The table holds the pool's free tokens only while the
-//! classic side is *dormant*: the command connected natively and no
-//! classic client has been seen at work. Then:
+//! the broker, which then sees neither their grants nor their waits. The
+//! table holds the pool's free tokens only while the classic side is
+//! *dormant* (the command connected natively, no classic client has been
+//! seen at work) and the bridge holds nothing: no token in the pipe, no
+//! request in the pool's queue. Every offer is made with the table
+//! closed, where a grant or a release is a broker event again and the
+//! rules above hold as they are:
 //!
-//! - while no native client waits (in the table or at the broker), one
-//!   *standing offer* is kept in the pipe, taken from a free word of the
-//!   table, so that a classic client below a native make finds a token;
-//! - while the offer is in the pipe, the table asks every client that
-//!   starts waiting there to tell the broker (one message: the broker sets
-//!   the table's notify word before it counts the waiters, the client
-//!   reads it after it starts its wait, so one of them sees the other);
-//!   the broker then takes the offer back at once and lends it to the
-//!   table, whose oldest waiter gets it;
-//! - the bridge never queues in the pool for an offer (that would close
-//!   the table): while natives wait, the pipe stays empty.
+//! - the broker sees no grant or wait in the open table, so the table's
+//!   notify word counts takes and waits there down to the next offer's
+//!   due point, and the client that reaches it tells the broker (one
+//!   message): natives busy in the table wake the broker about once per
+//!   offer;
+//! - an offer that is due is asked for in the pool's queue, as above,
+//!   whether natives wait or not; that closes the table: its waiters go
+//!   to the queue first, in ticket order, its free words back to the
+//!   pool, and the offer follows. An offer made while no native waits is
+//!   a *standing offer*: the first native that waits (at the broker, as
+//!   the table is closed) has it taken back, and the back-off grows;
+//! - once the offer is read or taken back, and the queue has drained (the
+//!   table is *half-open* meanwhile, so new waits start in it rather than
+//!   in the queue), the table opens again.
 //!
-//! A classic client that reads the offer wakes the classic side for good:
-//! the table closes (its waiters go to the pool's queue in ticket order)
-//! and the rules above apply. A classic client that starts waiting while
-//! natives wait gets a token at the next broker event at which none
-//! waits; it is never stuck meanwhile, as it runs on its own implicit
-//! token.
-//!
+//! A classic client that reads an offer wakes the classic side for good:
+//! the table stays closed from then on.
+
 //! # Backed pools
 //!
 //! When the pool's tokens are borrowed from an outer jobserver
@@ -161,6 +164,13 @@ enum How {
     TakenBack,
 }
 
+/// What the broker's shared token table says, for [`Bridge::balance`].
+#[derive(Clone, Copy, Debug, Default)]
+pub struct TableView {
+    /// Natives waiting in the table.
+    pub waiting: usize,
+}
+
 struct Offer {
     native_grants_at: u64,
     patience: u64,
@@ -197,6 +207,12 @@ pub struct Bridge {
     expected_in_pipe: u32,
     backoff: u32,
     next_offer_at: u64,
+    /// The native grants counted at the last [`Bridge::balance`].
+    grants_seen: u64,
+    /// Natives waiting in the shared table at the last
+    /// [`Bridge::balance`].
+    table_waiting: usize,
+
     /// The command at the top connected to the broker as a native client.
     command_native: bool,
     /// A classic client was seen at work: it read an offer or wrote a
@@ -300,6 +316,9 @@ impl Bridge {
             command_native: false,
             classic_seen: false,
             next_offer_at: 0,
+            grants_seen: 0,
+            table_waiting: 0,
+
             aborted: None,
             offered: 0,
             returned: 0,
@@ -394,24 +413,37 @@ impl Bridge {
         self.table = yes;
     }
 
-    /// Whether the table takes the free pool now: there is one and the
+    /// Whether the table may take the free pool: there is one and the
     /// classic side is dormant (the command is a native client, and no
     /// classic client has been seen at work).
     pub fn table_mode(&self) -> bool {
         self.table && self.command_native && !self.classic_seen && self.aborted.is_none()
     }
 
-    /// In [`table_mode`](Self::table_mode), whether the bridge wants a
-    /// token for its one standing offer: the pipe is empty.
-    pub fn wants_standing_offer(&self) -> bool {
-        self.table_mode() && self.expected_in_pipe == 0
+    /// Whether the shared table may be open now: in
+    /// [`table_mode`](Self::table_mode), with nothing in the pipe and
+    /// nothing asked for in the pool. An offer is made with the table
+    /// closed, where every grant and release is a broker event again.
+    pub fn leaves_pool_to_table(&self, pool: &Pool) -> bool {
+        self.table_mode()
+            && !self.queued
+            && self
+                .client
+                .map_or(true, |id| pool.held_by(id).unwrap_or(0) == 0)
     }
 
-    /// In [`table_mode`](Self::table_mode), whether an offer is in the
-    /// pipe: every wait that starts in the table must then be told to the
-    /// broker, which takes the offer back for it.
-    pub fn offer_out(&self) -> bool {
-        self.table_mode() && self.expected_in_pipe > 0
+    /// After how many takes and waits in the open shared table the broker
+    /// should hear of the next (`crate::fast`'s notify word): in
+    /// [`table_mode`](Self::table_mode), when the next offer is due
+    /// (counted in takes and waits, for grants: natives that contend in
+    /// the table wake the broker about once per offer); 0 (never)
+    /// otherwise.
+    pub fn notify_after(&self) -> u32 {
+        if !self.table_mode() || self.expected_in_pipe > 0 || self.queued {
+            return 0;
+        }
+        let after = self.next_offer_at.saturating_sub(self.grants_seen);
+        u32::try_from(after).unwrap_or(u32::MAX).max(1)
     }
 
     fn standing_offer(&self, pool: &Pool) -> bool {
@@ -496,7 +528,8 @@ impl Bridge {
                 // With natives waiting this token is the classic side's
                 // offer; otherwise it is just the pipe filling up, which the
                 // natives may take back as soon as they wait.
-                let waiting = (pool.waiting() as u64).saturating_sub(u64::from(self.queued));
+                let waiting = (pool.waiting() as u64 + self.table_waiting as u64)
+                    .saturating_sub(u64::from(self.queued));
                 self.offer = (waiting > 0).then_some(Offer {
                     native_grants_at: native_grants,
                     patience: round(pool, waiting),
@@ -659,13 +692,12 @@ impl Bridge {
     /// Rebalances the pool between native waiters and the pipe; called
     /// after every event the broker handles. `native_grants` counts grants
     /// to native clients so far.
-    /// `table_waiting`: natives waiting in the shared table, which the
-    /// pool does not see.
+    /// `table`: what the shared table says, which the pool does not see.
     pub fn balance(
         &mut self,
         pool: &mut Pool,
         native_grants: u64,
-        table_waiting: usize,
+        table: TableView,
         now: std::time::Duration,
     ) {
         let Some(id) = self.client else {
@@ -684,22 +716,26 @@ impl Bridge {
             in_pipe -= self.discard(in_pipe - tokens);
         }
         let natives_waiting =
-            pool.waiting().saturating_sub(usize::from(self.queued)) + table_waiting;
-        if self.table_mode() {
+            pool.waiting().saturating_sub(usize::from(self.queued)) + table.waiting;
+        self.table_waiting = table.waiting;
+        self.grants_seen = native_grants;
+        let table_mode = self.table_mode();
+        if natives_waiting == 0 && table_mode {
             // The table takes the free pool: one standing offer while no
-            // native waits, taken back as soon as one does; never a
-            // request in the pool's queue, which would close the table.
+            // native waits, once the back-off allows, asked for in the
+            // pool's queue (which closes the table and takes its free
+            // words back).
             self.offer = None;
-            let keep = u32::from(natives_waiting == 0);
+            let keep = u32::from(in_pipe > 0 || native_grants >= self.next_offer_at);
             if in_pipe > keep {
                 in_pipe -= self.take_back(pool, in_pipe - keep, now);
             }
-            if self.queued {
-                let _ = pool.cancel(id);
-                self.queued = false;
-            }
-            if in_pipe < keep && pool.free() > 0 {
-                let _ = pool.try_acquire(id);
+            if in_pipe < keep && !self.queued {
+                if pool.free() > 0 {
+                    let _ = pool.try_acquire(id);
+                } else if pool.acquire(id, now).is_ok() {
+                    self.queued = true;
+                }
             }
             return;
         }
@@ -738,6 +774,14 @@ impl Bridge {
             return;
         }
         // Natives wait: keep at most the current offer in the pipe.
+        if table_mode && self.offer.is_none() && in_pipe > 0 {
+            // The standing offer, put there while no native waited: nobody
+            // read it before a native wanted it. It comes back below;
+            // the next waits for the back-off.
+            self.backoff = (self.backoff + 1).min(MAX_BACKOFF);
+            let round = round(pool, natives_waiting as u64);
+            self.next_offer_at = native_grants + round * ((1u64 << self.backoff) - 1);
+        }
         let keep = match &self.offer {
             Some(o) if in_pipe > 0 => {
                 let ignored = native_grants.saturating_sub(o.native_grants_at) >= o.patience;
@@ -747,6 +791,10 @@ impl Bridge {
                 // still to come. What the classic side holds never counts:
                 // the classic protocol cannot promise it comes back (a long
                 // job, or a holder that died with it).
+                // The shared table is closed while an offer is out, so a
+                // release there is a broker event too (its client tells
+                // the broker), and its holders count as the table's
+                // client's.
                 let no_event_to_come = pool.holders_not_waiting(id) == 0;
                 if ignored || no_event_to_come {
                     // Nobody read it: back off before the next offer.

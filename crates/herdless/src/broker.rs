@@ -535,16 +535,19 @@ impl Broker {
         // gives back); each frees fewer, so this ends.
         for _ in 0..64 {
             let now = self.now();
-            self.fast_standing_offer();
-            let (table_grants, table_waiting) = self
-                .fast
-                .as_ref()
-                .map_or((0, 0), |f| (f.table.grant_count(), f.table.waiting_count()));
+            let (table_grants, view) = self.fast.as_ref().map_or((0, Default::default()), |f| {
+                (
+                    f.table.grant_count(),
+                    crate::bridge::TableView {
+                        waiting: f.table.waiting_count(),
+                    },
+                )
+            });
             if let Some(bridge) = self.bridge.as_mut() {
                 bridge.balance(
                     &mut self.pool,
                     self.native_grants.saturating_add(table_grants),
-                    table_waiting,
+                    view,
                     now,
                 );
                 self.apply_effects();
@@ -560,7 +563,7 @@ impl Broker {
         }
         self.retire_from_pipe();
         if let (Some(bridge), Some(fast)) = (self.bridge.as_ref(), self.fast.as_ref()) {
-            fast.table.set_notify(bridge.offer_out());
+            fast.table.set_notify(bridge.notify_after());
         }
         self.fast_balance();
         self.note_in_use();

@@ -110,8 +110,14 @@ const H_MAGIC: u32 = 0;
 const H_LAYOUT: u32 = 1;
 /// Header word: the number of token words.
 const H_WORDS: u32 = 2;
-/// Header word: 0 while the table is open, 1 while it is closed.
+/// Header word: 0 while the table is open, 1 while it is closed, 2 while
+/// it is half-open ([`HALF_OPEN`]).
 pub const GATE: u32 = 3;
+/// [`GATE`]'s value while the table is *half-open*: nobody takes from it
+/// and givers give back to the broker, as when it is closed, but clients
+/// may start waits in it; the broker serves its own queue first, then
+/// opens the table to them.
+pub const HALF_OPEN: u32 = 2;
 /// Header word: the number of client slots.
 const H_SLOTS: u32 = 4;
 /// Header word: tokens held from the table or the broker's pool now, as
@@ -124,10 +130,11 @@ const H_HI: u32 = 7;
 /// Header word: the guard thread's id; 0 when nobody may wait in the
 /// table.
 const H_TID: u32 = 10;
-/// Header word: 1 while the broker wants to hear of every wait that
-/// starts in the table (a classic bridge has a token in its pipe that a
-/// waiter should get instead): a client that starts waiting then tells it
-/// ([`Request::Returned`]).
+/// Header word: a countdown of the takes and waits in the table after
+/// which the broker wants to hear of the next (0: never): each take and
+/// each wait that starts takes 1 off, and the client that takes it to 0
+/// tells the broker with [`Request::Returned`] (a classic bridge's next
+/// offer is due: the broker sees no grant or wait in the table).
 const H_NOTIFY: u32 = 11;
 /// Header word: waits in the table withdrawn at their deadline.
 const H_CANCELLED: u32 = 12;
@@ -456,6 +463,11 @@ impl Table {
     /// Whether the table is open.
     pub fn is_open(&self) -> bool {
         self.header(GATE).load(SeqCst) == 0
+    }
+
+    /// Whether waits may start in the table: it is open or half-open.
+    pub fn accepts_waits(&self) -> bool {
+        matches!(self.header(GATE).load(SeqCst), 0 | HALF_OPEN)
     }
 
     /// The guard's thread id, when clients may wait in the table.
@@ -826,7 +838,7 @@ impl Table {
     /// state word), its state, its ticket. The ticket, or why no wait
     /// started.
     fn register(&self, me: u32, tid: u32, pid: u32) -> Result<u32, WaitEnd> {
-        if !self.is_open() {
+        if !self.accepts_waits() {
             return Err(WaitEnd::Closed);
         }
         // The wake word before the state: a claimer reads it only after it
@@ -849,20 +861,25 @@ impl Table {
         Ok(t)
     }
 
-    /// Calls `nudge` if the broker wants to hear of every wait that
-    /// starts. After the wait's state is set: the broker sets the word and
-    /// then counts the waiters, all sequentially consistent, so either it
-    /// counts this one or this one sees the word.
-    fn nudge_if_asked(&self, nudge: &dyn Fn()) {
-        if self.header(H_NOTIFY).load(SeqCst) != 0 {
+    /// Calls `nudge` if the broker wants to hear of this take or wait
+    /// ([`H_NOTIFY`]).
+    /// Called by a client after it took a word, and by every wait that
+    /// starts.
+    pub fn nudge_if_asked(&self, nudge: &dyn Fn()) {
+        let word = self.header(H_NOTIFY);
+        if word.load(SeqCst) != 0
+            && word
+                .fetch_update(SeqCst, SeqCst, |n| n.checked_sub(1))
+                .is_ok_and(|was| was == 1)
+        {
             nudge();
         }
     }
 
-    /// Asks clients to tell the broker of every wait that starts (`on`),
-    /// or stops asking.
-    pub fn set_notify(&self, on: bool) {
-        self.header(H_NOTIFY).store(u32::from(on), SeqCst);
+    /// Sets after how many takes and waits clients tell the broker of the
+    /// next ([`H_NOTIFY`]; 0: never).
+    pub fn set_notify(&self, n: u32) {
+        self.header(H_NOTIFY).store(n, SeqCst);
     }
 
     /// Looks at the wait of `me` (ticket `t`) after it started and after
@@ -871,8 +888,11 @@ impl Table {
     /// wait claimed and not yet woken goes on ([`Step::Wait`]).
     fn check(&self, me: u32, tid: u32, t: u32, block: bool) -> Step {
         let gone = self.state(0).load(SeqCst) != tid;
-        let closed = !self.is_open();
-        let free = !gone && !closed && (0..self.words()).any(|i| self.word(i).load(SeqCst) == FREE);
+        let closed = !self.accepts_waits();
+        // Only an open table has words to take (a half-open one's free
+        // words are the broker's to take back).
+        let free =
+            !gone && self.is_open() && (0..self.words()).any(|i| self.word(i).load(SeqCst) == FREE);
         if gone || closed || free {
             return match self.leave(me, tid, t, block) {
                 Leave::Withdrawn if gone => Step::End(WaitEnd::Gone),
@@ -1182,6 +1202,13 @@ impl Table {
     /// Opens the table to takers.
     pub fn open_gate(&self) {
         self.header(GATE).store(0, SeqCst);
+    }
+
+    /// Half-opens the table ([`HALF_OPEN`]): takers fail and givers tell
+    /// the broker, as when it is closed, and waits may start. The caller
+    /// then reads every lent word.
+    pub fn half_open_gate(&self) {
+        self.header(GATE).store(HALF_OPEN, SeqCst);
     }
 
     /// Closes the table: from now on takers fail and givers tell the

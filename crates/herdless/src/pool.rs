@@ -369,11 +369,13 @@ impl Pool {
     /// Only then does the broker lend free tokens to the shared table
     /// (`crate::fast`), which hands them out first come, first served.
     pub fn plain(&self) -> bool {
-        self.queue.is_empty()
-            && self.unrestricted()
-            && self.retiring() == 0
-            && self.aborted.is_none()
-            && !self.stopped
+        self.queue.is_empty() && self.plain_but_queue()
+    }
+
+    /// [`plain`](Self::plain) but for the waiters in the queue: once they
+    /// are served, FIFO order alone would decide again.
+    pub fn plain_but_queue(&self) -> bool {
+        self.unrestricted() && self.retiring() == 0 && self.aborted.is_none() && !self.stopped
     }
 
     /// Records that `id` holds `n` tokens from the shared table (held, in

@@ -68,6 +68,10 @@ pub(super) struct FastState {
     base_in_use: u32,
     /// Waits in the table the broker moved to its queue.
     pub(super) moved: u64,
+    /// While the table is half-open and clients wait in it: the native
+    /// grants counted when the broker first saw them (their wait behind
+    /// the broker's queue is bounded by that).
+    half_waiters_since: Option<u64>,
 }
 
 impl FastState {
@@ -116,6 +120,7 @@ impl FastState {
             held_at_shutdown: 0,
             base_in_use: 0,
             moved: 0,
+            half_waiters_since: None,
         })
     }
 
@@ -260,7 +265,7 @@ impl Broker {
             && self
                 .bridge
                 .as_ref()
-                .map_or(true, crate::bridge::Bridge::table_mode)
+                .map_or(true, |b| b.leaves_pool_to_table(&self.pool))
             && self.pool.free() <= fast.table.words() - fast.lent_count
             && fast
                 .named_slots
@@ -268,13 +273,44 @@ impl Broker {
                 .all(|&key| !self.pool.slot_lendable(key))
     }
 
+    /// Whether the table may be half-open (`crate::fast::HALF_OPEN`):
+    /// it may not be open only because waiters are queued at the broker
+    /// (or, under a classic bridge, the bridge's offer is out), and clients
+    /// may wait in it. Never with the queue empty: the table's waiters
+    /// would then wait for nobody. New waits then start in the table
+    /// rather than at the broker, so the broker's queue drains and the
+    /// table opens again, however hard clients contend.
+    fn fast_may_half_open(&self) -> bool {
+        let Some(fast) = self.fast.as_ref() else {
+            return false;
+        };
+        fast.guard.is_some()
+            && self.pool.waiting() > 0
+            && self.pool.plain_but_queue()
+            && self
+                .bridge
+                .as_ref()
+                .map_or(true, crate::bridge::Bridge::table_mode)
+            && fast
+                .named_slots
+                .keys()
+                .all(|&key| !self.pool.slot_lendable(key))
+    }
+
     /// Brings the table in line with the pool: open and lend free tokens,
-    /// or close and take back free words. Called after every event.
+    /// half-open or close and take back free words. Called after every
+    /// event.
     pub(super) fn fast_balance(&mut self) {
         let open = self.fast_may_open();
+        let half = !open && self.fast_may_half_open();
+        let capacity = u64::from(self.pool.capacity());
+        let grants = self.native_grants;
         let Some(fast) = self.fast.as_mut() else {
             return;
         };
+        if !half {
+            fast.half_waiters_since = None;
+        }
         if open {
             // What the broker holds back counts down in the table's count
             // before a lent word can be taken: the count's peak never
@@ -298,6 +334,32 @@ impl Broker {
                 }
                 // The grant's effect lends a word (`fast_on_grant`).
                 self.apply_effects();
+            }
+        } else if half {
+            let was_open = fast.table.is_open();
+            fast.table.half_open_gate();
+            // Waits from before are older than the ask that closed the
+            // table: they queue ahead of it. Waits that start now stay in
+            // the table until its next opening, and join the queue, in
+            // ticket order, if the queue outlasts a round of grants
+            // (capacity) after the broker first sees them.
+            let mv = if was_open {
+                true
+            } else if fast.table.waiting_count() == 0 {
+                fast.half_waiters_since = None;
+                false
+            } else {
+                let since = *fast.half_waiters_since.get_or_insert(grants);
+                grants.saturating_sub(since) > capacity
+            };
+            if mv {
+                fast.half_waiters_since = None;
+                self.fast_move_waiters();
+            }
+            if let Some(fast) = self.fast.as_ref() {
+                if was_open || fast.dirty {
+                    self.fast_sweep(true);
+                }
             }
         } else {
             let was_open = fast.table.is_open();
@@ -512,43 +574,6 @@ impl Broker {
                 token,
                 Some("holds a shared table word the broker never lent; cut off".into()),
             );
-        }
-    }
-
-    /// Gives a classic bridge in table mode a token for its standing offer
-    /// (`crate::bridge`, "The shared table"): when it wants one, no native
-    /// client waits and none is free in the pool, one free word of the
-    /// table comes back to the pool. The notify word is set before the
-    /// waiters are counted: a wait that starts after the count is told to
-    /// the broker, which takes the offer back for it.
-    pub(super) fn fast_standing_offer(&mut self) {
-        let now = self.now();
-        let wants = self
-            .bridge
-            .as_ref()
-            .is_some_and(crate::bridge::Bridge::wants_standing_offer);
-        if !wants || self.pool.free() > 0 || self.pool.waiting() > 0 {
-            return;
-        }
-        let Some(fast) = self.fast.as_mut() else {
-            return;
-        };
-        if !fast.table.is_open() {
-            return;
-        }
-        fast.table.set_notify(true);
-        if fast.table.waiting_count() > 0 {
-            return;
-        }
-        for i in 0..fast.table.words() {
-            if fast.lent[i as usize] && fast.table.take_back(i) {
-                fast.lent[i as usize] = false;
-                fast.lent_count -= 1;
-                let client = fast.client;
-                let _ = self.pool.release(client, now);
-                self.apply_effects();
-                return;
-            }
         }
     }
 
