@@ -432,6 +432,18 @@ impl Bridge {
                 .map_or(true, |id| pool.held_by(id).unwrap_or(0) == 0)
     }
 
+    /// In [`table_mode`](Self::table_mode), whether the next
+    /// [`balance`](Self::balance) asks for an offer in the pool's queue
+    /// (`native_grants` counted as there): the broker first closes the
+    /// table, so that the natives waiting in it, who asked first, queue
+    /// first.
+    pub fn offer_due(&self, native_grants: u64) -> bool {
+        self.table_mode()
+            && !self.queued
+            && self.expected_in_pipe == 0
+            && native_grants >= self.next_offer_at
+    }
+
     /// After how many takes and waits in the open shared table the broker
     /// should hear of the next (`crate::fast`'s notify word): in
     /// [`table_mode`](Self::table_mode), when the next offer is due
@@ -530,7 +542,10 @@ impl Bridge {
                 // natives may take back as soon as they wait.
                 let waiting = (pool.waiting() as u64 + self.table_waiting as u64)
                     .saturating_sub(u64::from(self.queued));
-                self.offer = (waiting > 0).then_some(Offer {
+                // A grant the bridge waited for in the queue is an offer
+                // too: the natives that queued ahead of it may all hold a
+                // token by now, and wait again at once.
+                self.offer = (waiting > 0 || waited).then_some(Offer {
                     native_grants_at: native_grants,
                     patience: round(pool, waiting),
                 });

@@ -535,21 +535,17 @@ impl Broker {
         // gives back); each frees fewer, so this ends.
         for _ in 0..64 {
             let now = self.now();
-            let (table_grants, view) = self.fast.as_ref().map_or((0, Default::default()), |f| {
-                (
-                    f.table.grant_count(),
-                    crate::bridge::TableView {
-                        waiting: f.table.waiting_count(),
-                    },
-                )
-            });
+            let table_grants = self.fast.as_ref().map_or(0, |f| f.table.grant_count());
+            let grants = self.native_grants.saturating_add(table_grants);
+            if self.bridge.as_ref().is_some_and(|b| b.offer_due(grants)) {
+                // The table's waiters asked before the bridge's offer.
+                self.fast_take_back_for_socket();
+            }
+            let view = crate::bridge::TableView {
+                waiting: self.fast.as_ref().map_or(0, |f| f.table.waiting_count()),
+            };
             if let Some(bridge) = self.bridge.as_mut() {
-                bridge.balance(
-                    &mut self.pool,
-                    self.native_grants.saturating_add(table_grants),
-                    view,
-                    now,
-                );
+                bridge.balance(&mut self.pool, grants, view, now);
                 self.apply_effects();
             }
             let Some(backing) = self.backing.as_mut() else {
@@ -1475,7 +1471,11 @@ impl Broker {
         let now = self.now();
         match (&effect, self.bridge.as_mut()) {
             (Effect::Grant { client, waited, .. }, Some(bridge)) if Some(*client) == bridge_id => {
-                bridge.on_grant(&mut self.pool, *waited, self.native_grants, now);
+                // Counted as the bridge counts them: the table's too.
+                let grants = self
+                    .native_grants
+                    .saturating_add(self.fast.as_ref().map_or(0, |f| f.table.grant_count()));
+                bridge.on_grant(&mut self.pool, *waited, grants, now);
                 return;
             }
             (Effect::Aborted { client, reason }, Some(bridge)) if Some(*client) == bridge_id => {
