@@ -503,3 +503,48 @@ fn a_stop_ends_every_wait_in_the_table_with_no_grant() {
         assert_eq!(status.code(), Some(4), "waiter {i}");
     }
 }
+
+#[test]
+fn a_client_in_another_pid_namespace_keeps_to_the_socket() {
+    // The process ids in the table's wake words, and the signals givers
+    // send to them, mean other processes in another PID namespace: a
+    // client there must not use the table. `unshare --pid` needs
+    // privileges (CI runs as root); without them there is nothing to try.
+    let serve = Serve::start(3);
+    let run = |prefix: &[&str]| -> Option<String> {
+        let exe = std::env::current_exe().unwrap();
+        let mut cmd = std::process::Command::new(prefix.first().copied().unwrap_or(""));
+        let mut args: Vec<std::ffi::OsString> =
+            prefix[1..].iter().map(std::ffi::OsString::from).collect();
+        args.push(exe.into_os_string());
+        args.extend(
+            [
+                "--exact",
+                "helper_process",
+                "--nocapture",
+                "--test-threads=1",
+            ]
+            .iter()
+            .map(std::ffi::OsString::from),
+        );
+        let out = cmd
+            .args(args)
+            .env(SPIN, "20")
+            .env("HERDLESS_SOCKET", &serve.socket)
+            .output()
+            .ok()?;
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        out.status.success().then_some(stdout)
+    };
+    // The same binary, in the broker's namespace, uses the table.
+    let here = run(&["env"]).expect("a spinner");
+    assert!(here.contains("role: shared table"), "{here}");
+    let Some(there) = run(&["unshare", "--pid", "--fork"]) else {
+        eprintln!("unshare --pid is not available here: nothing to try");
+        return;
+    };
+    assert!(there.contains("role: socket"), "{there}");
+    assert!(there.contains("role: done"), "{there}");
+    let s = serve.wait_for("all free", |s| s.clients.is_empty() && s.free == 2);
+    assert_eq!(s.lost, 0, "{s:#?}");
+}

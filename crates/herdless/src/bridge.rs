@@ -169,6 +169,12 @@ enum How {
 pub struct TableView {
     /// Natives waiting in the table.
     pub waiting: usize,
+    /// Natives holding a token of the table that wait neither in it nor
+    /// at the broker.
+    pub holders_not_waiting: usize,
+    /// The table's own client of the pool, which holds the tokens lent to
+    /// the table (whoever holds them there).
+    pub client: Option<crate::pool::ClientId>,
 }
 
 struct Offer {
@@ -808,9 +814,17 @@ impl Bridge {
                 // job, or a holder that died with it).
                 // The shared table is closed while an offer is out, so a
                 // release there is a broker event too (its client tells
-                // the broker), and its holders count as the table's
-                // client's.
-                let no_event_to_come = pool.holders_not_waiting(id) == 0;
+                // the broker); its holders count as they wait, not as the
+                // table's client, which holds the words in the pool's
+                // books.
+                let table_client = table
+                    .client
+                    .is_some_and(|t| pool.held_by(t).unwrap_or(0) > 0);
+                let no_event_to_come = pool
+                    .holders_not_waiting(id)
+                    .saturating_sub(usize::from(table_client))
+                    + table.holders_not_waiting
+                    == 0;
                 if ignored || no_event_to_come {
                     // Nobody read it: back off before the next offer.
                     self.backoff = (self.backoff + 1).min(MAX_BACKOFF);

@@ -541,8 +541,13 @@ impl Broker {
                 // The table's waiters asked before the bridge's offer.
                 self.fast_take_back_for_socket();
             }
-            let view = crate::bridge::TableView {
-                waiting: self.fast.as_ref().map_or(0, |f| f.table.waiting_count()),
+            let view = match (&self.bridge, &self.fast) {
+                (Some(_), Some(f)) => crate::bridge::TableView {
+                    waiting: f.table.waiting_count(),
+                    holders_not_waiting: self.fast_holders_not_waiting(),
+                    client: Some(f.client()),
+                },
+                _ => crate::bridge::TableView::default(),
             };
             if let Some(bridge) = self.bridge.as_mut() {
                 bridge.balance(&mut self.pool, grants, view, now);

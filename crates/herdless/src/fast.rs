@@ -136,6 +136,11 @@ const H_TID: u32 = 10;
 /// tells the broker with [`Request::Returned`] (a classic bridge's next
 /// offer is due: the broker sees no grant or wait in the table).
 const H_NOTIFY: u32 = 11;
+/// Header word: the broker's PID namespace
+/// ([`herdless_platform::pid_namespace`], 0 when unknown). A client in
+/// another one uses the socket alone: the process ids in wake words, and
+/// the signals it would send to them, would name other processes.
+const H_PIDNS: u32 = 13;
 /// Header word: waits in the table withdrawn at their deadline.
 const H_CANCELLED: u32 = 12;
 /// Header words 14–15: waiters woken with a token handed to them (64
@@ -348,6 +353,9 @@ impl Table {
         t.seg.header(H_WORDS).store(words, SeqCst);
         t.seg.header(H_SLOTS).store(slots, SeqCst);
         t.seg.header(GATE).store(1, SeqCst);
+        t.seg
+            .header(H_PIDNS)
+            .store(herdless_platform::pid_namespace().unwrap_or(0), SeqCst);
         t.seg.header(H_MAGIC).store(MAGIC, SeqCst);
         Ok(t)
     }
@@ -375,6 +383,12 @@ impl Table {
             ));
         }
         Ok(Table { seg, words, slots })
+    }
+
+    /// Whether this process numbers processes as the broker does (the
+    /// same PID namespace): only then may it use the table.
+    pub fn same_pid_namespace(&self) -> bool {
+        self.header(H_PIDNS).load(SeqCst) == herdless_platform::pid_namespace().unwrap_or(0)
     }
 
     /// The number of token words.
@@ -1067,6 +1081,8 @@ impl Table {
         self.header(H_WORDS).store(self.words, SeqCst);
         self.header(H_SLOTS).store(self.slots, SeqCst);
         self.header(H_TID).store(guarded.unwrap_or(0), SeqCst);
+        self.header(H_PIDNS)
+            .store(herdless_platform::pid_namespace().unwrap_or(0), SeqCst);
         if let Some(tid) = guarded {
             self.state(0).store(tid, SeqCst);
         }
@@ -1098,6 +1114,14 @@ impl Table {
             Some(tid) => self.waiting_slots(tid),
             None => Vec::new(),
         }
+    }
+
+    /// Whether client `k`'s slot waits now.
+    pub fn is_waiting(&self, k: u32) -> bool {
+        self.is_client(k)
+            && self
+                .tid()
+                .is_some_and(|tid| self.state(k).load(SeqCst) == tid | FUTEX_WAITERS)
     }
 
     /// How many slots wait now.

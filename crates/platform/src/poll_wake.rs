@@ -14,8 +14,9 @@
 //! the original descriptor: it becomes readable when the original does,
 //! and when the signal has come since the last [`PollWake::clear`]. A
 //! signal that arrives before the caller enters `poll` leaves the eventfd
-//! readable, so no wake-up is lost, whatever the caller's signal mask and
-//! whichever thread takes the signal.
+//! readable, so no wake-up is lost, whichever thread takes the signal (a
+//! process that blocks `SIGURG` in every thread gets none, nor a process
+//! the sender may not signal or, in another PID namespace, cannot name).
 //!
 //! The handler is installed with `SA_RESTART`, so the caller's reads,
 //! writes and waits for children carry on; `poll`, `select` and sleeps

@@ -195,6 +195,24 @@ pub fn process_exit_fd(pid: u32) -> io::Result<std::os::fd::OwnedFd> {
     crate::sys::process_exit_fd(pid)
 }
 
+/// The identity of this process's PID namespace (the inode of
+/// `/proc/self/ns/pid`, low 32 bits) on Linux: two processes whose values
+/// differ number processes differently, so a process id one of them
+/// names means nothing to the other. `None` where there is no such file.
+pub fn pid_namespace() -> Option<u32> {
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::unix::fs::MetadataExt;
+        std::fs::metadata("/proc/self/ns/pid")
+            .ok()
+            .map(|m| m.ino() as u32)
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        None
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

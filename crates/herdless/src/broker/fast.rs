@@ -319,8 +319,13 @@ impl Broker {
             let Some(fast) = self.fast.as_mut() else {
                 return;
             };
+            let was_open = fast.table.is_open();
             fast.table.open_gate();
-            if fast.dirty {
+            // Opening, the words are read after the gate is written: a
+            // giver that freed a word while the table was half-open and
+            // then read it open told nobody (Dekker, the other way round
+            // from closing), and the read here hands that word on.
+            if !was_open || fast.dirty {
                 self.fast_sweep(false);
             }
             while let Some(fast) = self.fast.as_ref() {
@@ -680,6 +685,35 @@ impl Broker {
 }
 
 impl Broker {
+    /// Clients holding a word of the table that wait neither in it nor at
+    /// the broker: a release of theirs is still to come (for the classic
+    /// bridge's liveness rule).
+    pub(super) fn fast_holders_not_waiting(&self) -> usize {
+        let Some(fast) = self.fast.as_ref() else {
+            return 0;
+        };
+        let mut holders = std::collections::HashSet::new();
+        for i in 0..fast.table.words() {
+            if !fast.lent[i as usize] {
+                continue;
+            }
+            let v = fast.table.word(i).load(std::sync::atomic::Ordering::SeqCst);
+            let k = as_gift(v).map_or(v, |(_, h)| h);
+            if fast.table.is_waiting(k) {
+                continue;
+            }
+            let client = fast
+                .owners
+                .get(&k)
+                .and_then(|t| self.conns.get(t))
+                .and_then(|c| c.client);
+            if client.is_some_and(|c| self.pool.pending(c) == 0) {
+                holders.insert(k);
+            }
+        }
+        holders.len()
+    }
+
     /// Words of the table each client holds, as the words say now.
     pub(super) fn fast_held_by_client(&self) -> HashMap<ClientId, u32> {
         let mut held = HashMap::new();

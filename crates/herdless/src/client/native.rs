@@ -354,7 +354,14 @@ impl Native {
                     if let (true, Some(fd)) = (owner != 0, fd.take()) {
                         // A table that cannot be mapped leaves the socket,
                         // which works on its own.
-                        if let Ok(table) = Table::open(fd, words) {
+                        // A client in another PID namespace than the
+                        // broker's keeps to the socket too: the process
+                        // ids the table's waiters are woken by would name
+                        // other processes there.
+                        if let Some(table) = Table::open(fd, words)
+                            .ok()
+                            .filter(Table::same_pid_namespace)
+                        {
                             self.fast = Some(Fast {
                                 table,
                                 owner,
