@@ -181,21 +181,28 @@ fn a_native_holding_and_waiting_is_not_stalled_by_an_unread_offer() {
     // Under `herdless run` with no classic client at all: a native that
     // holds a token and waits for a second must not wait for ever while a
     // token sits unread in the classic pipe.
+    let stdout = role_under_run(3, "hold-and-wait");
+    assert!(stdout.contains("role: second token granted"), "{stdout}");
+}
+
+/// Runs this binary's `role` as the command of `herdless run -j jobs`,
+/// within a bound; its standard output, once it succeeded.
+fn role_under_run(jobs: u32, role: &str) -> String {
     let out = common::output_within(
         std::process::Command::new(common::BIN)
-            .args(["run", "-j", "3", "--"])
+            .args(["run", "-j", &jobs.to_string(), "--"])
             .arg(std::env::current_exe().unwrap())
             .args(["--exact", "helper_process", "--nocapture"])
-            .env("HERDLESS_TEST_ROLE", "hold-and-wait"),
+            .env("HERDLESS_TEST_ROLE", role),
         common::PATIENCE * 2,
     );
-    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(
         out.status.success(),
         "{stdout}{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    assert!(stdout.contains("role: second token granted"), "{stdout}");
+    stdout
 }
 
 #[test]
@@ -207,20 +214,7 @@ fn a_native_wait_gets_the_token_of_the_standing_offer() {
     // that then waits must get it: the broker takes the offer back for it.
     // Rounds wait so, with a blocking acquire or in a poll loop (with the
     // poll-loop hand-off on) in turn; a round that stalls fails the test.
-    let out = common::output_within(
-        std::process::Command::new(common::BIN)
-            .args(["run", "-j", "2", "--"])
-            .arg(std::env::current_exe().unwrap())
-            .args(["--exact", "helper_process", "--nocapture"])
-            .env("HERDLESS_TEST_ROLE", "wait-for-the-offer"),
-        common::PATIENCE * 2,
-    );
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let stdout = role_under_run(2, "wait-for-the-offer");
     assert!(stdout.contains("role: 40 rounds"), "{stdout}");
 }
 

@@ -292,40 +292,8 @@ fn givers_stopped_anywhere_leave_no_wait_hanging() {
     // table, or at the broker after one, is left without its token.
     const ROUNDS: u32 = 1500;
     let serve = Serve::start(3);
-    let mut spinners: Vec<std::process::Child> = (0..6)
-        .map(|_| {
-            let mut c = common::helper_command()
-                .env(SPIN, ROUNDS.to_string())
-                .env("HERDLESS_SOCKET", &serve.socket)
-                .stdin(Stdio::null())
-                .stdout(Stdio::piped())
-                .stderr(Stdio::inherit())
-                .spawn()
-                .expect("spawn a spinner");
-            let mut out = BufReader::new(c.stdout.take().unwrap());
-            let mut line = String::new();
-            while !line.contains("role: ") {
-                line.clear();
-                let n = std::io::BufRead::read_line(&mut out, &mut line).unwrap();
-                assert!(n > 0, "a spinner ended before it connected");
-            }
-            assert!(line.contains("role: shared table"), "{line:?}");
-            std::mem::forget(out);
-            c
-        })
-        .collect();
-    let mut rng = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos() as u64
-        | 1;
-    eprintln!("seed {rng}");
-    let mut next = move || {
-        rng ^= rng << 13;
-        rng ^= rng >> 7;
-        rng ^= rng << 17;
-        rng
-    };
+    let mut spinners = spinners(&serve, 6, (SPIN, ROUNDS.to_string()), "role: shared table");
+    let mut next = seeded_rng();
     let mut stops = 0;
     while spinners.iter_mut().any(|c| c.try_wait().unwrap().is_none()) && stops < 3000 {
         let c = &spinners[(next() % 6) as usize];
@@ -355,6 +323,23 @@ fn givers_stopped_anywhere_leave_no_wait_hanging() {
     );
     let (status, log) = serve.stop();
     assert!(status.success(), "{log}");
+}
+
+/// A xorshift generator seeded from the clock (the seed is printed, to
+/// replay a failure).
+fn seeded_rng() -> impl FnMut() -> u64 {
+    let mut rng = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos() as u64
+        | 1;
+    eprintln!("seed {rng}");
+    move || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng
+    }
 }
 
 /// Starts `n` spinner processes with `env` set, each past its handshake
@@ -407,18 +392,7 @@ fn poll_loops_hand_off_in_the_table_through_stops_and_kills() {
         (POLL_SPIN, ROUNDS.to_string()),
         "role: poll hand-off on",
     );
-    let mut rng = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos() as u64
-        | 1;
-    eprintln!("seed {rng}");
-    let mut next = move || {
-        rng ^= rng << 13;
-        rng ^= rng >> 7;
-        rng ^= rng << 17;
-        rng
-    };
+    let mut next = seeded_rng();
     let mut stops = 0;
     let mut killed = Vec::new();
     while procs.iter_mut().any(|c| c.try_wait().unwrap().is_none()) && stops < 2000 {

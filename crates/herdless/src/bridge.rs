@@ -464,6 +464,26 @@ impl Bridge {
         u32::try_from(after).unwrap_or(u32::MAX).max(1)
     }
 
+    /// Brings the pipe to `keep` tokens (0 or 1; `in_pipe` there now):
+    /// takes the surplus back, or asks for the one missing, in the queue
+    /// when none is free.
+    fn keep_in_pipe(&mut self, pool: &mut Pool, in_pipe: u32, keep: u32, now: std::time::Duration) {
+        let Some(id) = self.client else {
+            return;
+        };
+        let mut in_pipe = in_pipe;
+        if in_pipe > keep {
+            in_pipe -= self.take_back(pool, in_pipe - keep, now);
+        }
+        if in_pipe < keep && !self.queued {
+            if pool.free() > 0 {
+                let _ = pool.try_acquire(id);
+            } else if pool.acquire(id, now).is_ok() {
+                self.queued = true;
+            }
+        }
+    }
+
     fn standing_offer(&self, pool: &Pool) -> bool {
         self.classic_seen || pool.external_connections() == 0
     }
@@ -748,16 +768,7 @@ impl Bridge {
             // words back).
             self.offer = None;
             let keep = u32::from(in_pipe > 0 || native_grants >= self.next_offer_at);
-            if in_pipe > keep {
-                in_pipe -= self.take_back(pool, in_pipe - keep, now);
-            }
-            if in_pipe < keep && !self.queued {
-                if pool.free() > 0 {
-                    let _ = pool.try_acquire(id);
-                } else if pool.acquire(id, now).is_ok() {
-                    self.queued = true;
-                }
-            }
+            self.keep_in_pipe(pool, in_pipe, keep, now);
             return;
         }
         if natives_waiting == 0 && self.backed {
@@ -765,20 +776,11 @@ impl Bridge {
             // one standing offer at most, only for a live classic side.
             self.offer = None;
             let keep = u32::from(self.standing_offer(pool));
-            if in_pipe > keep {
-                in_pipe -= self.take_back(pool, in_pipe - keep, now);
-            }
             if keep == 0 && self.queued {
                 let _ = pool.cancel(id);
                 self.queued = false;
             }
-            if in_pipe < keep && !self.queued {
-                if pool.free() > 0 {
-                    let _ = pool.try_acquire(id);
-                } else if pool.acquire(id, now).is_ok() {
-                    self.queued = true;
-                }
-            }
+            self.keep_in_pipe(pool, in_pipe, keep, now);
             return;
         }
         if natives_waiting == 0 {
