@@ -136,13 +136,14 @@ const H_TID: u32 = 10;
 /// tells the broker with [`Request::Returned`] (a classic bridge's next
 /// offer is due: the broker sees no grant or wait in the table).
 const H_NOTIFY: u32 = 11;
+/// Header word: waits in the table withdrawn (at a deadline, or by a
+/// poll loop's caller).
+const H_CANCELLED: u32 = 12;
 /// Header word: the broker's PID namespace
 /// ([`herdless_platform::pid_namespace`], 0 when unknown). A client in
 /// another one uses the socket alone: the process ids in wake words, and
 /// the signals it would send to them, would name other processes.
 const H_PIDNS: u32 = 13;
-/// Header word: waits in the table withdrawn at their deadline.
-const H_CANCELLED: u32 = 12;
 /// Header words 14–15: waiters woken with a token handed to them (64
 /// bits).
 const H_HANDOFFS: u32 = 14;
