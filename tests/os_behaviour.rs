@@ -40,6 +40,9 @@ fn assert_woken_by_one_token(mode: BenchMode, waiters: u32, want: usize) {
 fn assert_one_wakeup_per_grant(waiters: u32, grants: u64) {
     let r = run(BenchMode::Herdless, waiters, grants);
     assert!(r.grants >= grants);
+    // Every grant's release was reported, the waiters' own give-backs a
+    // grant late or in their final records.
+    assert_eq!(r.handoffs_ns.len() as u64, r.grants, "{r:#?}");
     if cfg!(target_vendor = "apple") {
         // macOS counts every switch, preemptions of a running waiter too:
         // a waiter that got no token must not have run at all.

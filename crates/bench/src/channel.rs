@@ -98,9 +98,12 @@ pub(crate) fn wait_readable(file: &File, timeout: Duration) -> io::Result<bool> 
 pub(crate) enum Record {
     /// Set up, and about to wait for the first time.
     Ready { idx: u32, pid: u32 },
-    /// Got a token: began wanting it at `t_want`, had it at `t_got`, and
-    /// (herdless mode) gave it back at `t_rel`, or kept it (`None`)
-    /// because the run is over.
+    /// Got a token: began wanting it at `t_want`, had it at `t_got`.
+    /// Herdless mode: `t_rel` is when this waiter gave back the token it
+    /// got before, if it did and has not said so yet. A waiter reports
+    /// before it gives back, as the kernel modes' waiters do before their
+    /// releaser releases: the report wakes the coordinator, and that
+    /// belongs to no hand-off.
     Got {
         idx: u32,
         t_want: u64,
@@ -109,12 +112,14 @@ pub(crate) enum Record {
     },
     /// Told to stop. `wakes`: sleeps ended during the grant phase;
     /// `cpu_ns`: user + system time since `Ready`; `t_want`: when the wait
-    /// that the stop ended began.
+    /// that the stop ended began; `t_rel`: its last give-back, if no
+    /// `Got` said it.
     Final {
         idx: u32,
         wakes: u64,
         cpu_ns: u64,
         t_want: u64,
+        t_rel: Option<u64>,
     },
     /// The waiter failed; it exits after this.
     Failed { idx: u32, message: String },
@@ -135,7 +140,11 @@ impl Record {
                 wakes,
                 cpu_ns,
                 t_want,
-            } => format!("final {idx} {wakes} {cpu_ns} {t_want}"),
+                t_rel,
+            } => format!(
+                "final {idx} {wakes} {cpu_ns} {t_want} {}",
+                t_rel.unwrap_or(0)
+            ),
             Record::Failed { idx, message } => {
                 let one_line: String = message
                     .chars()
@@ -172,11 +181,12 @@ impl Record {
                 t_got,
                 t_rel: (t_rel != 0).then_some(t_rel),
             }),
-            ("final", &[wakes, cpu_ns, t_want]) => Some(Record::Final {
+            ("final", &[wakes, cpu_ns, t_want, t_rel]) => Some(Record::Final {
                 idx,
                 wakes,
                 cpu_ns,
                 t_want,
+                t_rel: (t_rel != 0).then_some(t_rel),
             }),
             _ => None,
         }
@@ -301,6 +311,14 @@ mod tests {
                 wakes: 5,
                 cpu_ns: 123456,
                 t_want: 77,
+                t_rel: Some(70),
+            },
+            Record::Final {
+                idx: 9,
+                wakes: 5,
+                cpu_ns: 123456,
+                t_want: 77,
+                t_rel: None,
             },
             Record::Failed {
                 idx: 2,

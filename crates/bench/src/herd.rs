@@ -14,10 +14,15 @@
 //!    writes the next token, until G tokens have been claimed.
 //!
 //!    Herdless: the coordinator holds the broker's T tokens and gives them
-//!    back; each waiter that gets one gives it straight back to the broker,
-//!    which hands it to the next waiter in line. The broker is the relay
-//!    the releaser is in the kernel modes. A budget of give-backs (see
-//!    the `shared` module) ends the circulation after exactly G grants.
+//!    back; each waiter that gets one reports it and then gives it straight
+//!    back, and the token goes to the next waiter in line (through the
+//!    shared table, or the broker). The mechanism is the relay the
+//!    releaser is in the kernel modes. The report comes first, as in the
+//!    kernel modes, where it comes before the releaser's next release: the
+//!    coordinator it wakes is not part of any hand-off. A waiter's
+//!    give-back time goes with its next report (or its final one). A
+//!    budget of give-backs (see the `shared` module) ends the circulation
+//!    after exactly G grants.
 //! 4. When every waiter sleeps again, the coordinator stops them all with
 //!    one last wake-up each (it closes the FIFO, posts a stop, or passes
 //!    one more token down the broker's line); each reports how often it
@@ -433,9 +438,11 @@ impl Run<'_> {
                     wakes,
                     cpu_ns,
                     t_want,
+                    t_rel,
                 } => {
                     self.finals[idx as usize] = Some((wakes, cpu_ns));
                     self.t_want[idx as usize] = t_want;
+                    self.releases.extend(t_rel);
                 }
                 other => self.unexpected(other)?,
             }

@@ -84,12 +84,13 @@ impl Tally {
 
     /// Sends the final record. `after_stop_wait` is the usage read right
     /// after the wait call that the stop ended, or `None` when the stop was
-    /// seen without waiting.
+    /// seen without waiting; `t_rel` a give-back not reported yet.
     fn finish(
         &self,
         out: &mut RecordWriter,
         after_stop_wait: Option<Usage>,
         t_want: u64,
+        t_rel: Option<u64>,
     ) -> io::Result<()> {
         let (at, stop_sleep) = match after_stop_wait {
             Some(u) => (u, 1),
@@ -102,6 +103,7 @@ impl Tally {
             wakes: slept.saturating_sub(stop_sleep),
             cpu_ns: u64::try_from(cpu.as_nanos()).unwrap_or(u64::MAX),
             t_want,
+            t_rel,
         })
     }
 }
@@ -120,7 +122,7 @@ fn pipe_waiter(mode: Mode, dir: &Path, idx: u32, out: &mut RecordWriter) -> io::
             match waiter.try_claim() {
                 Ok(c) => c,
                 Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => {
-                    return tally.finish(out, after_wait, t_want)
+                    return tally.finish(out, after_wait, t_want, None)
                 }
                 Err(e) => return Err(e),
             }
@@ -135,7 +137,7 @@ fn pipe_waiter(mode: Mode, dir: &Path, idx: u32, out: &mut RecordWriter) -> io::
                 // `PipeWaiter::wait` has no deadline and retries `EINTR`.
                 Ok(Woken::Readable | Woken::TimedOut | Woken::Interrupted) => continue,
                 Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => {
-                    return tally.finish(out, after_wait, t_want)
+                    return tally.finish(out, after_wait, t_want, None)
                 }
                 Err(e) => return Err(e),
             }
@@ -165,7 +167,7 @@ fn futex_waiter(dir: &Path, idx: u32, out: &mut RecordWriter) -> io::Result<()> 
             after_wait = Some(self_rusage()?);
         }
         if stop.value() > 0 {
-            return tally.finish(out, after_wait, t_want);
+            return tally.finish(out, after_wait, t_want, None);
         }
         let t_got = now_ns();
         out.send(&Record::Got {
@@ -179,7 +181,9 @@ fn futex_waiter(dir: &Path, idx: u32, out: &mut RecordWriter) -> io::Result<()> 
 
 /// Takes tokens from the broker and, for each, does what the next byte of
 /// the budget FIFO says: give it back at once, keep it, or stop (pass it
-/// on, with those kept, and end).
+/// on, with those kept, and end). Each grant is reported before the token
+/// goes back, with the give-back before it: the report wakes the
+/// coordinator, which must not fall inside the next waiter's hand-off.
 fn herdless_waiter(dir: &Path, idx: u32, out: &mut RecordWriter) -> io::Result<()> {
     let client = Client::connect_with(
         dir.join(SOCKET_NAME),
@@ -189,6 +193,7 @@ fn herdless_waiter(dir: &Path, idx: u32, out: &mut RecordWriter) -> io::Result<(
     let mut budget = open_fifo_read(&dir.join(BUDGET), false)?;
     let tally = Tally::start(out, idx)?;
     let mut kept = Vec::new();
+    let mut t_rel = None;
     loop {
         let t_want = now_ns();
         let token = client.acquire().map_err(io::Error::other)?;
@@ -196,33 +201,29 @@ fn herdless_waiter(dir: &Path, idx: u32, out: &mut RecordWriter) -> io::Result<(
         let t_got = now_ns();
         let mut byte = [0u8; 1];
         budget.read_exact(&mut byte)?;
-        let t_rel = match byte[0] {
+        if byte[0] == STOP {
+            drop(token);
+            drop(kept);
+            return tally.finish(out, Some(woke), t_want, t_rel);
+        }
+        out.send(&Record::Got {
+            idx,
+            t_want,
+            t_got,
+            t_rel: t_rel.take(),
+        })?;
+        match byte[0] {
             GIVE_BACK => {
-                let t = now_ns();
+                t_rel = Some(now_ns());
                 drop(token);
-                Some(t)
             }
-            KEEP => {
-                kept.push(token);
-                None
-            }
-            STOP => {
-                drop(token);
-                drop(kept);
-                return tally.finish(out, Some(woke), t_want);
-            }
+            KEEP => kept.push(token),
             other => {
                 return Err(io::Error::new(
                     io::ErrorKind::InvalidData,
                     format!("unknown budget byte {other:#x}"),
                 ))
             }
-        };
-        out.send(&Record::Got {
-            idx,
-            t_want,
-            t_got,
-            t_rel,
-        })?;
+        }
     }
 }
