@@ -69,6 +69,11 @@ pub(crate) const STOP: u8 = b's';
 /// FIFO buffer of the supported systems.
 const BUDGET_AHEAD: u64 = 2048;
 
+/// Grants reported between two top-ups of the budget: the coordinator's
+/// writes stay off most grants, and the window stays at least
+/// `BUDGET_AHEAD - BUDGET_BATCH` bytes ahead of what was reported.
+const BUDGET_BATCH: u64 = 64;
+
 /// The run's private directory; removes what it made when dropped.
 pub(crate) struct Scratch {
     dir: RunDir,
@@ -179,6 +184,8 @@ pub(crate) struct Budget {
     fifo: FifoOut,
     give_backs: u64,
     keeps: u64,
+    /// Grants reported since the last top-up.
+    owed: u64,
 }
 
 impl Budget {
@@ -282,6 +289,7 @@ impl Shared {
                         fifo: FifoOut::open(&scratch.fifo(BUDGET)?)?,
                         give_backs: grants - first,
                         keeps: first,
+                        owed: 0,
                     },
                     stopper,
                     thread: Some(thread),
@@ -330,8 +338,16 @@ impl Shared {
     /// token in; herdless tops up the budget.
     pub(crate) fn after_grant(&mut self, releases: &mut Vec<u64>) -> io::Result<()> {
         match self {
-            // One byte per grant keeps the window where it was.
-            Shared::Herdless { budget, .. } => budget.top_up(1),
+            // One byte per grant, a batch at a time, keeps the window
+            // where it was.
+            Shared::Herdless { budget, .. } => {
+                budget.owed += 1;
+                if budget.owed < BUDGET_BATCH {
+                    return Ok(());
+                }
+                let n = std::mem::take(&mut budget.owed);
+                budget.top_up(n)
+            }
             _ => self.release_one(releases).map(drop),
         }
     }

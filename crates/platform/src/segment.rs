@@ -123,10 +123,12 @@ impl Segment {
     }
 
     /// Table words.
+    #[inline]
     pub fn words(&self) -> u32 {
         self.words
     }
 
+    #[inline]
     fn at(&self, index: usize) -> &AtomicU32 {
         assert!(index < HEADER_WORDS as usize + self.words as usize);
         // SAFETY: `index` is inside the mapping (checked above), which is
@@ -140,6 +142,7 @@ impl Segment {
     /// # Panics
     ///
     /// When `i` is out of range.
+    #[inline]
     pub fn header(&self, i: u32) -> &AtomicU32 {
         assert!(i < HEADER_WORDS, "header word {i} out of range");
         self.at(i as usize)
@@ -150,6 +153,7 @@ impl Segment {
     /// # Panics
     ///
     /// When `i` is out of range.
+    #[inline]
     pub fn word(&self, i: u32) -> &AtomicU32 {
         assert!(i < self.words, "table word {i} out of range");
         self.at(HEADER_WORDS as usize + i as usize)
@@ -161,6 +165,7 @@ impl Segment {
     /// # Panics
     ///
     /// When `i` is odd or `i + 1` is not a header word.
+    #[inline]
     pub fn header64(&self, i: u32) -> &AtomicU64 {
         assert!(
             i % 2 == 0 && i + 1 < HEADER_WORDS,
@@ -175,6 +180,7 @@ impl Segment {
     }
 
     /// The 64-bit counter made of header words 8 and 9.
+    #[inline]
     pub fn counter64(&self) -> &AtomicU64 {
         // SAFETY: header words 8 and 9 lie inside the mapping at byte
         // offset 32 from its page-aligned start, so the pointer is 8-aligned
@@ -827,6 +833,7 @@ pub fn recv_with_fd(sock: BorrowedFd<'_>, buf: &mut [u8]) -> io::Result<(usize, 
 /// the first call, so a fork made by `fork(3)` (and everything built on
 /// it) is seen; a raw `clone(2)` that skips the C library's handlers is
 /// not.
+#[inline]
 pub fn fork_generation() -> Option<u64> {
     imp::fork_generation()
 }
