@@ -90,6 +90,14 @@ fn herdless_wakes_exactly_one_of_256() {
     assert_one_wakeup_per_grant(256, 256);
 }
 
+/// More waiters than a table of 1024 slots held (with the releaser, 1025
+/// clients): every one of them still waits in the table, so no wait at
+/// the broker closes it and moves the others (a second wake-up each).
+#[test]
+fn herdless_wakes_exactly_one_of_1100() {
+    assert_one_wakeup_per_grant(1100, 300);
+}
+
 #[cfg(target_os = "linux")]
 mod linux {
     use super::*;

@@ -101,8 +101,12 @@ pub const FREE: u32 = 0;
 const GIFT: u32 = 0x8000_0000;
 /// The giver named in a gift the broker makes (never a client's id).
 pub const BROKER_GIVER: u32 = 0x7fff;
-/// The most client slots a table has (each id is 1 to this).
-pub const MAX_SLOTS: u32 = 1024;
+/// The most client slots a table has (each id is 1 to this): as many as
+/// the broker's death guard can watch besides slot 0 (the kernel walks at
+/// most 2048 entries of a robust list). A client beyond them uses the
+/// socket, and a wait of its at the broker closes the table, whose
+/// waiters then pay a second wake-up each (moved to the broker's queue).
+pub const MAX_SLOTS: u32 = DeathGuard::MAX_WORDS as u32 - 1;
 
 /// Header word: [`MAGIC`].
 const H_MAGIC: u32 = 0;
