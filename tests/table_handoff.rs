@@ -16,6 +16,7 @@ const SPIN: &str = "HERDLESS_HANDOFF_TEST_SPIN";
 /// As [`SPIN`], but waiting in a poll loop (`request_grant`, then
 /// `poll(2)` on the client's descriptor) with the poll-loop hand-off on.
 const POLL_SPIN: &str = "HERDLESS_HANDOFF_TEST_POLL_SPIN";
+const FILL_FDS: &str = "HERDLESS_HANDOFF_TEST_FILL_FDS";
 
 #[test]
 fn helper_process() {
@@ -45,8 +46,16 @@ fn helper_process() {
             herdless::client::Options::default().implicit_token(false),
         )
         .expect("connect to the broker");
-        let on = client.enable_poll_handoff().expect("poll hand-off");
-        println!("role: poll hand-off {}", if on { "on" } else { "off" });
+        // With FILL_FDS the descriptor table is full first: no eventfd or
+        // epoll descriptor can be made, and the hand-off is refused.
+        let _filler = std::env::var_os(FILL_FDS).map(|_| fill_fd_table(&client));
+        match client.enable_poll_handoff() {
+            Ok(on) => println!("role: poll hand-off {}", if on { "on" } else { "off" }),
+            Err(e) if std::env::var_os(FILL_FDS).is_some() => {
+                println!("role: poll hand-off refused: {e}");
+            }
+            Err(e) => panic!("poll hand-off: {e}"),
+        }
         let mut polls = 0u64;
         for _ in 0..n {
             let t = loop {
@@ -67,6 +76,24 @@ fn helper_process() {
         }
         println!("role: done after {polls} polls");
         std::process::exit(0);
+    }
+}
+
+/// Fills this process's descriptor table (a soft limit of 64, then
+/// duplicates of the client's descriptor until `EMFILE`); the duplicates
+/// are returned, to keep.
+fn fill_fd_table(client: &herdless::client::Client) -> Vec<std::os::fd::OwnedFd> {
+    use nix::sys::resource::{getrlimit, setrlimit, Resource};
+    use std::os::fd::AsFd;
+    let (_, hard) = getrlimit(Resource::RLIMIT_NOFILE).expect("getrlimit");
+    setrlimit(Resource::RLIMIT_NOFILE, 64.min(hard), hard).expect("setrlimit");
+    let mut fds = Vec::new();
+    loop {
+        match client.as_fd().try_clone_to_owned() {
+            Ok(fd) => fds.push(fd),
+            Err(e) if e.raw_os_error() == Some(libc::EMFILE) => return fds,
+            Err(e) => panic!("dup: {e}"),
+        }
     }
 }
 
@@ -442,6 +469,52 @@ fn poll_loops_hand_off_in_the_table_through_stops_and_kills() {
         s.wakeups,
         fast.moved
     );
+    let (status, log) = serve.stop();
+    assert!(status.success(), "{log}");
+}
+
+#[test]
+fn a_poll_loop_with_no_descriptor_left_keeps_to_the_socket() {
+    // Two poll-loop processes whose descriptor tables are full when they
+    // turn the poll-loop hand-off on: it needs an eventfd and an epoll
+    // descriptor, so it is refused with the OS's reason, and each process
+    // goes on with its waits at the broker (its socket, already open).
+    // They share one token for their rounds: every round ends, nothing is
+    // lost, and no wait went through the table.
+    const ROUNDS: u32 = 200;
+    let serve = Serve::start(2);
+    let mut procs: Vec<_> = (0..2)
+        .map(|_| {
+            let mut c = common::helper_command()
+                .env(POLL_SPIN, ROUNDS.to_string())
+                .env(FILL_FDS, "1")
+                .env("HERDLESS_SOCKET", &serve.socket)
+                .stdin(Stdio::null())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::inherit())
+                .spawn()
+                .expect("spawn a spinner");
+            let out = c.stdout.take().unwrap();
+            (c, BufReader::new(out))
+        })
+        .collect();
+    for (c, out) in &mut procs {
+        let mut text = String::new();
+        std::io::Read::read_to_string(out, &mut text).unwrap();
+        let status = common::wait_timeout(c, PATIENCE).expect("a spinner never finished");
+        assert!(status.success(), "{status:?}: {text}");
+        assert!(
+            text.contains("role: poll hand-off refused: ") && text.contains("Too many open files"),
+            "{text}"
+        );
+        assert!(text.contains("role: done"), "{text}");
+    }
+    let s = serve.wait_for("all free", |s| s.clients.is_empty() && s.free == 1);
+    assert_eq!(s.lost, 0, "{s:#?}");
+    assert!(s.max_in_use <= 1, "{s:#?}");
+    // Both waited at the broker: no wait of theirs was ever in the table.
+    assert!(s.waits > 0, "{s:#?}");
+    assert_eq!(s.fast.as_ref().expect("a table").moved, 0, "{s:#?}");
     let (status, log) = serve.stop();
     assert!(status.success(), "{log}");
 }
