@@ -71,7 +71,9 @@ const BUDGET_AHEAD: u64 = 2048;
 
 /// Grants reported between two top-ups of the budget: the coordinator's
 /// writes stay off most grants, and the window stays at least
-/// `BUDGET_AHEAD - BUDGET_BATCH` bytes ahead of what was reported.
+/// `BUDGET_AHEAD - BUDGET_BATCH` bytes ahead of what was reported, room for
+/// a byte for every token in flight. With more tokens than that, it tops
+/// up at every grant.
 const BUDGET_BATCH: u64 = 64;
 
 /// The run's private directory; removes what it made when dropped.
@@ -186,6 +188,8 @@ pub(crate) struct Budget {
     keeps: u64,
     /// Grants reported since the last top-up.
     owed: u64,
+    /// Grants reported between two top-ups.
+    batch: u64,
 }
 
 impl Budget {
@@ -290,6 +294,11 @@ impl Shared {
                         give_backs: grants - first,
                         keeps: first,
                         owed: 0,
+                        batch: if u64::from(tokens) + BUDGET_BATCH > BUDGET_AHEAD {
+                            1
+                        } else {
+                            BUDGET_BATCH
+                        },
                     },
                     stopper,
                     thread: Some(thread),
@@ -342,7 +351,7 @@ impl Shared {
             // where it was.
             Shared::Herdless { budget, .. } => {
                 budget.owed += 1;
-                if budget.owed < BUDGET_BATCH {
+                if budget.owed < budget.batch {
                     return Ok(());
                 }
                 let n = std::mem::take(&mut budget.owed);
