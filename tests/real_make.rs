@@ -536,6 +536,34 @@ fn herdless_bmake_runs_a_recursive_tree_at_j_1_4_16_64() {
     }
 }
 
+#[test]
+fn a_herdless_bmake_gives_back_what_its_jobs_returned_before_it_exits() {
+    // Eight sub-makes each run four jobs that start together (-j33 has a
+    // token for every job) and sleep as long. bmake keeps the token of a
+    // job that ended for its next job until it next polls; when a make
+    // reaps its last jobs in one pass, there is no next job and no next
+    // poll. The make gives the kept tokens back before it exits, so the
+    // broker takes nothing back from a client that ended holding one.
+    // Several rounds: the ends fall into one pass only now and then.
+    let bmake = herdless_bmake();
+    for round in 0..5 {
+        let t = Tree::new(&format!("real-bmake-kept-{round}"));
+        t.recursive_makefile(8, 4);
+        let mut cmd = make_cmd(&t, &bmake);
+        cmd.arg("-j33").env("JOB_SLEEP", "0.2");
+        let out = run(cmd);
+        let report = text(&out);
+        assert!(out.status.success(), "round {round}: {report}");
+        assert_eq!(t.counts().0, 32, "round {round}: {report}");
+        let brokers = broker_lines(&t);
+        assert_eq!(brokers.len(), 1, "round {round}: {brokers:?}");
+        let b = &brokers[0];
+        assert_eq!(figure(b, "lost"), 0, "round {round}: {b:?}");
+        assert_eq!(figure(b, "reclaimed"), 0, "round {round}: {b:?}");
+        assert_no_leftovers(&t);
+    }
+}
+
 /// A job fails in one branch: the abort reaches every branch, herdless
 /// bmakes by the broker's message, stock bmakes by the `E` token the
 /// bridge writes into their pipe, and the tree stops without starting

@@ -61,8 +61,8 @@ for v in polling herdless; do
     status=1
   fi
 done
-grants=$(awk '{g += $4} END {print g + 0}' "$work/herdless.stats")
-lost=$(awk '{l += $10} END {print l + 0}' "$work/herdless.stats")
+grants=$(awk '{for (i = 1; i < NF; i++) if ($i == "native_grants") g += $(i + 1)} END {print g + 0}' "$work/herdless.stats")
+lost=$(awk '{for (i = 1; i < NF; i++) if ($i == "lost") l += $(i + 1)} END {print l + 0}' "$work/herdless.stats")
 brokers=$(wc -l <"$work/herdless.stats")
 echo "herdless: $brokers broker(s) started by the tests' makes, $grants native grants, $lost token(s) lost"
 if [[ -s $work/debian.stats || -s $work/polling.stats ]]; then

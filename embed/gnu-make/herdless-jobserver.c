@@ -145,10 +145,10 @@ report (const herdless_broker_report *r)
   if (!f)
     return;
   fprintf (f, "jobs %u native_grants %llu classic_offered %llu "
-           "max_in_use %u lost %lld\n", r->jobs,
+           "max_in_use %u reclaimed %llu lost %lld\n", r->jobs,
            (unsigned long long) r->native_grants,
            (unsigned long long) r->classic_offered, r->max_in_use,
-           (long long) r->lost);
+           (unsigned long long) r->reclaimed, (long long) r->lost);
   fclose (f);
 }
 

@@ -90,8 +90,8 @@ fi
 awk '$2 != $3 {print "  both fail: " $1 " (" $2 "/" $3 ")"}' "$work/stock.summary"
 
 brokers=$(wc -l <"$work/herdless.stats")
-grants=$(awk '{g += $4} END {print g + 0}' "$work/herdless.stats")
-lost=$(awk '{l += $10} END {print l + 0}' "$work/herdless.stats")
+grants=$(awk '{for (i = 1; i < NF; i++) if ($i == "native_grants") g += $(i + 1)} END {print g + 0}' "$work/herdless.stats")
+lost=$(awk '{for (i = 1; i < NF; i++) if ($i == "lost") l += $(i + 1)} END {print l + 0}' "$work/herdless.stats")
 echo "herdless: $brokers broker(s) started by the suite's makes, $grants native grants, $lost token(s) lost"
 if [[ -s $work/stock.stats ]]; then
   echo "stock make wrote broker figures: it is not stock" >&2
