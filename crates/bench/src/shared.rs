@@ -10,34 +10,31 @@
 //!   the releaser, which takes all the broker's tokens at the start: T to
 //!   circulate, one for the stop. A release gives one back.
 //!
-//!   A waiter that gets a token reads one byte from the *budget* FIFO and
-//!   does what it says: `+` give the token straight back to the broker,
-//!   `k` keep it (the grants are done), `s` stop. The budget is written
-//!   ahead of the grants: a `+` for each grant wanted after the first T,
-//!   then a `k` for each circulating token, so the run ends after exactly
-//!   G grants with every token kept by the waiter that got it last. (A
-//!   waiter would only block on the budget if this process fell thousands
-//!   of grants behind.) The end is told by a byte, not by closing the FIFO:
-//!   a process forking elsewhere in this process could hold the write end
-//!   open a moment longer, and a waiter would sleep until it let go.
+//!   A waiter that gets a token asks the *budget* what to do with it: two
+//!   counts in mapped files, give-backs (G − T, or 0 when G ≤ T) and keeps
+//!   (T, or G). It takes one from the give-backs and gives the token
+//!   straight back to the broker; if there are none left, one from the
+//!   keeps and keeps the token (the grants are done); if both are spent,
+//!   it stops. So the run ends after exactly G grants with every token
+//!   kept by the waiter that got it last, and the budget costs a waiter
+//!   two atomic operations at most, no system call: the kernel modes'
+//!   waiters make none for it either (their releaser decides).
 //!
-//!   The stop is a grant too: the releaser writes an `s` per waiter and
-//!   gives back its last token, which wakes the first waiter in line; that
-//!   one passes it on (with any it kept) and ends, and so on down the
-//!   line, so each waiter wakes once for the stop, as in the other modes.
+//!   The stop is a grant too: with the budget spent, the releaser gives
+//!   back its last token, which wakes the first waiter in line; that one
+//!   passes it on (with any it kept) and ends, and so on down the line, so each waiter wakes once for the stop, as in the other modes.
 //!   Stopping the broker instead would wake a waiter that holds a token
 //!   twice: once for the broker's word about it, once for the closed
 //!   connection.
 
 use std::fs::{self, File};
 use std::io::{self, Write};
-use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 use std::thread;
 
 use herdless_platform::wait::Mode;
-use herdless_platform::SharedWord;
+use herdless_platform::{SharedCount, SharedWord};
 
 use super::channel::{make_fifo, open_fifo_read, open_fifo_write};
 use super::BenchMode;
@@ -56,25 +53,10 @@ pub(crate) const RECORDS: &str = "records";
 pub(crate) const WORD: &str = "word";
 /// The futex mode's stop flag.
 pub(crate) const STOP_WORD: &str = "stop-word";
-/// Herdless mode: what to do with each token, a byte each.
-pub(crate) const BUDGET: &str = "budget";
-/// Budget byte: give the token back.
-pub(crate) const GIVE_BACK: u8 = b'+';
-/// Budget byte: keep the token, the grants are done.
-pub(crate) const KEEP: u8 = b'k';
-/// Budget byte: stop.
-pub(crate) const STOP: u8 = b's';
-
-/// Budget bytes written ahead of the grants; small enough for the smallest
-/// FIFO buffer of the supported systems.
-const BUDGET_AHEAD: u64 = 2048;
-
-/// Grants reported between two top-ups of the budget: the coordinator's
-/// writes stay off most grants, and the window stays at least
-/// `BUDGET_AHEAD - BUDGET_BATCH` bytes ahead of what was reported, room for
-/// a byte for every token in flight. With more tokens than that, it tops
-/// up at every grant.
-const BUDGET_BATCH: u64 = 64;
+/// Herdless mode: grants whose token goes straight back (a count).
+pub(crate) const GIVE_BACKS: &str = "give-backs";
+/// Herdless mode: grants whose token is kept, the last ones (a count).
+pub(crate) const KEEPS: &str = "keeps";
 
 /// The run's private directory; removes what it made when dropped.
 pub(crate) struct Scratch {
@@ -155,55 +137,8 @@ impl FifoOut {
         Ok(done)
     }
 
-    /// Writes `n` copies of `byte`, waiting for room as readers drain it.
-    fn put_all(&mut self, byte: u8, n: u64) -> io::Result<()> {
-        let mut done = 0;
-        while done < n {
-            done += self.put(byte, n - done)?;
-            if done < n {
-                let w = self.writer.as_ref().expect("open");
-                let mut fds = [nix::poll::PollFd::new(
-                    w.as_fd(),
-                    nix::poll::PollFlags::POLLOUT,
-                )];
-                match nix::poll::poll(&mut fds, nix::poll::PollTimeout::NONE) {
-                    Ok(_) | Err(nix::errno::Errno::EINTR) => {}
-                    Err(e) => return Err(e.into()),
-                }
-            }
-        }
-        Ok(())
-    }
-
     fn close(&mut self) {
         drop(self.writer.take());
-    }
-}
-
-/// The herdless budget: `give_backs` `+` bytes, then `keeps` `k` bytes,
-/// written a window ahead of the grants.
-pub(crate) struct Budget {
-    fifo: FifoOut,
-    give_backs: u64,
-    keeps: u64,
-    /// Grants reported since the last top-up.
-    owed: u64,
-    /// Grants reported between two top-ups.
-    batch: u64,
-}
-
-impl Budget {
-    /// Writes up to `n` more bytes of the script; never blocks.
-    fn top_up(&mut self, n: u64) -> io::Result<()> {
-        let plus = self.give_backs.min(n);
-        let wrote = self.fifo.put(GIVE_BACK, plus)?;
-        self.give_backs -= wrote;
-        if wrote < plus || self.give_backs > 0 {
-            return Ok(());
-        }
-        let k = self.keeps.min(n - wrote);
-        self.keeps -= self.fifo.put(KEEP, k)?;
-        Ok(())
     }
 }
 
@@ -227,7 +162,8 @@ pub(crate) enum Shared {
         _spare: Vec<Token>,
         /// The token that starts the stop.
         last: Option<Token>,
-        budget: Budget,
+        /// Give-backs and keeps left (see the module's notes).
+        _budget: (SharedCount, SharedCount),
         stopper: Stopper,
         thread: Option<thread::JoinHandle<io::Result<Status>>>,
         /// The broker's thread, whose CPU time is the relay's (Linux).
@@ -289,17 +225,10 @@ impl Shared {
                     held,
                     _spare: spare,
                     last,
-                    budget: Budget {
-                        fifo: FifoOut::open(&scratch.fifo(BUDGET)?)?,
-                        give_backs: grants - first,
-                        keeps: first,
-                        owed: 0,
-                        batch: if u64::from(tokens) + BUDGET_BATCH > BUDGET_AHEAD {
-                            1
-                        } else {
-                            BUDGET_BATCH
-                        },
-                    },
+                    _budget: (
+                        SharedCount::create(scratch.track(GIVE_BACKS), count(grants - first)?)?,
+                        SharedCount::create(scratch.track(KEEPS), count(first)?)?,
+                    ),
                     stopper,
                     thread: Some(thread),
                     tid,
@@ -330,11 +259,6 @@ impl Shared {
     /// Starts the grant phase: puts the first tokens into circulation,
     /// pushing the time of each release onto `releases`.
     pub(crate) fn start(&mut self, tokens: u32, releases: &mut Vec<u64>) -> io::Result<()> {
-        // The budget first: a waiter may get a token the moment it is
-        // released, and must find its give-back already there.
-        if let Shared::Herdless { budget, .. } = self {
-            budget.top_up(BUDGET_AHEAD)?;
-        }
         for _ in 0..tokens {
             if !self.release_one(releases)? {
                 break;
@@ -344,19 +268,10 @@ impl Shared {
     }
 
     /// After each grant reported: the kernel modes' releaser puts the next
-    /// token in; herdless tops up the budget.
+    /// token in; in herdless mode the waiters pass tokens on themselves.
     pub(crate) fn after_grant(&mut self, releases: &mut Vec<u64>) -> io::Result<()> {
         match self {
-            // One byte per grant, a batch at a time, keeps the window
-            // where it was.
-            Shared::Herdless { budget, .. } => {
-                budget.owed += 1;
-                if budget.owed < budget.batch {
-                    return Ok(());
-                }
-                let n = std::mem::take(&mut budget.owed);
-                budget.top_up(n)
-            }
+            Shared::Herdless { .. } => Ok(()),
             _ => self.release_one(releases).map(drop),
         }
     }
@@ -408,13 +323,10 @@ impl Shared {
                 }
                 Ok(())
             }
-            Shared::Herdless { last, budget, .. } => {
-                // As many as fit now, the token that starts the line, then
-                // the rest as the line drains the FIFO.
-                let now = budget.fifo.put(STOP, u64::from(waiters))?;
+            Shared::Herdless { last, .. } => {
+                // The budget is spent: the token that starts the line.
                 let token = last.take().expect("stopped once");
-                token.release().map_err(io::Error::other)?;
-                budget.fifo.put_all(STOP, u64::from(waiters) - now)
+                token.release().map_err(io::Error::other)
             }
         }
     }
@@ -454,4 +366,9 @@ impl Drop for Shared {
             }
         }
     }
+}
+
+/// `n` as a budget count.
+fn count(n: u64) -> io::Result<u32> {
+    u32::try_from(n).map_err(|_| io::Error::other(format!("{n} grants do not fit a budget count")))
 }

@@ -20,15 +20,15 @@
 //! macOS keeps no separate count of voluntary switches (XNU's `calcru()`
 //! reports every switch as involuntary), so there both are counted.
 
-use std::io::{self, Read};
+use std::io;
 use std::os::fd::AsFd;
 use std::path::Path;
 
 use herdless_platform::wait::{Mode, PipeWaiter, Woken};
-use herdless_platform::{self_rusage, SharedWord, Usage};
+use herdless_platform::{self_rusage, SharedCount, SharedWord, Usage};
 
 use super::channel::{open_fifo_read, Record, RecordWriter};
-use super::shared::{BUDGET, GIVE_BACK, KEEP, RECORDS, STOP, STOP_WORD, TOKENS, WORD};
+use super::shared::{GIVE_BACKS, KEEPS, RECORDS, STOP_WORD, TOKENS, WORD};
 use super::{now_ns, BenchMode, WorkerArgs};
 use herdless::client::{Client, Options};
 use herdless::rundir::SOCKET_NAME;
@@ -179,29 +179,31 @@ fn futex_waiter(dir: &Path, idx: u32, out: &mut RecordWriter) -> io::Result<()> 
     }
 }
 
-/// Takes tokens from the broker and, for each, does what the next byte of
-/// the budget FIFO says: give it back at once, keep it, or stop (pass it
-/// on, with those kept, and end). Each grant is reported before the token
-/// goes back, with the give-back before it: the report wakes the
-/// coordinator, which must not fall inside the next waiter's hand-off.
+/// Takes tokens from the broker and, for each, does what the budget says:
+/// give it back at once, keep it, or stop (pass it on, with those kept,
+/// and end). Each grant is reported before the token goes back, with the
+/// give-back before it: the report wakes the coordinator, which must not
+/// fall inside the next waiter's hand-off.
 fn herdless_waiter(dir: &Path, idx: u32, out: &mut RecordWriter) -> io::Result<()> {
     let client = Client::connect_with(
         dir.join(SOCKET_NAME),
         Options::default().implicit_token(false),
     )
     .map_err(io::Error::other)?;
-    let mut budget = open_fifo_read(&dir.join(BUDGET), false)?;
+    let give_backs = SharedCount::open(dir.join(GIVE_BACKS))?;
+    let keeps = SharedCount::open(dir.join(KEEPS))?;
     let tally = Tally::start(out, idx)?;
     let mut kept = Vec::new();
     let mut t_rel = None;
     loop {
         let t_want = now_ns();
         let token = client.acquire().map_err(io::Error::other)?;
-        let woke = self_rusage()?;
         let t_got = now_ns();
-        let mut byte = [0u8; 1];
-        budget.read_exact(&mut byte)?;
-        if byte[0] == STOP {
+        let give_back = give_backs.take_one();
+        if !give_back && !keeps.take_one() {
+            // The stop: the usage now is the usage right after the wait
+            // that it ended (two atomic loads since).
+            let woke = self_rusage()?;
             drop(token);
             drop(kept);
             return tally.finish(out, Some(woke), t_want, t_rel);
@@ -212,18 +214,11 @@ fn herdless_waiter(dir: &Path, idx: u32, out: &mut RecordWriter) -> io::Result<(
             t_got,
             t_rel: t_rel.take(),
         })?;
-        match byte[0] {
-            GIVE_BACK => {
-                t_rel = Some(now_ns());
-                drop(token);
-            }
-            KEEP => kept.push(token),
-            other => {
-                return Err(io::Error::new(
-                    io::ErrorKind::InvalidData,
-                    format!("unknown budget byte {other:#x}"),
-                ))
-            }
+        if give_back {
+            t_rel = Some(now_ns());
+            drop(token);
+        } else {
+            kept.push(token);
         }
     }
 }

@@ -101,7 +101,7 @@ pub use segment::{
     fork_generation, recv_with_fd, segment_support, send_with_fd, DeathGuard, Segment,
     FUTEX_OWNER_DIED, FUTEX_TID_MASK, FUTEX_WAITERS, HEADER_WORDS, MAX_WORDS,
 };
-pub use shared_word::SharedWord;
+pub use shared_word::{SharedCount, SharedWord};
 pub use signal::{sent_by_kernel, signal_ignored};
 pub use system::{
     available_memory, listen_fds, load_average, parent_of, parse_meminfo, parse_stat_ppid,

@@ -41,6 +41,23 @@ const WORD_LEN: usize = std::mem::size_of::<AtomicU32>();
 /// access raise `SIGBUS`, as with any file mapping.
 #[derive(Debug)]
 pub struct SharedWord {
+    mapped: MappedWord,
+}
+
+/// A 32-bit count in a `MAP_SHARED` mapping of a file that processes take
+/// from without ever sleeping: a budget several processes draw on, e.g. a
+/// benchmark's "how many more grants" that each waiter decrements.
+///
+/// Unlike [`SharedWord`] it needs no futex, so it works on every Unix.
+/// The file holds the count as a native-endian `u32` at offset 0.
+#[derive(Debug)]
+pub struct SharedCount {
+    mapped: MappedWord,
+}
+
+/// The first word of a file, mapped shared; unmapped when dropped.
+#[derive(Debug)]
+struct MappedWord {
     word: NonNull<AtomicU32>,
     fd: OwnedFd,
 }
@@ -48,22 +65,14 @@ pub struct SharedWord {
 // SAFETY: the mapping is process-wide and lives until drop; the only access
 // to it is through `&AtomicU32`, which is `Sync`. Moving the owner to
 // another thread moves nothing the mapping depends on.
-unsafe impl Send for SharedWord {}
+unsafe impl Send for MappedWord {}
 // SAFETY: as above; all operations through `&self` are atomic.
-unsafe impl Sync for SharedWord {}
+unsafe impl Sync for MappedWord {}
 
-impl SharedWord {
+impl MappedWord {
     /// Creates the file at `path` (mode 0600, which must not exist yet),
-    /// sized to one word, and maps it. The counter starts at 0.
-    ///
-    /// # Errors
-    ///
-    /// `AlreadyExists` when `path` exists (a live file may be in use by
-    /// other processes, and truncating it under them would crash them);
-    /// `Unsupported` where the OS has no shared futex; the OS error of
-    /// `open()`, `ftruncate()` or `mmap()`.
-    pub fn create(path: impl AsRef<Path>) -> io::Result<SharedWord> {
-        Mode::Futex.available()?;
+    /// sized to one word, and maps it. The word starts at 0.
+    fn create(path: &Path) -> io::Result<MappedWord> {
         let file = OpenOptions::new()
             .read(true)
             .write(true)
@@ -71,32 +80,15 @@ impl SharedWord {
             .mode(0o600)
             .open(path)?;
         file.set_len(WORD_LEN as u64)?;
-        SharedWord::from_fd(file.into())
+        MappedWord::from_fd(file.into())
     }
 
-    /// Opens and maps an existing file made by [`create`](SharedWord::create).
-    ///
-    /// # Errors
-    ///
-    /// As [`from_fd`](SharedWord::from_fd), plus the OS error of `open()`.
-    pub fn open(path: impl AsRef<Path>) -> io::Result<SharedWord> {
-        Mode::Futex.available()?;
+    fn open(path: &Path) -> io::Result<MappedWord> {
         let file = OpenOptions::new().read(true).write(true).open(path)?;
-        SharedWord::from_fd(file.into())
+        MappedWord::from_fd(file.into())
     }
 
-    /// `mmap(MAP_SHARED)` of the first word of `fd`, a regular file (or a
-    /// memfd) open for reading and writing, e.g. one inherited from a
-    /// parent.
-    ///
-    /// # Errors
-    ///
-    /// `InvalidInput` when `fd` is not a regular file, `InvalidData` when
-    /// it is shorter than 4 bytes, `Unsupported` where the OS has no shared
-    /// futex, and the OS error of `fstat()` or `mmap()` (`EACCES` when it
-    /// is not open for both reading and writing).
-    pub fn from_fd(fd: OwnedFd) -> io::Result<SharedWord> {
-        Mode::Futex.available()?;
+    fn from_fd(fd: OwnedFd) -> io::Result<MappedWord> {
         let st = fstat(&fd)?;
         if st.st_mode & libc::S_IFMT != libc::S_IFREG {
             return Err(io::Error::new(
@@ -128,7 +120,7 @@ impl SharedWord {
                 0,
             )?
         };
-        Ok(SharedWord {
+        Ok(MappedWord {
             word: ptr.cast(),
             fd,
         })
@@ -139,6 +131,107 @@ impl SharedWord {
         // mapping that stays until `self` drops, and is only ever accessed
         // atomically, by this and other processes.
         unsafe { self.word.as_ref() }
+    }
+}
+
+impl Drop for MappedWord {
+    fn drop(&mut self) {
+        // SAFETY: the mapping was made in `from_fd` with this address and
+        // length, and no reference into it outlives `self`.
+        let _ = unsafe { munmap(self.word.cast(), WORD_LEN) };
+    }
+}
+
+impl SharedCount {
+    /// Creates the file at `path` (mode 0600, which must not exist yet)
+    /// and maps it, holding `count`.
+    ///
+    /// # Errors
+    ///
+    /// `AlreadyExists` when `path` exists; the OS error of `open()`,
+    /// `ftruncate()` or `mmap()`.
+    pub fn create(path: impl AsRef<Path>, count: u32) -> io::Result<SharedCount> {
+        let mapped = MappedWord::create(path.as_ref())?;
+        mapped.word().store(count, Ordering::Release);
+        Ok(SharedCount { mapped })
+    }
+
+    /// Opens and maps an existing file made by
+    /// [`create`](SharedCount::create).
+    ///
+    /// # Errors
+    ///
+    /// `InvalidInput` when `path` is not a regular file, `InvalidData`
+    /// when it is shorter than 4 bytes, the OS error of `open()`,
+    /// `fstat()` or `mmap()`.
+    pub fn open(path: impl AsRef<Path>) -> io::Result<SharedCount> {
+        Ok(SharedCount {
+            mapped: MappedWord::open(path.as_ref())?,
+        })
+    }
+
+    /// Takes one from the count if it is above 0; `false` when it is 0.
+    pub fn take_one(&self) -> bool {
+        self.mapped
+            .word()
+            .fetch_update(Ordering::AcqRel, Ordering::Relaxed, |v| v.checked_sub(1))
+            .is_ok()
+    }
+
+    /// What is left. Stale as soon as it returns.
+    pub fn value(&self) -> u32 {
+        self.mapped.word().load(Ordering::Acquire)
+    }
+}
+
+impl SharedWord {
+    /// Creates the file at `path` (mode 0600, which must not exist yet),
+    /// sized to one word, and maps it. The counter starts at 0.
+    ///
+    /// # Errors
+    ///
+    /// `AlreadyExists` when `path` exists (a live file may be in use by
+    /// other processes, and truncating it under them would crash them);
+    /// `Unsupported` where the OS has no shared futex; the OS error of
+    /// `open()`, `ftruncate()` or `mmap()`.
+    pub fn create(path: impl AsRef<Path>) -> io::Result<SharedWord> {
+        Mode::Futex.available()?;
+        Ok(SharedWord {
+            mapped: MappedWord::create(path.as_ref())?,
+        })
+    }
+
+    /// Opens and maps an existing file made by [`create`](SharedWord::create).
+    ///
+    /// # Errors
+    ///
+    /// As [`from_fd`](SharedWord::from_fd), plus the OS error of `open()`.
+    pub fn open(path: impl AsRef<Path>) -> io::Result<SharedWord> {
+        Mode::Futex.available()?;
+        Ok(SharedWord {
+            mapped: MappedWord::open(path.as_ref())?,
+        })
+    }
+
+    /// `mmap(MAP_SHARED)` of the first word of `fd`, a regular file (or a
+    /// memfd) open for reading and writing, e.g. one inherited from a
+    /// parent.
+    ///
+    /// # Errors
+    ///
+    /// `InvalidInput` when `fd` is not a regular file, `InvalidData` when
+    /// it is shorter than 4 bytes, `Unsupported` where the OS has no shared
+    /// futex, and the OS error of `fstat()` or `mmap()` (`EACCES` when it
+    /// is not open for both reading and writing).
+    pub fn from_fd(fd: OwnedFd) -> io::Result<SharedWord> {
+        Mode::Futex.available()?;
+        Ok(SharedWord {
+            mapped: MappedWord::from_fd(fd)?,
+        })
+    }
+
+    fn word(&self) -> &AtomicU32 {
+        self.mapped.word()
     }
 
     /// The number of tokens now in the word. Stale as soon as it returns.
@@ -211,14 +304,6 @@ impl SharedWord {
 impl AsFd for SharedWord {
     /// The mapped file, e.g. to hand to a child process.
     fn as_fd(&self) -> BorrowedFd<'_> {
-        self.fd.as_fd()
-    }
-}
-
-impl Drop for SharedWord {
-    fn drop(&mut self) {
-        // SAFETY: the mapping was made in `from_fd` with this address and
-        // length, and no reference into it outlives `self`.
-        let _ = unsafe { munmap(self.word.cast(), WORD_LEN) };
+        self.mapped.fd.as_fd()
     }
 }

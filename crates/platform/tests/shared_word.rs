@@ -1,5 +1,6 @@
 //! A shared word hands each posted token to one taker, across two mappings
-//! of the same file.
+//! of the same file; a shared count is taken exactly once per unit, by
+//! several processes at once.
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -8,7 +9,7 @@ use std::thread;
 use std::time::Duration;
 
 use herdless_platform::wait::Mode;
-use herdless_platform::SharedWord;
+use herdless_platform::{SharedCount, SharedWord};
 
 /// A fresh path in the temporary directory, removed on drop.
 struct TempPath(PathBuf);
@@ -117,4 +118,85 @@ fn short_files_are_refused() {
     std::fs::write(&path.0, [0u8; 2]).unwrap();
     let err = SharedWord::open(&path.0).unwrap_err();
     assert_eq!(err.kind(), std::io::ErrorKind::InvalidData);
+}
+
+/// Set in the children of the shared-count test: the file to take from.
+const COUNT_FILE: &str = "HERDLESS_TEST_SHARED_COUNT";
+/// Set in the children of the shared-count test: a count of the children
+/// not started yet, so that all of them take at once.
+const GATE_FILE: &str = "HERDLESS_TEST_SHARED_GATE";
+
+/// Marks this process started and spins until every other one is.
+fn pass_gate(gate: &SharedCount) {
+    assert!(gate.take_one(), "more processes than the gate counts");
+    let start = std::time::Instant::now();
+    while gate.value() > 0 {
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "a process of the test never started"
+        );
+        std::hint::spin_loop();
+    }
+}
+
+/// Not a test on its own: in a child of
+/// `a_count_is_taken_once_per_unit_by_several_processes`, takes from the
+/// count until it is spent and prints how many it took.
+#[test]
+fn shared_count_child() {
+    let Some(path) = std::env::var_os(COUNT_FILE) else {
+        return;
+    };
+    let count = SharedCount::open(path).unwrap();
+    let gate = SharedCount::open(std::env::var_os(GATE_FILE).unwrap()).unwrap();
+    pass_gate(&gate);
+    let mut took = 0u64;
+    while count.take_one() {
+        took += 1;
+    }
+    println!("took={took}");
+}
+
+#[test]
+fn a_count_is_taken_once_per_unit_by_several_processes() {
+    const UNITS: u32 = 2_000_000;
+    const CHILDREN: usize = 4;
+    let path = TempPath::new("budget");
+    let gate_path = TempPath::new("gate");
+    let count = SharedCount::create(&path.0, UNITS).unwrap();
+    let gate = SharedCount::create(&gate_path.0, CHILDREN as u32 + 1).unwrap();
+    assert_eq!(count.value(), UNITS);
+    let children: Vec<_> = (0..CHILDREN)
+        .map(|_| {
+            std::process::Command::new(std::env::current_exe().unwrap())
+                .args(["--exact", "shared_count_child", "--nocapture"])
+                .env(COUNT_FILE, &path.0)
+                .env(GATE_FILE, &gate_path.0)
+                .stdout(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    pass_gate(&gate);
+    let mut took = 0u64;
+    while count.take_one() {
+        took += 1;
+    }
+    for child in children {
+        let out = child.wait_with_output().unwrap();
+        assert!(out.status.success());
+        let text = String::from_utf8_lossy(&out.stdout);
+        let n: u64 = text
+            .lines()
+            .find_map(|l| l.strip_prefix("took="))
+            .unwrap_or_else(|| panic!("no count from a child: {text}"))
+            .parse()
+            .unwrap();
+        took += n;
+    }
+    assert_eq!(took, u64::from(UNITS));
+    assert_eq!(count.value(), 0);
+    assert!(!count.take_one(), "a spent count stays at 0");
+    let err = SharedCount::create(&path.0, 1).unwrap_err();
+    assert_eq!(err.kind(), std::io::ErrorKind::AlreadyExists);
 }
