@@ -292,12 +292,13 @@ pub fn run_cell(cfg: &CellConfig, progress: &mut dyn FnMut(u64)) -> io::Result<C
     wait_all_asleep(&run.pids, Duration::from_secs(60))?;
     let counted0 = counted(&run.pids);
 
-    let relay0 = shared.relay_cpu_ns();
+    // The releaser's CPU is this whole process's in every mode: in the
+    // kernel modes it reads the records and releases; in herdless mode it
+    // reads the records and runs the broker's thread.
     let usage0 = self_rusage()?;
     let t0 = now_ns();
     run.grant_phase(&mut shared, progress)?;
     let usage1 = self_rusage()?;
-    let relay1 = shared.relay_cpu_ns();
 
     // Let the last herd settle, then stop everyone.
     wait_all_asleep(&run.pids, Duration::from_secs(60))?;
@@ -306,10 +307,7 @@ pub fn run_cell(cfg: &CellConfig, progress: &mut dyn FnMut(u64)) -> io::Result<C
     run.stop_phase(&mut shared)?;
     progress(run.got.len() as u64);
 
-    let releaser_cpu = match (relay0, relay1) {
-        (Some(a), Some(b)) => Duration::from_nanos(b.saturating_sub(a)),
-        _ => usage1.since(&usage0).cpu(),
-    };
+    let releaser_cpu = usage1.since(&usage0).cpu();
     let waiters = waiter_counts(counted0, counted1, &run.finals);
     Ok(run.figures(t0, t_stop, releaser_cpu, waiters))
 }

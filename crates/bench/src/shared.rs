@@ -30,7 +30,6 @@
 use std::fs::{self, File};
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
-use std::sync::mpsc;
 use std::thread;
 
 use herdless_platform::wait::Mode;
@@ -43,7 +42,6 @@ use herdless::client::{Client, Options};
 use herdless::rundir::RunDir;
 use herdless::status::Status;
 use herdless::Token;
-use herdless_platform::{current_tid, thread_cpu_ns};
 
 /// The FIFO the pipe modes wait on.
 pub(crate) const TOKENS: &str = "tokens";
@@ -166,8 +164,6 @@ pub(crate) enum Shared {
         _budget: (SharedCount, SharedCount),
         stopper: Stopper,
         thread: Option<thread::JoinHandle<io::Result<Status>>>,
-        /// The broker's thread, whose CPU time is the relay's (Linux).
-        tid: Option<i32>,
     },
 }
 
@@ -199,14 +195,9 @@ impl Shared {
                 let broker = Broker::bind(&socket, config)?;
                 scratch.dir.set_bound();
                 let stopper = broker.stopper();
-                let (tid_tx, tid_rx) = mpsc::channel();
                 let thread = thread::Builder::new()
                     .name("herdless-broker".into())
-                    .spawn(move || {
-                        let _ = tid_tx.send(current_tid());
-                        broker.run()
-                    })?;
-                let tid = tid_rx.recv().ok().flatten();
+                    .spawn(move || broker.run())?;
                 let releaser =
                     Client::connect_with(&socket, Options::default().implicit_token(false))
                         .map_err(io::Error::other)?;
@@ -231,7 +222,6 @@ impl Shared {
                     ),
                     stopper,
                     thread: Some(thread),
-                    tid,
                 })
             }
         }
@@ -241,17 +231,6 @@ impl Shared {
     pub(crate) fn socket(&self) -> Option<&Path> {
         match self {
             Shared::Herdless { socket, .. } => Some(socket),
-            _ => None,
-        }
-    }
-
-    /// CPU time of the relay between waiters — the broker's thread —
-    /// where it can be told apart from the rest of this process, whose
-    /// other thread only reads the waiters' records. `None` means: count
-    /// the whole process (the kernel modes' releaser is this process).
-    pub(crate) fn relay_cpu_ns(&self) -> Option<u64> {
-        match self {
-            Shared::Herdless { tid: Some(tid), .. } => thread_cpu_ns(*tid),
             _ => None,
         }
     }

@@ -95,7 +95,7 @@ pub use poll_wake::{
 };
 pub use process::{
     current_tid, die_with_parent, parse_stat, pid_namespace, process_exit_fd, process_state,
-    resident_kib, sched_count, thread_cpu_ns, ProcessTable, SchedCount,
+    resident_kib, sched_count, ProcessTable, SchedCount,
 };
 pub use segment::{
     fork_generation, recv_with_fd, segment_support, send_with_fd, DeathGuard, Segment,

@@ -136,7 +136,7 @@ pub fn sched_count(pid: u32) -> Option<SchedCount> {
     Some(total)
 }
 
-/// The id of the calling thread, where [`thread_cpu_ns`] can use it (Linux).
+/// The id of the calling thread (Linux's `gettid`); `None` elsewhere.
 pub fn current_tid() -> Option<i32> {
     #[cfg(target_os = "linux")]
     {
@@ -146,16 +146,6 @@ pub fn current_tid() -> Option<i32> {
     {
         None
     }
-}
-
-/// CPU time (ns) of thread `tid` of this process so far: Linux's
-/// `/proc/self/task/TID/schedstat`; `None` elsewhere.
-pub fn thread_cpu_ns(tid: i32) -> Option<u64> {
-    if !cfg!(target_os = "linux") {
-        return None;
-    }
-    let text = std::fs::read_to_string(format!("/proc/self/task/{tid}/schedstat")).ok()?;
-    text.split_whitespace().next()?.parse().ok()
 }
 
 /// Resident memory of process `pid`, in KiB: `(peak, now)`, from Linux's
@@ -250,7 +240,5 @@ mod tests {
         assert!(c.cpu_ns > 0);
         let (peak, now) = resident_kib(me).expect("VmHWM and VmRSS");
         assert!(peak >= now && now > 0);
-        let tid = current_tid().unwrap();
-        assert!(thread_cpu_ns(tid).unwrap() > 0);
     }
 }
