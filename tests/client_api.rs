@@ -210,10 +210,11 @@ fn a_native_wait_gets_the_token_of_the_standing_offer() {
     // Under `herdless run -j 2` whose command is a native client, with no
     // classic client at all: the one shared token goes to the shared
     // table, and, while no native waits, into the classic pipe now and
-    // then as the standing offer (the table closed meanwhile). A native
-    // that then waits must get it: the broker takes the offer back for it.
-    // Rounds wait so, with a blocking acquire or in a poll loop (with the
-    // poll-loop hand-off on) in turn; a round that stalls fails the test.
+    // then as the standing offer (the table stays open, with no free
+    // word). A native that then waits, in the table, must get it: its wait
+    // tells the broker, which takes the offer back for it. Rounds wait so,
+    // with a blocking acquire or in a poll loop (with the poll-loop
+    // hand-off on) in turn; a round that stalls fails the test.
     let stdout = role_under_run(2, "wait-for-the-offer");
     assert!(stdout.contains("role: 40 rounds"), "{stdout}");
 }
@@ -235,7 +236,7 @@ fn wait_for_the_offer() {
         let offered = loop {
             let s = status();
             if s.classic.as_ref().expect("a bridge").in_pipe == 1 {
-                assert!(s.fast.as_ref().is_some_and(|f| !f.open), "{s:#?}");
+                assert!(s.fast.as_ref().is_some_and(|f| f.open), "{s:#?}");
                 break true;
             }
             if start.elapsed() > Duration::from_millis(50) {

@@ -79,10 +79,10 @@
 //! the broker, which then sees neither their grants nor their waits. The
 //! table holds the pool's free tokens only while the classic side is
 //! *dormant* (the command connected natively, no classic client has been
-//! seen at work) and the bridge holds nothing: no token in the pipe, no
-//! request in the pool's queue. Every offer is made with the table
-//! closed, where a grant or a release is a broker event again and the
-//! rules above hold as they are:
+//! seen at work) and the bridge holds nothing but the standing offer: no
+//! other token in the pipe, no request in the pool's queue. Every offer
+//! is asked for with the table closed, where a grant or a release is a
+//! broker event again and the rules above hold as they are:
 //!
 //! - the broker sees no grant or wait in the open table, so the table's
 //!   notify word counts takes and waits there down to the next offer's
@@ -93,8 +93,11 @@
 //!   whether natives wait or not; that closes the table: its waiters go
 //!   to the queue first, in ticket order, its free words back to the
 //!   pool, and the offer follows. An offer made while no native waits is
-//!   a *standing offer*: the first native that waits (at the broker, as
-//!   the table is closed) has it taken back, and the back-off grows;
+//!   a *standing offer*: the table opens again with the rest of the free
+//!   pool, and its notify word asks for the first wait that starts there
+//!   (takes are not told), so natives that find a free word cost the
+//!   broker nothing; the first native that waits, in the table or at the
+//!   broker, has the offer taken back, and the back-off grows;
 //! - once the offer is read or taken back, and the queue has drained (the
 //!   table is *half-open* meanwhile, so new waits start in it rather than
 //!   in the queue), the table opens again.
@@ -146,6 +149,7 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
 use crate::classic::{Auth, Flavor, Jobserver, Style};
+use crate::fast::Notify;
 use crate::log;
 use crate::log::Level;
 use crate::pool::{ClientId, ClientInfo, Pool};
@@ -427,15 +431,31 @@ impl Bridge {
     }
 
     /// Whether the shared table may be open now: in
-    /// [`table_mode`](Self::table_mode), with nothing in the pipe and
-    /// nothing asked for in the pool. An offer is made with the table
-    /// closed, where every grant and release is a broker event again.
+    /// [`table_mode`](Self::table_mode), with nothing asked for in the
+    /// pool and nothing in the pipe but the standing offer. An offer made
+    /// for waiting natives is made with the table closed, where every
+    /// grant and release is a broker event again; the standing offer
+    /// leaves it open, and the first wait in it tells the broker
+    /// ([`notify`](Self::notify)), which takes the offer back for it.
     pub fn leaves_pool_to_table(&self, pool: &Pool) -> bool {
+        self.table_mode() && !self.queued && (self.held(pool) == 0 || self.standing_offer_out(pool))
+    }
+
+    /// Tokens the classic side holds in the pool's books: in the pipe, or
+    /// taken from it.
+    fn held(&self, pool: &Pool) -> u32 {
+        self.client.map_or(0, |id| pool.held_by(id).unwrap_or(0))
+    }
+
+    /// Whether the one token out is the standing offer: put into the pipe
+    /// while no native waited, in [`table_mode`](Self::table_mode), and
+    /// still there.
+    pub fn standing_offer_out(&self, pool: &Pool) -> bool {
         self.table_mode()
             && !self.queued
-            && self
-                .client
-                .map_or(true, |id| pool.held_by(id).unwrap_or(0) == 0)
+            && self.offer.is_none()
+            && self.expected_in_pipe == 1
+            && self.held(pool) == 1
     }
 
     /// In [`table_mode`](Self::table_mode), whether the next
@@ -450,18 +470,21 @@ impl Bridge {
             && native_grants >= self.next_offer_at
     }
 
-    /// After how many takes and waits in the open shared table the broker
-    /// should hear of the next (`crate::fast`'s notify word): in
-    /// [`table_mode`](Self::table_mode), when the next offer is due
-    /// (counted in takes and waits, for grants: natives that contend in
-    /// the table wake the broker about once per offer); 0 (never)
-    /// otherwise.
-    pub fn notify_after(&self) -> u32 {
+    /// When the broker should hear of takes and waits in the open shared
+    /// table (`crate::fast`'s notify word): with the standing offer out,
+    /// at the first wait; otherwise, in [`table_mode`](Self::table_mode),
+    /// when the next offer is due (counted in takes and waits, for
+    /// grants: natives that contend in the table wake the broker about
+    /// once per offer); never otherwise.
+    pub fn notify(&self, pool: &Pool) -> Notify {
+        if self.standing_offer_out(pool) {
+            return Notify::FirstWait;
+        }
         if !self.table_mode() || self.expected_in_pipe > 0 || self.queued {
-            return 0;
+            return Notify::Never;
         }
         let after = self.next_offer_at.saturating_sub(self.grants_seen);
-        u32::try_from(after).unwrap_or(u32::MAX).max(1)
+        Notify::After(u32::try_from(after).unwrap_or(u32::MAX))
     }
 
     /// Brings the pipe to `keep` tokens (0 or 1; `in_pipe` there now):

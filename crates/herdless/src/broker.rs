@@ -530,6 +530,20 @@ impl Broker {
     /// and a backed pool borrow or give back outer tokens, then carries
     /// out what that changed.
     fn rebalance(&mut self) {
+        // A wait that started in the table while the standing offer was
+        // out, before the notify word asked to hear of it, is seen by
+        // `set_table_notify`: the next pass takes the offer back for it
+        // (and the word then asks for nothing). The bound is a guard.
+        for _ in 0..4 {
+            self.rebalance_pass();
+            if !self.set_table_notify() {
+                return;
+            }
+        }
+    }
+
+    /// One pass of [`rebalance`](Self::rebalance).
+    fn rebalance_pass(&mut self) {
         // Each pass settles what the last one's effects changed (a grant
         // to a process already gone frees its token, which a backed pool
         // gives back); each frees fewer, so this ends.
@@ -563,11 +577,25 @@ impl Broker {
             }
         }
         self.retire_from_pipe();
-        if let (Some(bridge), Some(fast)) = (self.bridge.as_ref(), self.fast.as_ref()) {
-            fast.table.set_notify(bridge.notify_after());
-        }
         self.fast_balance();
         self.note_in_use();
+    }
+
+    /// Tells the shared table's clients when to tell the broker of what
+    /// they do there. Returns whether a wait is already in the open table
+    /// that the standing offer must be taken back for: the word is written
+    /// before the waits are read, and a client starts its wait before it
+    /// reads the word (both sequentially consistent), so a wait either
+    /// sees the word or is seen here.
+    fn set_table_notify(&self) -> bool {
+        let (Some(bridge), Some(fast)) = (self.bridge.as_ref(), self.fast.as_ref()) else {
+            return false;
+        };
+        let notify = bridge.notify(&self.pool);
+        fast.table.set_notify(notify);
+        notify == crate::fast::Notify::FirstWait
+            && fast.table.is_open()
+            && fast.table.waiting_count() > 0
     }
 
     /// A handle that stops this broker from another thread.

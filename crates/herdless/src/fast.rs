@@ -138,8 +138,12 @@ const H_TID: u32 = 10;
 /// which the broker wants to hear of the next (0: never): each take and
 /// each wait that starts takes 1 off, and the client that takes it to 0
 /// tells the broker with [`Request::Returned`] (a classic bridge's next
-/// offer is due: the broker sees no grant or wait in the table).
+/// offer is due: the broker sees no grant or wait in the table). With
+/// [`NOTIFY_WAITS`] set, only waits count (a classic bridge's standing
+/// offer is out: the first native that waits must have it back).
 const H_NOTIFY: u32 = 11;
+/// In [`H_NOTIFY`]: only waits that start count down, takes do not.
+const NOTIFY_WAITS: u32 = 0x8000_0000;
 /// Header word: waits in the table withdrawn (at a deadline, or by a
 /// poll loop's caller).
 const H_CANCELLED: u32 = 12;
@@ -162,7 +166,7 @@ const X_COUNTS: u32 = 4;
 /// "HRDT" as a little-endian word.
 const MAGIC: u32 = u32::from_le_bytes(*b"HRDT");
 /// The layout of this module.
-const LAYOUT: u32 = 3;
+const LAYOUT: u32 = 4;
 
 /// A slot's state: not waiting.
 const IDLE: u32 = 0;
@@ -323,6 +327,18 @@ fn extra_base(words: u32, slots: u32) -> u32 {
 /// The segment words of a table of `words` token words and `slots` slots.
 pub fn segment_words(words: u32, slots: u32) -> u32 {
     extra_base(words, slots) + X_COUNTS + crate::stats::BUCKETS as u32
+}
+
+/// When clients of the table tell the broker of what they do there
+/// ([`Table::set_notify`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Notify {
+    /// Never.
+    Never,
+    /// At the n-th take or wait from now (at least the first).
+    After(u32),
+    /// At the first wait that starts; takes are not told.
+    FirstWait,
 }
 
 /// The shared token table, as both the broker and a client see it.
@@ -881,24 +897,36 @@ impl Table {
     }
 
     /// Calls `nudge` if the broker wants to hear of this take or wait
-    /// ([`H_NOTIFY`]).
+    /// ([`H_NOTIFY`]); `wait` says which it is.
     /// Called by a client after it took a word, and by every wait that
     /// starts.
-    pub fn nudge_if_asked(&self, nudge: &dyn Fn()) {
+    pub fn nudge_if_asked(&self, wait: bool, nudge: &dyn Fn()) {
         let word = self.header(H_NOTIFY);
-        if word.load(SeqCst) != 0
-            && word
-                .fetch_update(SeqCst, SeqCst, |n| n.checked_sub(1))
-                .is_ok_and(|was| was == 1)
-        {
+        let n = word.load(SeqCst);
+        if n == 0 || (n & NOTIFY_WAITS != 0 && !wait) {
+            return;
+        }
+        let counted = word.fetch_update(SeqCst, SeqCst, |n| {
+            let flag = n & NOTIFY_WAITS;
+            if flag != 0 && !wait {
+                return None;
+            }
+            (n & !NOTIFY_WAITS).checked_sub(1).map(|left| left | flag)
+        });
+        if counted.is_ok_and(|was| was & !NOTIFY_WAITS == 1) {
             nudge();
         }
     }
 
-    /// Sets after how many takes and waits clients tell the broker of the
-    /// next ([`H_NOTIFY`]; 0: never).
-    pub fn set_notify(&self, n: u32) {
-        self.header(H_NOTIFY).store(n, SeqCst);
+    /// Sets when clients tell the broker of a take or wait in the table
+    /// ([`H_NOTIFY`]).
+    pub fn set_notify(&self, notify: Notify) {
+        let word = match notify {
+            Notify::Never => 0,
+            Notify::After(n) => n.clamp(1, NOTIFY_WAITS - 1),
+            Notify::FirstWait => NOTIFY_WAITS | 1,
+        };
+        self.header(H_NOTIFY).store(word, SeqCst);
     }
 
     /// Looks at the wait of `me` (ticket `t`) after it started and after
@@ -949,7 +977,7 @@ impl Table {
                 Ok(t) => t,
                 Err(end) => return Ok(end),
             };
-            self.nudge_if_asked(nudge);
+            self.nudge_if_asked(true, nudge);
             loop {
                 match self.check(me, tid, t, true) {
                     Step::End(end) => return Ok(end),
@@ -1020,7 +1048,7 @@ impl Table {
                 Ok(t) => t,
                 Err(end) => return PollStep::Ended(end),
             };
-            self.nudge_if_asked(nudge);
+            self.nudge_if_asked(true, nudge);
             match self.check(me, w.tid, w.t, false) {
                 Step::Wait => return PollStep::Waiting(w),
                 Step::End(end) => return PollStep::Ended(self.counted(end, w.since)),

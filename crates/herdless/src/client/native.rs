@@ -409,7 +409,7 @@ impl Native {
             Some(i) => {
                 f.last.store(i, Ordering::Relaxed);
                 f.held.fetch_add(1, Ordering::SeqCst);
-                f.table.nudge_if_asked(&|| self.nudge());
+                f.table.nudge_if_asked(false, &|| self.nudge());
                 true
             }
             None => false,

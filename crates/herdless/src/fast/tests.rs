@@ -197,6 +197,37 @@ fn a_closed_table_gives_nothing_and_asks_for_the_broker() {
 }
 
 #[test]
+fn the_notify_word_counts_what_the_broker_asked_for() {
+    use std::cell::Cell;
+    let t = Table::create(2, 8).expect("a table");
+    let told = Cell::new(0);
+    let nudge = || told.set(told.get() + 1);
+    // Takes and waits count down; the one that reaches 0 tells.
+    t.set_notify(Notify::After(3));
+    t.nudge_if_asked(false, &nudge);
+    t.nudge_if_asked(true, &nudge);
+    assert_eq!(told.get(), 0);
+    t.nudge_if_asked(false, &nudge);
+    assert_eq!(told.get(), 1);
+    t.nudge_if_asked(true, &nudge);
+    assert_eq!(told.get(), 1, "told once");
+    // The standing offer: takes are not told, the first wait is, once.
+    t.set_notify(Notify::FirstWait);
+    for _ in 0..5 {
+        t.nudge_if_asked(false, &nudge);
+    }
+    assert_eq!(told.get(), 1);
+    t.nudge_if_asked(true, &nudge);
+    assert_eq!(told.get(), 2);
+    t.nudge_if_asked(true, &nudge);
+    t.nudge_if_asked(false, &nudge);
+    assert_eq!(told.get(), 2, "told once");
+    t.set_notify(Notify::Never);
+    t.nudge_if_asked(true, &nudge);
+    assert_eq!(told.get(), 2);
+}
+
+#[test]
 fn threads_racing_on_the_table_never_hold_more_than_was_lent() {
     use std::sync::atomic::AtomicU32;
     use std::sync::Arc;
