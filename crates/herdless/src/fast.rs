@@ -832,7 +832,7 @@ impl Table {
     }
 
     /// [`wait`](Self::wait), calling `nudge` (which tells the broker) when
-    /// the broker wants to hear of a wait that starts ([`H_NOTIFY`]).
+    /// the broker wants to hear of a wait that starts (the header's notify word).
     ///
     /// # Errors
     ///
@@ -897,7 +897,7 @@ impl Table {
     }
 
     /// Calls `nudge` if the broker wants to hear of this take or wait
-    /// ([`H_NOTIFY`]); `wait` says which it is.
+    /// (the header's notify word); `wait` says which it is.
     /// Called by a client after it took a word, and by every wait that
     /// starts.
     pub fn nudge_if_asked(&self, wait: bool, nudge: &dyn Fn()) {
@@ -919,7 +919,7 @@ impl Table {
     }
 
     /// Sets when clients tell the broker of a take or wait in the table
-    /// ([`H_NOTIFY`]).
+    /// (the header's notify word).
     pub fn set_notify(&self, notify: Notify) {
         let word = match notify {
             Notify::Never => 0,
