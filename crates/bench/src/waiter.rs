@@ -82,20 +82,21 @@ impl Tally {
         })
     }
 
-    /// Sends the final record. `after_stop_wait` is the usage read right
-    /// after the wait call that the stop ended, or `None` when the stop was
-    /// seen without waiting; `t_rel` a give-back not reported yet.
+    /// Sends the final record. `stop_waited` says whether the stop ended
+    /// a wait (nothing since has slept: the counters read now are those
+    /// right after it); `t_rel` a give-back not reported yet.
+    ///
+    /// No mode reads its counters after each grant: that system call would
+    /// fall inside the next hand-off measured.
     fn finish(
         &self,
         out: &mut RecordWriter,
-        after_stop_wait: Option<Usage>,
+        stop_waited: bool,
         t_want: u64,
         t_rel: Option<u64>,
     ) -> io::Result<()> {
-        let (at, stop_sleep) = match after_stop_wait {
-            Some(u) => (u, 1),
-            None => (self_rusage()?, 0),
-        };
+        let at = self_rusage()?;
+        let stop_sleep = u64::from(stop_waited);
         let slept = sleeps(&at).saturating_sub(sleeps(&self.start));
         let cpu = at.cpu().saturating_sub(self.start.cpu());
         out.send(&Record::Final {
@@ -116,13 +117,13 @@ fn pipe_waiter(mode: Mode, dir: &Path, idx: u32, out: &mut RecordWriter) -> io::
     let mut waiter = PipeWaiter::new(fifo.as_fd(), mode)?;
     let tally = Tally::start(out, idx)?;
     let mut t_want = now_ns();
-    let mut after_wait = None;
+    let mut waited = false;
     loop {
         let claimed = if mode.is_readiness() {
             match waiter.try_claim() {
                 Ok(c) => c,
                 Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => {
-                    return tally.finish(out, after_wait, t_want, None)
+                    return tally.finish(out, waited, t_want, None)
                 }
                 Err(e) => return Err(e),
             }
@@ -131,19 +132,19 @@ fn pipe_waiter(mode: Mode, dir: &Path, idx: u32, out: &mut RecordWriter) -> io::
         };
         if claimed.is_none() {
             let woken = waiter.wait();
-            after_wait = Some(self_rusage()?);
+            waited = true;
             match woken {
                 Ok(Woken::Claimed(_)) => {}
                 // `PipeWaiter::wait` has no deadline and retries `EINTR`.
                 Ok(Woken::Readable | Woken::TimedOut | Woken::Interrupted) => continue,
                 Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => {
-                    return tally.finish(out, after_wait, t_want, None)
+                    return tally.finish(out, waited, t_want, None)
                 }
                 Err(e) => return Err(e),
             }
         }
         let t_got = now_ns();
-        after_wait = None;
+        waited = false;
         out.send(&Record::Got {
             idx,
             t_want,
@@ -161,13 +162,13 @@ fn futex_waiter(dir: &Path, idx: u32, out: &mut RecordWriter) -> io::Result<()> 
     let tally = Tally::start(out, idx)?;
     loop {
         let t_want = now_ns();
-        let mut after_wait = None;
+        let mut waited = false;
         if !word.try_take() {
             word.take()?;
-            after_wait = Some(self_rusage()?);
+            waited = true;
         }
         if stop.value() > 0 {
-            return tally.finish(out, after_wait, t_want, None);
+            return tally.finish(out, waited, t_want, None);
         }
         let t_got = now_ns();
         out.send(&Record::Got {
@@ -201,12 +202,11 @@ fn herdless_waiter(dir: &Path, idx: u32, out: &mut RecordWriter) -> io::Result<(
         let t_got = now_ns();
         let give_back = give_backs.take_one();
         if !give_back && !keeps.take_one() {
-            // The stop: the usage now is the usage right after the wait
-            // that it ended (two atomic loads since).
-            let woke = self_rusage()?;
+            // The stop, which ended a wait: every waiter sleeps before it.
+            let waited = true;
             drop(token);
             drop(kept);
-            return tally.finish(out, Some(woke), t_want, t_rel);
+            return tally.finish(out, waited, t_want, t_rel);
         }
         out.send(&Record::Got {
             idx,
