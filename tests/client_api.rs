@@ -188,14 +188,20 @@ fn a_native_holding_and_waiting_is_not_stalled_by_an_unread_offer() {
 /// Runs this binary's `role` as the command of `herdless run -j jobs`,
 /// within a bound; its standard output, once it succeeded.
 fn role_under_run(jobs: u32, role: &str) -> String {
-    let out = common::output_within(
-        std::process::Command::new(common::BIN)
-            .args(["run", "-j", &jobs.to_string(), "--"])
-            .arg(std::env::current_exe().unwrap())
-            .args(["--exact", "helper_process", "--nocapture"])
-            .env("HERDLESS_TEST_ROLE", role),
-        common::PATIENCE * 2,
-    );
+    role_under_run_with(jobs, role, &[])
+}
+
+/// As [`role_under_run`], with more environment for the role.
+fn role_under_run_with(jobs: u32, role: &str, env: &[(&str, &std::path::Path)]) -> String {
+    let mut cmd = std::process::Command::new(common::BIN);
+    cmd.args(["run", "-j", &jobs.to_string(), "--"])
+        .arg(std::env::current_exe().unwrap())
+        .args(["--exact", "helper_process", "--nocapture"])
+        .env("HERDLESS_TEST_ROLE", role);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let out = common::output_within(&mut cmd, common::PATIENCE * 2);
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(
         out.status.success(),
@@ -217,6 +223,146 @@ fn a_native_wait_gets_the_token_of_the_standing_offer() {
     // hand-off on) in turn; a round that stalls fails the test.
     let stdout = role_under_run(2, "wait-for-the-offer");
     assert!(stdout.contains("role: 40 rounds"), "{stdout}");
+}
+
+#[test]
+fn natives_contending_around_the_standing_offer_stay_within_the_limit() {
+    // Under `herdless run -j 2` whose command is a native client, four
+    // native processes without an implicit token take the one shared
+    // token in turn, by blocking acquires and poll-loop waits, with pauses
+    // in which none waits: the standing offer goes into the pipe and the
+    // table stays open meanwhile, and each wait that follows must get the
+    // offer back. Every round must end (no stall), and the log the
+    // processes write while they hold the token must never show two at
+    // once.
+    let log = std::env::temp_dir().join(format!("herdless-test-offer-log-{}", std::process::id()));
+    let _ = std::fs::remove_file(&log);
+    let stdout = role_under_run_with(
+        2,
+        "contend-around-the-offer",
+        &[("HERDLESS_TEST_LOG", &log)],
+    );
+    let text = std::fs::read_to_string(&log).unwrap();
+    let _ = std::fs::remove_file(&log);
+    let (mut now, mut most, mut holds) = (0i32, 0i32, 0u32);
+    for line in text.lines() {
+        match line {
+            "+" => {
+                now += 1;
+                holds += 1;
+                most = most.max(now);
+            }
+            "-" => now -= 1,
+            other => panic!("a bad log line: {other:?}"),
+        }
+    }
+    assert_eq!(holds, CONTENDERS * CONTENDER_ROUNDS, "{stdout}");
+    assert_eq!(
+        most, 1,
+        "two native processes held the one shared token at once"
+    );
+    let seen: u32 = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("role: contenders done, offer out with the table open "))
+        .unwrap_or_else(|| panic!("{stdout}"))
+        .trim()
+        .parse()
+        .unwrap();
+    assert!(
+        seen >= 1,
+        "the standing offer was never seen out with the table open: {stdout}"
+    );
+}
+
+const CONTENDERS: u32 = 4;
+const CONTENDER_ROUNDS: u32 = 400;
+
+/// The command of the test above: starts the contenders, and meanwhile
+/// counts how often the broker's status shows the standing offer out
+/// with the table open.
+fn contend_around_the_offer() {
+    let socket = herdless::client::socket_from_env().unwrap();
+    let observer = Client::observe(&socket).unwrap();
+    // The command connects natively, as a make with herdless inside does:
+    // the classic side goes dormant and the table takes the free pool.
+    let _native = Client::from_env_with(Options::default().implicit_token(false)).unwrap();
+    let mut children: Vec<_> = (0..CONTENDERS)
+        .map(|i| {
+            std::process::Command::new(std::env::current_exe().unwrap())
+                .args(["--exact", "helper_process", "--nocapture"])
+                .env("HERDLESS_TEST_ROLE", "contender")
+                .env("HERDLESS_TEST_INDEX", i.to_string())
+                .stdout(std::process::Stdio::null())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let start = Instant::now();
+    let mut seen = 0u32;
+    let mut left = children.len();
+    while left > 0 {
+        assert!(start.elapsed() < common::PATIENCE, "a contender stalled");
+        let s: herdless::status::Status = serde_json::from_str(&observer.json().unwrap()).unwrap();
+        if s.classic.as_ref().is_some_and(|c| c.in_pipe == 1)
+            && s.fast.as_ref().is_some_and(|f| f.open)
+        {
+            seen += 1;
+        }
+        left = 0;
+        for c in &mut children {
+            match c.try_wait().unwrap() {
+                Some(st) => assert!(st.success(), "a contender failed: {st}"),
+                None => left += 1,
+            }
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    println!("role: contenders done, offer out with the table open {seen}");
+}
+
+/// One contender: rounds of take, note, hold, note, give back, with a
+/// pause in which it does not wait after every other round or so.
+fn contender() {
+    use std::io::Write;
+    let index: u64 = std::env::var("HERDLESS_TEST_INDEX")
+        .unwrap()
+        .parse()
+        .unwrap();
+    let mut log = std::fs::OpenOptions::new()
+        .append(true)
+        .create(true)
+        .open(std::env::var_os("HERDLESS_TEST_LOG").unwrap())
+        .unwrap();
+    let client = Client::from_env_with(Options::default().implicit_token(false)).unwrap();
+    assert!(client.enable_poll_handoff().unwrap());
+    // xorshift: a different, reproducible sequence per contender.
+    let mut x = 0x9e37_79b9_7f4a_7c15u64 ^ (index + 1);
+    let mut next = move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    };
+    for round in 0..CONTENDER_ROUNDS {
+        let token = if round % 2 == 0 {
+            client.acquire().unwrap()
+        } else {
+            loop {
+                if let Some(t) = client.request_grant().unwrap() {
+                    break t;
+                }
+                let mut fds = [PollFd::new(client.as_fd(), PollFlags::POLLIN)];
+                let _ = poll(&mut fds, PollTimeout::from(5000u16));
+            }
+        };
+        log.write_all(b"+\n").unwrap();
+        std::thread::sleep(Duration::from_micros(next() % 300));
+        log.write_all(b"-\n").unwrap();
+        drop(token);
+        if next() % 2 == 0 {
+            std::thread::sleep(Duration::from_millis(1 + next() % 4));
+        }
+    }
 }
 
 fn wait_for_the_offer() {
@@ -325,6 +471,14 @@ fn helper_process() {
     }
     if std::env::var("HERDLESS_TEST_ROLE").as_deref() == Ok("wait-for-the-offer") {
         wait_for_the_offer();
+        std::process::exit(0);
+    }
+    if std::env::var("HERDLESS_TEST_ROLE").as_deref() == Ok("contend-around-the-offer") {
+        contend_around_the_offer();
+        std::process::exit(0);
+    }
+    if std::env::var("HERDLESS_TEST_ROLE").as_deref() == Ok("contender") {
+        contender();
         std::process::exit(0);
     }
     if std::env::var("HERDLESS_TEST_ROLE").as_deref() == Ok("try-twice") {
