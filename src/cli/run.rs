@@ -81,10 +81,11 @@ pub fn run(args: RunArgs) -> Result<u8> {
         broker = broker.with_bridge(bridge)?;
     }
     let stopper = broker.stopper();
-    let thread = std::thread::Builder::new()
-        .name("herdless-broker".into())
-        .spawn(move || broker.run())
-        .context("cannot start the broker thread")?;
+    let thread = herdless_platform::spawn_unsignalled(
+        std::thread::Builder::new().name("herdless-broker".into()),
+        move || broker.run(),
+    )
+    .context("cannot start the broker thread")?;
     let halter = stopper.clone();
     let namer = stopper.clone();
     let outcome = child::run_inheriting(
@@ -261,10 +262,11 @@ fn run_joined(args: RunArgs, outer: &std::path::Path) -> Result<u8> {
         broker = broker.with_bridge(bridge)?;
         let figures = broker.backing_figures();
         let stopper = broker.stopper();
-        let thread = std::thread::Builder::new()
-            .name("herdless-broker".into())
-            .spawn(move || broker.run())
-            .context("cannot start the broker thread")?;
+        let thread = herdless_platform::spawn_unsignalled(
+            std::thread::Builder::new().name("herdless-broker".into()),
+            move || broker.run(),
+        )
+        .context("cannot start the broker thread")?;
         inner = Some((dir, stopper, thread, figures));
     }
     let halter = inner.as_ref().map(|(_, s, _, _)| s.clone());

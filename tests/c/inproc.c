@@ -13,6 +13,10 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#ifdef __linux__
+#include <dirent.h>
+#include <signal.h>
+#endif
 
 #include "check.h"
 
@@ -37,6 +41,41 @@ static long status_field(herdless_client *c, const char *name) {
     const char *at = strstr(buf, key);
     REQUIRE(at != NULL);
     return strtol(at + strlen(key), NULL, 10);
+}
+
+/* The threads of this process other than the main one (whose id is the
+ * process id; main() calls this), and how many
+ * of them block every one of SIGURG, SIGCHLD, SIGINT and SIGTERM (Linux:
+ * the SigBlk line of /proc/self/task/TID/status), in *quiet. -1 where
+ * /proc cannot be read. */
+static int other_threads(int *quiet) {
+#ifdef __linux__
+    char path[300], line[256];
+    int n = 0;
+    const unsigned long long want = (1ULL << (SIGURG - 1)) | (1ULL << (SIGCHLD - 1)) |
+                                    (1ULL << (SIGINT - 1)) | (1ULL << (SIGTERM - 1));
+    DIR *d = opendir("/proc/self/task");
+    if (d == NULL) return -1;
+    *quiet = 0;
+    for (struct dirent *e; (e = readdir(d)) != NULL;) {
+        if (e->d_name[0] == '.' || atoi(e->d_name) == (int)getpid()) continue;
+        snprintf(path, sizeof path, "/proc/self/task/%s/status", e->d_name);
+        FILE *f = fopen(path, "r");
+        if (f == NULL) continue;
+        n++;
+        while (fgets(line, sizeof line, f) != NULL) {
+            if (strncmp(line, "SigBlk:", 7) == 0 &&
+                (strtoull(line + 7, NULL, 16) & want) == want)
+                (*quiet)++;
+        }
+        fclose(f);
+    }
+    closedir(d);
+    return n;
+#else
+    *quiet = 0;
+    return -1;
+#endif
 }
 
 int main(void) {
@@ -93,6 +132,18 @@ int main(void) {
     herdless_client *c = herdless_client_native_from_env();
     REQUIRE(c != NULL);
     CHECK_EQ(herdless_capacity(c), 3);
+    /* The broker's threads (its event loop, the death guard of its shared
+     * table) take none of the make's signals: a child's SIGCHLD, a
+     * hand-off's SIGURG, a SIGINT must run the make's handlers on the
+     * make's own thread, and must not wake a thread of the broker. */
+    {
+        int quiet = 0;
+        int threads = other_threads(&quiet);
+        if (threads >= 0) {
+            CHECK(threads >= 1);
+            CHECK_EQ(quiet, threads);
+        }
+    }
     CHECK_EQ(status_field(c, "jobs"), 4);
     /* Free tokens come at once, with no pass through a poll loop (the
      * bridge had parked them in the FIFO: they are taken back). */

@@ -876,10 +876,13 @@ fn start_broker(
     // broker like any other native command.
     broker.set_command(std::process::id());
     let stopper = broker.stopper();
-    let thread = std::thread::Builder::new()
-        .name("herdless-broker".into())
-        .spawn(move || broker.run())
-        .map_err(|e| io_errno(&e))?;
+    // The make's signals (SIGCHLD, the table's SIGURG, SIGINT) are the
+    // make's threads' to take, never the broker's.
+    let thread = herdless_platform::spawn_unsignalled(
+        std::thread::Builder::new().name("herdless-broker".into()),
+        move || broker.run(),
+    )
+    .map_err(|e| io_errno(&e))?;
     let previous = std::env::var_os(SOCKET_ENV);
     std::env::set_var(SOCKET_ENV, OsStr::from_bytes(socket.as_bytes()));
     Ok(herdless_broker {

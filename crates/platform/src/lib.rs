@@ -102,7 +102,7 @@ pub use segment::{
     FUTEX_OWNER_DIED, FUTEX_TID_MASK, FUTEX_WAITERS, HEADER_WORDS, MAX_WORDS,
 };
 pub use shared_word::{SharedCount, SharedWord};
-pub use signal::{sent_by_kernel, signal_ignored};
+pub use signal::{sent_by_kernel, signal_ignored, spawn_unsignalled};
 pub use system::{
     available_memory, listen_fds, load_average, parent_of, parse_meminfo, parse_stat_ppid,
 };

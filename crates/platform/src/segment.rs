@@ -410,12 +410,15 @@ impl DeathGuard {
         let (tx, rx) = std::sync::mpsc::channel::<io::Result<u32>>();
         let flag = stop.clone();
         let keep = map.clone();
-        let thread = std::thread::Builder::new()
-            .name("herdless-guard".into())
-            .spawn(move || {
+        // The guard only parks: a signal sent to the process is for the
+        // host's threads (a wake-up's SIGURG, a child's SIGCHLD).
+        let thread = crate::signal::spawn_unsignalled(
+            std::thread::Builder::new().name("herdless-guard".into()),
+            move || {
                 imp_guard::run(base, len, &offsets, &flag, &tx);
                 drop(keep);
-            })?;
+            },
+        )?;
         match rx.recv() {
             Ok(Ok(tid)) => Ok(DeathGuard {
                 tid,

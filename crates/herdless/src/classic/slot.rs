@@ -260,9 +260,10 @@ impl SharedSlot {
             let path = self.path.clone();
             let shared = Arc::clone(&self.shared);
             let notify = Arc::clone(&self.notify);
-            let spawned = std::thread::Builder::new()
-                .name("herdless-slot".into())
-                .spawn(move || helper(path, shared, notify));
+            let spawned = herdless_platform::spawn_unsignalled(
+                std::thread::Builder::new().name("herdless-slot".into()),
+                move || helper(path, shared, notify),
+            );
             if let Err(e) = spawned {
                 st.running = false;
                 st.wanted -= 1;
