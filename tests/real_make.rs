@@ -564,6 +564,76 @@ fn a_herdless_bmake_gives_back_what_its_jobs_returned_before_it_exits() {
     }
 }
 
+#[test]
+fn herdless_makes_that_wait_and_end_late_leave_no_token_behind() {
+    // Sixteen sub-makes of six jobs under -j8: every sub-make wants more
+    // tokens than it gets, so its waits for them are often still pending
+    // when it has run its last job on a token it kept or got back. A
+    // preloaded destructor holds each make 20 ms at exit, after the make
+    // is done, so a token handed to such a wait, or a grant racing its
+    // withdrawal, is there before the connection closes. The make must
+    // have withdrawn the wait and given back what came for it: the broker
+    // takes nothing back from a client that ended holding a token, and
+    // no token sits in a make that starts nothing.
+    let preload = slow_exit_preload();
+    for (name, make) in [("gnu", herdless_make()), ("bmake", herdless_bmake())] {
+        for round in 0..3 {
+            let t = Tree::new(&format!("real-make-late-{name}-{round}"));
+            t.recursive_makefile(16, 6);
+            let mut cmd = make_cmd(&t, &make);
+            cmd.arg("-j8")
+                .env("JOB_SLEEP", "0.02")
+                .env("LD_PRELOAD", &preload)
+                .env("SLOW_EXIT_US", "20000");
+            let out = run(cmd);
+            let report = text(&out);
+            assert!(out.status.success(), "{name} round {round}: {report}");
+            let (done, most) = t.counts();
+            assert_eq!(done, 96, "{name} round {round}: {report}");
+            assert!(most <= 8, "{name} round {round}: {most} jobs at once");
+            let brokers = broker_lines(&t);
+            assert_eq!(brokers.len(), 1, "{name} round {round}: {brokers:?}");
+            let b = &brokers[0];
+            assert!(figure(b, "native_grants") > 0, "{name}: {b:?}");
+            assert_eq!(figure(b, "lost"), 0, "{name} round {round}: {b:?}");
+            assert_eq!(
+                figure(b, "reclaimed"),
+                0,
+                "{name} round {round}: a make ended holding tokens: {b:?}"
+            );
+            assert_no_leftovers(&t);
+        }
+    }
+}
+
+/// `tests/c/slow_exit.c` built as a shared object, once per test process.
+fn slow_exit_preload() -> PathBuf {
+    static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    BUILT
+        .get_or_init(|| {
+            let dir =
+                std::env::temp_dir().join(format!("herdless-slow-exit-{}", std::process::id()));
+            fs::create_dir_all(&dir).unwrap();
+            let so = dir.join("slow_exit.so");
+            let cc = std::env::var_os("CC").unwrap_or_else(|| "cc".into());
+            let out = Command::new(&cc)
+                .args([
+                    "-shared", "-fPIC", "-O2", "-Wall", "-Wextra", "-Werror", "-o",
+                ])
+                .arg(&so)
+                .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/c/slow_exit.c"))
+                .output()
+                .unwrap_or_else(|e| panic!("{}: {e}", cc.to_string_lossy()));
+            assert!(
+                out.status.success(),
+                "cc slow_exit.c failed:\n{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            so
+        })
+        .clone()
+}
+
 /// A job fails in one branch: the abort reaches every branch, herdless
 /// bmakes by the broker's message, stock bmakes by the `E` token the
 /// bridge writes into their pipe, and the tree stops without starting
