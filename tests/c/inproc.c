@@ -163,6 +163,54 @@ int main(void) {
     CHECK(access(dir, F_OK) != 0);
     CHECK(getenv("HERDLESS_SOCKET") == NULL);
 
+    /* A connection begun before it is needed, as a sub-make begins one
+     * before it reads its makefiles, and finished later. */
+    CHECK(herdless_connect_begin() == NULL);
+    CHECK_EQ(errno, ENOENT);
+    errno = 0;
+    CHECK(herdless_connect_finish(NULL) == NULL);
+    CHECK_EQ(errno, EINVAL);
+    herdless_connect_abandon(NULL);
+    b = herdless_broker_start(4, 0, NULL);
+    REQUIRE(b != NULL);
+    {
+        herdless_connecting *p = herdless_connect_begin();
+        REQUIRE(p != NULL);
+        herdless_client *e = herdless_connect_finish(p);
+        REQUIRE(e != NULL);
+        CHECK_EQ(herdless_capacity(e), 3);
+        CHECK_EQ(herdless_take_grant(e), 0);
+        CHECK_EQ(status_field(e, "in_use"), 1);
+        CHECK_EQ(herdless_release(e), 0);
+        /* Abandoned: the broker forgets it, and it holds nothing. */
+        herdless_connecting *q = herdless_connect_begin();
+        REQUIRE(q != NULL);
+        herdless_connect_abandon(q);
+        /* Finished after HERDLESS_SOCKET went away: nothing to use. */
+        char *saved = strdup(getenv("HERDLESS_SOCKET"));
+        REQUIRE(saved != NULL);
+        q = herdless_connect_begin();
+        REQUIRE(q != NULL);
+        unsetenv("HERDLESS_SOCKET");
+        errno = 0;
+        CHECK(herdless_connect_finish(q) == NULL);
+        CHECK_EQ(errno, ENOENT);
+        setenv("HERDLESS_SOCKET", saved, 1);
+        free(saved);
+        /* Begun, then the broker stops before the answer is read: finish
+         * fails and holds nothing. */
+        q = herdless_connect_begin();
+        REQUIRE(q != NULL);
+        CHECK_EQ(herdless_take_grant(e), 0);
+        herdless_client_free(e);
+        CHECK_EQ(herdless_broker_stop(b, &rep), 0);
+        CHECK_EQ(rep.lost, 0);
+        CHECK_EQ(rep.native_grants, 2);
+        errno = 0;
+        CHECK(herdless_connect_finish(q) == NULL);
+        CHECK(errno != 0);
+    }
+
     /* The rest, natives only: a classic bridge keeps an offer in its FIFO
      * for classic clients while natives wait, which these exact checks
      * would have to account for. */

@@ -1,7 +1,7 @@
 /* A signal ends a blocking herdless_acquire with -EINTR, and no token is
  * lost: the request stays queued, the grant is picked up by the next call,
- * withdrawn by herdless_cancel, or taken back by the broker when the handle
- * is freed. Also the herdless_fd + herdless_take_grant path, and timeouts.
+ * withdrawn by herdless_cancel, or withdrawn and given back when the
+ * handle is freed. Also the herdless_fd + herdless_take_grant path, and timeouts.
  *
  * Run under `herdless run -j 2 --stats` (one shared token). Two handles:
  * `owner` holds the token while `waiter` waits for it. Prints
@@ -121,8 +121,10 @@ int main(void) {
     CHECK_EQ(herdless_try_acquire(owner), -EAGAIN);
     CHECK_EQ(herdless_release(waiter), 0);
 
-    /* 7. Interrupted, the grant arrives, and the handle is freed without
-     * taking it: the broker takes it back. */
+    /* 7. Interrupted, the grant arrives (or is on its way), and the handle
+     * is freed without taking it: the free withdraws the request, takes the
+     * grant that answered it and gives it back, so the broker has nothing
+     * to take back from the closed connection. */
     CHECK_EQ(herdless_acquire(owner, -1), 0);
     interrupted_wait(waiter, 0);
     CHECK_EQ(herdless_release(owner), 0);

@@ -97,6 +97,13 @@ typedef struct herdless_broker herdless_broker;
 typedef struct herdless_client herdless_client;
 
 /**
+ * A connection to a broker begun by `herdless_connect_begin`: the hello
+ * is sent, the broker's answer not read yet. Opaque: ended by
+ * `herdless_connect_finish` or `herdless_connect_abandon`.
+ */
+typedef struct herdless_connecting herdless_connecting;
+
+/**
  * What a broker did, filled in by `herdless_broker_stop`.
  */
 typedef struct {
@@ -160,6 +167,53 @@ herdless_client *herdless_client_from_env(void);
  * client, another value when the connection fails otherwise.
  */
 herdless_client *herdless_client_native_from_env(void);
+
+/**
+ * Begins `herdless_client_native_from_env`: connects to the broker named
+ * in `HERDLESS_SOCKET` and sends the hello, without waiting for the
+ * broker's answer. A make that begins as it starts (before it reads its
+ * makefiles) and finishes when it sets up its jobserver finds the answer
+ * there: connecting costs it no sleep, and no context switch.
+ *
+ * Returns a new begun connection, owned by the caller (end it with
+ * `herdless_connect_finish` or `herdless_connect_abandon`), or NULL with
+ * `errno` set as `herdless_client_native_from_env` sets it for a failed
+ * connection (`ENOENT`: no `HERDLESS_SOCKET`, or no such socket;
+ * `ECONNREFUSED`: nobody listens there). A broker's refusal is reported by
+ * `herdless_connect_finish`. The socket is close-on-exec.
+ */
+herdless_connecting *herdless_connect_begin(void);
+
+/**
+ * Ends a connection begun by `herdless_connect_begin`: reads the broker's
+ * answer (waiting for it only if it has not come yet) and returns the
+ * handle, as `herdless_client_native_from_env` returns it, or NULL with
+ * `errno` set as that function sets it. `p` is freed either way. When
+ * `HERDLESS_SOCKET` no longer names the socket it was begun on, the begun
+ * connection is dropped and this connects as
+ * `herdless_client_native_from_env` does (NULL with `ENOENT` when the
+ * variable is gone); so it does in a fork of the process that began it.
+ * A broker that was busy, or does not know the shared table, is asked
+ * again as the plain connect asks it. NULL `p`: `EINVAL`.
+ *
+ * # Safety
+ *
+ * `p` is NULL or a begun connection not yet finished or abandoned; it is
+ * not used after this call.
+ */
+herdless_client *herdless_connect_finish(herdless_connecting *p);
+
+/**
+ * Drops a connection begun by `herdless_connect_begin` without finishing
+ * it (the make turned out not to need the broker): the connection closes
+ * and the broker forgets it. NULL is ignored.
+ *
+ * # Safety
+ *
+ * `p` is NULL or a begun connection not yet finished or abandoned; it is
+ * not used after this call.
+ */
+void herdless_connect_abandon(herdless_connecting *p);
 
 /**
  * Connects to the herdless broker listening on the Unix socket
@@ -432,10 +486,14 @@ int herdless_aborted(const herdless_client *c);
 
 /**
  * Gives back every token still held through the handle, closes the
- * connection and frees the handle. A grant that arrived for a request
- * nobody took goes back too (the broker takes back whatever a closed
- * connection held). Under a classic jobserver the tokens are written back
- * to its pipe. NULL is ignored.
+ * connection and frees the handle. A request still pending (a wait in the
+ * shared table, a request queued at the broker) is withdrawn first, and
+ * the broker's answers to withdrawals still in flight
+ * (`herdless_cancel_nowait`) are awaited, for at most a second and only
+ * when there are any: a token handed over or granted meanwhile is given
+ * back, not left for the broker to take back from the closed connection
+ * as from a client that died. Under a classic jobserver the tokens are
+ * written back to its pipe. NULL is ignored.
  *
  * # Safety
  *

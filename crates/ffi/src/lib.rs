@@ -128,6 +128,10 @@ fn into_handle(made: std::thread::Result<Result<Client, c_int>>) -> *mut herdles
     ptr::null_mut()
 }
 
+/// How long `herdless_client_free` waits for the broker's answers to
+/// withdrawals still in flight (none in flight: no wait at all).
+const SETTLE_AT_FREE: std::time::Duration = std::time::Duration::from_secs(1);
+
 fn options() -> Options {
     Options::default().implicit_token(false)
 }
@@ -178,6 +182,101 @@ pub extern "C" fn herdless_client_native_from_env() -> *mut herdless_client {
         Some(path) => Client::connect_with(&path, options()).map_err(|e| e.errno()),
         None => Err(libc::ENOENT),
     }))
+}
+
+/// A connection to a broker begun by `herdless_connect_begin`: the hello
+/// is sent, the broker's answer not read yet. Opaque: ended by
+/// `herdless_connect_finish` or `herdless_connect_abandon`.
+#[allow(non_camel_case_types)]
+pub struct herdless_connecting {
+    connecting: client::Connecting,
+}
+
+/// Begins `herdless_client_native_from_env`: connects to the broker named
+/// in `HERDLESS_SOCKET` and sends the hello, without waiting for the
+/// broker's answer. A make that begins as it starts (before it reads its
+/// makefiles) and finishes when it sets up its jobserver finds the answer
+/// there: connecting costs it no sleep, and no context switch.
+///
+/// Returns a new begun connection, owned by the caller (end it with
+/// `herdless_connect_finish` or `herdless_connect_abandon`), or NULL with
+/// `errno` set as `herdless_client_native_from_env` sets it for a failed
+/// connection (`ENOENT`: no `HERDLESS_SOCKET`, or no such socket;
+/// `ECONNREFUSED`: nobody listens there). A broker's refusal is reported by
+/// `herdless_connect_finish`. The socket is close-on-exec.
+#[no_mangle]
+pub extern "C" fn herdless_connect_begin() -> *mut herdless_connecting {
+    let made = catch_unwind(|| match client::socket_from_env() {
+        Some(path) => Client::begin_connect_with(&path, options()).map_err(|e| e.errno()),
+        None => Err(libc::ENOENT),
+    });
+    let errno = match made {
+        Ok(Ok(connecting)) => {
+            return Box::into_raw(Box::new(herdless_connecting { connecting }));
+        }
+        Ok(Err(errno)) => errno,
+        Err(_) => -PANICKED,
+    };
+    Errno::set_raw(errno);
+    ptr::null_mut()
+}
+
+/// Ends a connection begun by `herdless_connect_begin`: reads the broker's
+/// answer (waiting for it only if it has not come yet) and returns the
+/// handle, as `herdless_client_native_from_env` returns it, or NULL with
+/// `errno` set as that function sets it. `p` is freed either way. When
+/// `HERDLESS_SOCKET` no longer names the socket it was begun on, the begun
+/// connection is dropped and this connects as
+/// `herdless_client_native_from_env` does (NULL with `ENOENT` when the
+/// variable is gone); so it does in a fork of the process that began it.
+/// A broker that was busy, or does not know the shared table, is asked
+/// again as the plain connect asks it. NULL `p`: `EINVAL`.
+///
+/// # Safety
+///
+/// `p` is NULL or a begun connection not yet finished or abandoned; it is
+/// not used after this call.
+#[no_mangle]
+pub unsafe extern "C" fn herdless_connect_finish(
+    p: *mut herdless_connecting,
+) -> *mut herdless_client {
+    if p.is_null() {
+        Errno::set_raw(libc::EINVAL);
+        return ptr::null_mut();
+    }
+    // SAFETY: not NULL, and by this function's contract made by
+    // `Box::into_raw` in `herdless_connect_begin` and not used after this
+    // call, so ownership can return to a Box.
+    let begun = unsafe { Box::from_raw(p) };
+    into_handle(catch_unwind(AssertUnwindSafe(move || {
+        let connecting = begun.connecting;
+        match client::socket_from_env() {
+            Some(path) if path == connecting.socket() => connecting.finish().map_err(|e| e.errno()),
+            Some(path) => {
+                drop(connecting);
+                Client::connect_with(&path, options()).map_err(|e| e.errno())
+            }
+            None => Err(libc::ENOENT),
+        }
+    })))
+}
+
+/// Drops a connection begun by `herdless_connect_begin` without finishing
+/// it (the make turned out not to need the broker): the connection closes
+/// and the broker forgets it. NULL is ignored.
+///
+/// # Safety
+///
+/// `p` is NULL or a begun connection not yet finished or abandoned; it is
+/// not used after this call.
+#[no_mangle]
+pub unsafe extern "C" fn herdless_connect_abandon(p: *mut herdless_connecting) {
+    if p.is_null() {
+        return;
+    }
+    // SAFETY: as in `herdless_connect_finish`.
+    let begun = unsafe { Box::from_raw(p) };
+    let _ = catch_unwind(AssertUnwindSafe(move || drop(begun)));
 }
 
 /// Connects to the herdless broker listening on the Unix socket
@@ -618,10 +717,14 @@ pub unsafe extern "C" fn herdless_aborted(c: *const herdless_client) -> c_int {
 }
 
 /// Gives back every token still held through the handle, closes the
-/// connection and frees the handle. A grant that arrived for a request
-/// nobody took goes back too (the broker takes back whatever a closed
-/// connection held). Under a classic jobserver the tokens are written back
-/// to its pipe. NULL is ignored.
+/// connection and frees the handle. A request still pending (a wait in the
+/// shared table, a request queued at the broker) is withdrawn first, and
+/// the broker's answers to withdrawals still in flight
+/// (`herdless_cancel_nowait`) are awaited, for at most a second and only
+/// when there are any: a token handed over or granted meanwhile is given
+/// back, not left for the broker to take back from the closed connection
+/// as from a client that died. Under a classic jobserver the tokens are
+/// written back to its pipe. NULL is ignored.
 ///
 /// # Safety
 ///
@@ -639,6 +742,12 @@ pub unsafe extern "C" fn herdless_client_free(c: *mut herdless_client) {
     // A panic while closing must not unwind into C; the handle is gone
     // either way.
     let _ = catch_unwind(AssertUnwindSafe(move || {
+        // A wait still pending, or a withdrawal not answered yet, may bring
+        // a token as the handle closes (a make that withdrew its request
+        // before its last poll, then exits): settle them, briefly, and give
+        // back what they brought, so the broker takes nothing back from a
+        // client that died. Dropping the tokens gives them back.
+        drop(handle.client.settle_pending(SETTLE_AT_FREE));
         // A broker would take these back when the connection closes, but a
         // classic pipe would not: give them back one by one. Failures are
         // moot (a broker that is gone has them already).

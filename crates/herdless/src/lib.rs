@@ -22,4 +22,4 @@ pub mod stats;
 pub mod status;
 mod sync;
 
-pub use client::{Client, Token};
+pub use client::{Client, Connecting, Token};

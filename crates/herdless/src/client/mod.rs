@@ -337,29 +337,105 @@ impl Client {
 
     /// Connects to the broker listening on `path`.
     pub fn connect_with(path: impl AsRef<Path>, mut options: Options) -> Result<Client> {
-        let mut flags = HelloFlags::empty();
-        let mut slot = 0;
-        if options.job_of_runner_above {
-            match borrow_from_env() {
-                Borrow::Slot(id) => {
-                    flags |= HelloFlags::JOB;
-                    slot = id;
-                }
-                Borrow::Recipe(root) => {
-                    flags |= HelloFlags::RECIPE_JOB;
-                    slot = u64::from(root);
-                }
-                Borrow::Own => options.implicit_token = true,
-                // A job of the top (a shell that only exported
-                // HERDLESS_SOCKET, as a service's users do).
-                Borrow::Nothing => flags |= HelloFlags::JOB,
-                Borrow::Unnamed => {}
-            }
-        }
+        let (flags, slot) = hello_for(&mut options);
         let native = Native::connect(path.as_ref(), flags, slot)?;
         Ok(Client::with_backend(Backend::Native(native), options))
     }
 
+    /// Begins [`connect_with`](Client::connect_with): connects to the
+    /// broker on `path` and sends the hello, and returns without waiting
+    /// for the broker's answer, which [`Connecting::finish`] reads. A
+    /// program that begins early and has work of its own before it needs
+    /// its first token (a make reading its makefiles) finds the answer
+    /// there and does not sleep for it: connecting costs it no context
+    /// switch. Errors of the connection itself (no socket, nobody
+    /// listening, another user's broker) come here; the broker's refusal
+    /// comes from `finish`.
+    pub fn begin_connect_with(path: impl AsRef<Path>, mut options: Options) -> Result<Connecting> {
+        let (flags, slot) = hello_for(&mut options);
+        Ok(Connecting {
+            started: Native::start(path.as_ref(), flags, slot)?,
+            options,
+            pid: std::process::id(),
+        })
+    }
+}
+
+/// A connection begun by [`Client::begin_connect_with`]: the hello is
+/// sent, the broker's answer not read yet. Dropping it closes the
+/// connection; the broker forgets it.
+pub struct Connecting {
+    started: native::Started,
+    options: Options,
+    /// The process that began it: a fork's copy is not its connection.
+    pid: u32,
+}
+
+impl std::fmt::Debug for Connecting {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Connecting")
+            .field("socket", &self.started.path())
+            .field("options", &self.options)
+            .finish()
+    }
+}
+
+impl Connecting {
+    /// The broker's socket.
+    pub fn socket(&self) -> &Path {
+        self.started.path()
+    }
+
+    /// Reads the broker's answer and returns the client, as
+    /// [`Client::connect_with`] would have. A broker that was busy, or
+    /// older than the shared table, is asked again as `connect_with`
+    /// asks. In a fork of the process that began it, the begun
+    /// connection is left to that process and a new one is made.
+    pub fn finish(self) -> Result<Client> {
+        let Connecting {
+            started,
+            options,
+            pid,
+        } = self;
+        if pid != std::process::id() {
+            let path = started.path().to_path_buf();
+            // Dropping the fork's copy of the descriptor leaves the
+            // connection to the process that began it.
+            drop(started);
+            return Client::connect_with(path, options);
+        }
+        let native = started.finish()?;
+        Ok(Client::with_backend(Backend::Native(native), options))
+    }
+}
+
+/// The hello's flags and the slot a client with `options` names, from the
+/// environment (`HERDLESS_SLOT`, `MAKELEVEL`); a job of a runner that
+/// owns its slot takes the implicit token (`options` changed).
+fn hello_for(options: &mut Options) -> (HelloFlags, u64) {
+    let mut flags = HelloFlags::empty();
+    let mut slot = 0;
+    if options.job_of_runner_above {
+        match borrow_from_env() {
+            Borrow::Slot(id) => {
+                flags |= HelloFlags::JOB;
+                slot = id;
+            }
+            Borrow::Recipe(root) => {
+                flags |= HelloFlags::RECIPE_JOB;
+                slot = u64::from(root);
+            }
+            Borrow::Own => options.implicit_token = true,
+            // A job of the top (a shell that only exported
+            // HERDLESS_SOCKET, as a service's users do).
+            Borrow::Nothing => flags |= HelloFlags::JOB,
+            Borrow::Unnamed => {}
+        }
+    }
+    (flags, slot)
+}
+
+impl Client {
     /// The slot the broker minted for this client's own job; `None` on a
     /// classic jobserver.
     pub fn slot(&self) -> Option<u64> {
@@ -602,6 +678,29 @@ impl Client {
         match &self.inner.backend {
             Backend::Native(n) => Ok(self.shared(n.cancel_pending()?)),
             Backend::Classic(_) => Ok(None),
+        }
+    }
+
+    /// For a client about to be dropped: withdraws whatever is still
+    /// pending (a wait in the shared table, a request at the broker) and
+    /// waits, for at most `within`, for the broker's answers to every
+    /// withdrawal made so far, [`cancel_pending_nowait`] included. Returns
+    /// the tokens handed over or granted meanwhile, each given back when
+    /// dropped, so that the connection closes holding nothing it did not
+    /// take: the broker then counts no token taken back from a client that
+    /// died. A broker that does not answer in time takes back what is
+    /// left when the connection closes, as always. On a classic
+    /// jobserver there is nothing pending.
+    ///
+    /// [`cancel_pending_nowait`]: Client::cancel_pending_nowait
+    pub fn settle_pending(&self, within: Duration) -> Result<Vec<Token>> {
+        self.same_process()?;
+        match &self.inner.backend {
+            Backend::Native(n) => {
+                let got = n.settle_for_close(Instant::now() + within)?;
+                Ok((0..got).map(|_| self.token(TokenKind::Shared)).collect())
+            }
+            Backend::Classic(_) => Ok(Vec::new()),
         }
     }
 

@@ -183,6 +183,47 @@ fn is_busy(e: &Error) -> bool {
     }
 }
 
+/// A connection whose hello is sent and whose welcome is not read yet
+/// ([`Native::start`]).
+pub(crate) struct Started {
+    native: Native,
+    /// The flags asked for, without `FAST`.
+    flags: HelloFlags,
+    slot: u64,
+    /// Whether the hello asked for the shared table.
+    fast: bool,
+}
+
+impl Started {
+    /// The socket it is connected to.
+    pub(crate) fn path(&self) -> &Path {
+        &self.native.path
+    }
+
+    /// Reads the broker's answer, as [`Native::connect`] does after its
+    /// hello. A broker that turned this hello away, busy or older than
+    /// the shared table, is asked again as `connect` asks: with growing
+    /// pauses while it is busy, and without the table when it does not
+    /// know it.
+    pub(crate) fn finish(self) -> Result<Native> {
+        let Started {
+            native,
+            flags,
+            slot,
+            fast,
+        } = self;
+        let path = native.path.clone();
+        match native.handshake(fast) {
+            Ok(native) => Ok(native),
+            Err(e) if fast && e.kind() == ErrorKind::Refused && !is_busy(&e) => {
+                Native::connect_version(&path, flags, slot, PROTOCOL_VERSION)
+            }
+            Err(e) if is_busy(&e) => Native::connect(&path, flags, slot),
+            Err(e) => Err(e),
+        }
+    }
+}
+
 impl Native {
     /// Connects, checks the broker is this user's, and shakes hands. A
     /// broker that is busy (see [`is_busy`]) is tried again with growing
@@ -251,7 +292,34 @@ impl Native {
         }
     }
 
+    /// Connects and sends the hello, without waiting for the broker's
+    /// answer: [`Started::finish`] reads it. A process that has work of
+    /// its own to do meanwhile (a make reading its makefiles) does not
+    /// sleep for the answer, which has come by then.
+    pub(crate) fn start(path: &Path, flags: HelloFlags, slot: u64) -> Result<Started> {
+        let fast = !flags.contains(HelloFlags::OBSERVER)
+            && crate::broker::fast_path_wanted()
+            && herdless_platform::segment_support().is_ok();
+        let (flags_sent, version) = if fast {
+            (flags | HelloFlags::FAST, FAST_VERSION)
+        } else {
+            (flags, PROTOCOL_VERSION)
+        };
+        let native = Native::hello(path, flags_sent, slot, version)?;
+        Ok(Started {
+            native,
+            flags,
+            slot,
+            fast,
+        })
+    }
+
     fn connect_once(path: &Path, flags: HelloFlags, slot: u64, version: u16) -> Result<Native> {
+        Native::hello(path, flags, slot, version)?.handshake(flags.contains(HelloFlags::FAST))
+    }
+
+    /// Connects, checks the broker is this user's, and sends the hello.
+    fn hello(path: &Path, flags: HelloFlags, slot: u64, version: u16) -> Result<Native> {
         if let Err(e) = std::os::unix::net::SocketAddr::from_pathname(path) {
             return Err(Error::io(
                 ErrorKind::Connect,
@@ -321,7 +389,7 @@ impl Native {
             pid: std::process::id(),
             slot,
         })?;
-        native.handshake(flags.contains(HelloFlags::FAST))
+        Ok(native)
     }
 
     /// Reads the `Welcome`, and with `fast` the `Segment` after it, whose
@@ -1257,6 +1325,36 @@ impl Native {
         // A grant that arrived and that no blocked thread waits for is the
         // caller's.
         Self::hand_out_spare(&mut st)
+    }
+
+    /// Before the connection closes on purpose: withdraws a wait still
+    /// pending (in the table or at the broker) and waits until `deadline`
+    /// for the broker's answers to every withdrawal, blocking or not, so
+    /// that a token that was handed over or granted meanwhile is known.
+    /// Returns how many tokens that brought: they are the caller's now, to
+    /// give back. Without it, such a token would go back only as the
+    /// connection closes, counted as taken back from a client that died.
+    /// Past the deadline (a broker that does not answer) it returns what it
+    /// has; the broker takes the rest back when the connection closes.
+    pub(crate) fn settle_for_close(&self, deadline: Instant) -> Result<u32> {
+        let mut got = u32::from(self.poll_withdraw()?);
+        let mut st = lock(&self.state);
+        self.drain(&mut st);
+        while st.acquires > st.cancels && st.acquires - st.cancels + st.ready > st.wanting {
+            if self.send(&Request::Cancel).is_err() {
+                break;
+            }
+            st.cancels += 1;
+        }
+        let wait = Wait {
+            deadline: Some(deadline),
+            interruptible: false,
+        };
+        let (mut st, _) = self.wait_until(st, wait, |s| s.cancels == 0 && s.nowait_cancels == 0);
+        while take_spare(&mut st) {
+            got += 1;
+        }
+        Ok(got)
     }
 
     pub(crate) fn release(&self) -> Result<()> {
