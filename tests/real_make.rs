@@ -577,7 +577,7 @@ fn herdless_makes_that_wait_and_end_late_leave_no_token_behind() {
     // no token sits in a make that starts nothing.
     let preload = slow_exit_preload();
     for (name, make) in [("gnu", herdless_make()), ("bmake", herdless_bmake())] {
-        for round in 0..3 {
+        for round in 0..5 {
             let t = Tree::new(&format!("real-make-late-{name}-{round}"));
             t.recursive_makefile(16, 6);
             let mut cmd = make_cmd(&t, &make);
