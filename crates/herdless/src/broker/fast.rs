@@ -306,26 +306,14 @@ impl Broker {
     /// rather than at the broker, so the broker's queue drains and the
     /// table opens again, however hard clients contend.
     fn fast_may_half_open(&self) -> bool {
-        let Some(fast) = self.fast.as_ref() else {
-            return false;
-        };
-        fast.guard.is_some()
-            && self.pool.waiting() > 0
-            && self.pool.plain_but_queue()
-            && self
-                .bridge
-                .as_ref()
-                .map_or(true, crate::bridge::Bridge::table_mode)
-            && fast
-                .named_slots
-                .keys()
-                .all(|&key| !self.pool.slot_lendable(key))
+        self.pool.waiting() > 0 && self.fast_may_half_open_with_a_queue()
     }
 
-    /// Whether a socket request about to queue behind the table's waiters
-    /// will leave the table half-open (`fast_may_half_open` once it is
-    /// queued): then they keep their place in the table.
-    fn fast_may_half_open_for_socket(&self) -> bool {
+    /// [`fast_may_half_open`](Self::fast_may_half_open) but for the queue
+    /// being empty: whether a request about to queue (a socket client's,
+    /// behind the table's waiters) will leave the table half-open, so
+    /// that its waiters may keep their place in it.
+    fn fast_may_half_open_with_a_queue(&self) -> bool {
         let Some(fast) = self.fast.as_ref() else {
             return false;
         };
@@ -786,7 +774,7 @@ impl Broker {
         if fast.lent() == 0 && fast.table.waiters().is_empty() {
             return;
         }
-        if self.fast_may_half_open_for_socket() {
+        if self.fast_may_half_open_with_a_queue() {
             // Clients waiting in the table asked first: they keep their
             // place there and queue first, through the table's client; the
             // socket's request queues behind them.
