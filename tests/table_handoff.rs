@@ -482,6 +482,77 @@ fn poll_loops_hand_off_in_the_table_through_stops_and_kills() {
 }
 
 #[test]
+fn socket_clients_queueing_among_the_tables_waiters_move_none_of_them() {
+    // Two tokens; four poll-loop processes and two blocking ones contend
+    // in the shared table, and two processes kept to the socket
+    // (`HERDLESS_FAST_PATH=0`) contend with them at the broker, so the
+    // table half-opens again and again while its waiters wait. The test
+    // stops processes (SIGSTOP) at random points meanwhile. The table's
+    // waiters keep their place through the table's own client and are
+    // handed their words in the table, one wake-up each: not one wait is
+    // moved to the broker's queue (where each would wake twice). Every
+    // round of every process ends, at most two tokens are in use, and
+    // every token comes back.
+    const ROUNDS: u32 = 300;
+    let serve = Serve::start(3);
+    let mut procs = spinners(
+        &serve,
+        4,
+        &[(POLL_SPIN, ROUNDS.to_string())],
+        "role: poll hand-off on",
+    );
+    procs.extend(spinners(
+        &serve,
+        2,
+        &[(SPIN, ROUNDS.to_string())],
+        "role: shared table",
+    ));
+    procs.extend(spinners(
+        &serve,
+        2,
+        &[
+            (SPIN, ROUNDS.to_string()),
+            ("HERDLESS_FAST_PATH", "0".to_string()),
+        ],
+        "role: socket",
+    ));
+    let mut next = seeded_rng();
+    let mut stops = 0;
+    while procs.iter_mut().any(|c| c.try_wait().unwrap().is_none()) && stops < 1000 {
+        let pid = procs[(next() % 8) as usize].id() as i32;
+        common::signal(pid, libc::SIGSTOP);
+        std::thread::sleep(std::time::Duration::from_micros(next() % 1000));
+        common::signal(pid, libc::SIGCONT);
+        stops += 1;
+    }
+    for (i, c) in procs.iter_mut().enumerate() {
+        let status = common::wait_timeout(c, PATIENCE).unwrap_or_else(|| {
+            panic!(
+                "process {i} never finished its rounds (a wait that never ends); {:#?}",
+                serve.status()
+            )
+        });
+        assert!(status.success(), "process {i}: {status:?}");
+    }
+    let s = serve.wait_for("all free", |s| s.clients.is_empty() && s.free == 2);
+    assert_eq!(s.lost, 0, "{s:#?}");
+    assert_eq!(s.reclaimed, 0, "{s:#?}");
+    assert!(s.max_in_use <= 2, "{s:#?}");
+    let fast = s.fast.clone().expect("a table");
+    assert!(fast.grants > 0 && s.wakeups > 0, "{s:#?}");
+    assert_eq!(
+        fast.moved, 0,
+        "waits moved out of the table, each woken twice: {s:#?}"
+    );
+    eprintln!(
+        "{stops} stops; {} table grants, {} wake-ups, {} grants in all",
+        fast.grants, s.wakeups, s.grants
+    );
+    let (status, log) = serve.stop();
+    assert!(status.success(), "{log}");
+}
+
+#[test]
 fn a_poll_loop_with_no_descriptor_left_keeps_to_the_socket() {
     // Two poll-loop processes whose descriptor tables are full when they
     // turn the poll-loop hand-off on: it needs an eventfd and an epoll
