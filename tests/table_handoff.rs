@@ -268,6 +268,71 @@ fn a_socket_ask_queues_behind_the_waits_in_the_table() {
 }
 
 #[test]
+fn a_socket_ask_behind_waits_that_end_at_their_deadline_gets_the_token() {
+    // -j 2: one shared token, held. Four clients wait for it in the table
+    // with a deadline; a client kept off the table asks behind them, so
+    // the table half-opens and their waits keep their place in the
+    // broker's queue through the table's client. All four waits end at
+    // their deadlines with no token. When the token comes back, what was queued
+    // for them lends it to nobody: it must reach the socket client at
+    // once, not stay free in a table nobody may take from.
+    let serve = Serve::start(2);
+    let h = holder(&serve, 1);
+    let mut ws: Vec<Helper> = (1..=4)
+        .map(|i| {
+            let mut w = Helper::spawn_with(
+                &serve.socket,
+                "acquire-timeout",
+                1,
+                &[("HERDLESS_TEST_TIMEOUT_MS", "600")],
+            );
+            assert_eq!(w.line(), "waiting");
+            serve.wait_for("one more waiter in the table", |s| {
+                s.fast.as_ref().is_some_and(|f| f.waiting == i)
+            });
+            w
+        })
+        .collect();
+    let mut sock = socket_client(&serve);
+    assert_eq!(sock.line(), "waiting");
+    let s = serve.wait_for("four in the table, one at the broker", |s| {
+        s.waiting == 5 && s.fast.as_ref().is_some_and(|f| f.waiting == 4)
+    });
+    assert_eq!(s.fast.as_ref().unwrap().moved, 0, "{s:#?}");
+    for w in &mut ws {
+        assert_eq!(w.line(), "timed out");
+    }
+    serve.wait_for("the socket client alone waiting", |s| s.waiting == 1);
+    // No status request from here until the socket client has its
+    // token: each would wake the broker, which must hand the token on
+    // without one.
+    let reader = std::thread::spawn(move || {
+        let line = sock.line();
+        (sock, line)
+    });
+    h.finish();
+    let start = std::time::Instant::now();
+    while !reader.is_finished() {
+        assert!(
+            start.elapsed() < PATIENCE,
+            "the token never reached the socket client: {:#?}",
+            serve.status()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    let (sock, line) = reader.join().unwrap();
+    assert_eq!(line, "got");
+    sock.finish();
+    for w in ws {
+        w.finish();
+    }
+    let s = serve.wait_for("all free", |s| s.clients.is_empty() && s.free == 1);
+    assert_eq!(s.lost, 0, "{s:#?}");
+    let (status, log) = serve.stop();
+    assert!(status.success(), "{log}");
+}
+
+#[test]
 fn tokens_go_round_waiters_in_the_table_in_ticket_order() {
     // One shared token, six waiters in the table: each release hands it
     // to the oldest, without the broker's queue.
