@@ -356,29 +356,6 @@ pub fn helper_main() {
                 }
             }
         }
-        "acquire-timeout" => {
-            // Waits at most HERDLESS_TEST_TIMEOUT_MS for one token.
-            let ms: u64 = std::env::var("HERDLESS_TEST_TIMEOUT_MS")
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(100);
-            say("waiting");
-            match client.acquire_timeout(std::time::Duration::from_millis(ms)) {
-                Ok(Some(t)) => {
-                    say("got");
-                    wait_stdin_eof();
-                    drop(t);
-                }
-                Ok(None) => {
-                    say("timed out");
-                    wait_stdin_eof();
-                }
-                Err(e) => {
-                    say(format!("error {:?}", e.kind()));
-                    std::process::exit(4);
-                }
-            }
-        }
         other => panic!("unknown role {other}"),
     }
     std::process::exit(0);

@@ -548,19 +548,9 @@ impl Broker {
                 };
                 let handed = fast.table.lend(i as u32);
                 if !fast.table.is_open() && !matches!(handed, crate::fast::HandOn::Handed) {
-                    // A proxy whose wait ended, in a table nobody takes
-                    // from: the word goes back to the pool at once, for the
-                    // next in the queue (left free there it would idle
-                    // until the broker's next event). A word it cannot
-                    // take back is read again at the next sweep.
-                    if fast.table.take_back(i as u32) {
-                        fast.lent[i] = false;
-                        fast.lent_count -= 1;
-                        let (client, now) = (fast.client, self.now());
-                        let _ = self.pool.release(client, now);
-                    } else {
-                        fast.dirty = true;
-                    }
+                    // Free in a table nobody takes from: the next read
+                    // takes it back for the next in the queue.
+                    fast.dirty = true;
                 }
             }
             None => {
