@@ -538,14 +538,6 @@ impl Broker {
                 fast.lent[i] = true;
                 fast.lent_count += 1;
                 fast.lends += 1;
-                // The table's count of tokens in use hears of what the
-                // broker no longer holds (a token given back to the pool
-                // that this grant passes on) before the word can be taken:
-                // its peak never sees a token twice.
-                self.note_in_use();
-                let Some(fast) = self.fast.as_mut() else {
-                    return;
-                };
                 let handed = fast.table.lend(i as u32);
                 if !fast.table.is_open() && !matches!(handed, crate::fast::HandOn::Handed) {
                     // Free in a table nobody takes from: the next read
