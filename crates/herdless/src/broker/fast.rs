@@ -306,14 +306,26 @@ impl Broker {
     /// rather than at the broker, so the broker's queue drains and the
     /// table opens again, however hard clients contend.
     fn fast_may_half_open(&self) -> bool {
-        self.pool.waiting() > 0 && self.fast_may_half_open_with_a_queue()
+        let Some(fast) = self.fast.as_ref() else {
+            return false;
+        };
+        fast.guard.is_some()
+            && self.pool.waiting() > 0
+            && self.pool.plain_but_queue()
+            && self
+                .bridge
+                .as_ref()
+                .map_or(true, crate::bridge::Bridge::table_mode)
+            && fast
+                .named_slots
+                .keys()
+                .all(|&key| !self.pool.slot_lendable(key))
     }
 
-    /// [`fast_may_half_open`](Self::fast_may_half_open) but for the queue
-    /// being empty: whether a request about to queue (a socket client's,
-    /// behind the table's waiters) will leave the table half-open, so
-    /// that its waiters may keep their place in it.
-    fn fast_may_half_open_with_a_queue(&self) -> bool {
+    /// Whether a socket request about to queue behind the table's waiters
+    /// will leave the table half-open (`fast_may_half_open` once it is
+    /// queued): then they keep their place in the table.
+    fn fast_may_half_open_for_socket(&self) -> bool {
         let Some(fast) = self.fast.as_ref() else {
             return false;
         };
@@ -774,7 +786,7 @@ impl Broker {
         if fast.lent() == 0 && fast.table.waiters().is_empty() {
             return;
         }
-        if self.fast_may_half_open_with_a_queue() {
+        if self.fast_may_half_open_for_socket() {
             // Clients waiting in the table asked first: they keep their
             // place there and queue first, through the table's client; the
             // socket's request queues behind them.
