@@ -210,17 +210,14 @@ fn a_socket_ask_queues_behind_the_waits_in_the_table() {
     let h1 = holder(&serve, 1);
     let h2 = holder(&serve, 1);
     let mut ws = waiters(&serve, 3, true);
-    // A client kept off the table asks: the table half-opens, its three
-    // waiters keep waiting in it and keep their place in the broker's
-    // queue, in ticket order (each is handed a word in its turn, one
-    // wake-up, not moved to the queue and woken twice), and this ask
-    // comes after.
+    // A client kept off the table asks: the table closes, its three
+    // waiters move to the queue in ticket order, and this ask comes after.
     let mut sock = socket_client(&serve);
     assert_eq!(sock.line(), "waiting");
-    let s = serve.wait_for("three waiting in the table, one at the broker", |s| {
-        s.waiting == 4 && s.fast.as_ref().is_some_and(|f| f.waiting == 3)
+    let s = serve.wait_for("four waiting at the broker", |s| {
+        s.waiting == 4 && s.fast.as_ref().is_some_and(|f| f.waiting == 0)
     });
-    assert_eq!(s.fast.as_ref().unwrap().moved, 0, "{s:#?}");
+    assert_eq!(s.fast.as_ref().unwrap().moved, 3, "{s:#?}");
     let pids: Vec<u32> = ws.iter().map(Helper::pid).chain([sock.pid()]).collect();
     assert!(holding(&serve, &pids).is_empty());
     // Each release serves the next in line, and only it.

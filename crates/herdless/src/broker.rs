@@ -678,11 +678,6 @@ impl Broker {
     /// Stops granting: waiters are told and closed, the classic pipe is
     /// emptied of unread tokens, later acquires are refused.
     fn stop_granting(&mut self) {
-        // What the table's client queued for its waiters goes first: the
-        // waiters are moved and refused themselves, counted once.
-        if !self.pool.stopped() {
-            self.fast_cancel_proxies();
-        }
         if !self.pool.stop() {
             return;
         }
@@ -1494,13 +1489,12 @@ impl Broker {
                     self.fast_on_grant();
                     return;
                 }
-                Effect::Aborted { client, .. } | Effect::Stopped { client } if client == table => {
-                    if let Some(f) = self.fast.as_mut() {
-                        f.proxy_ended();
-                    }
-                    return;
-                }
-                Effect::Denied { client } | Effect::Cancelled { client, .. } if client == table => {
+                Effect::Denied { client }
+                | Effect::Cancelled { client, .. }
+                | Effect::Aborted { client, .. }
+                | Effect::Stopped { client }
+                    if client == table =>
+                {
                     return;
                 }
                 _ => {}
@@ -1769,11 +1763,6 @@ impl Broker {
             fast.as_ref().map_or((0, 0, 0, 0, 0), |f| {
                 (f.lends, f.grants, f.free, f.held, f.reclaimed)
             });
-        // The table's client queued for waits in a half-open table: those
-        // waits count in the table, not again in the pool's figures.
-        let (proxy_waits, proxy_lends, proxy_cancels) = self.fast.as_ref().map_or((0, 0, 0), |f| {
-            (f.proxy_waits, f.proxy_lends, f.proxy_cancels)
-        });
         // The table's clients write its peak: it is believed only up to
         // what the pool could have had in use.
         let table_peak = self
@@ -1799,29 +1788,20 @@ impl Broker {
             free,
             in_use: self.in_use() + table_held,
             waiting: (self.pool.waiting() as u32)
-                .saturating_sub(self.fast.as_ref().map_or(0, fast::FastState::proxies))
                 .saturating_add(fast.as_ref().map_or(0, |f| f.waiting)),
             aborted: self.pool.aborted().map(|r| (r.byte() as char).to_string()),
             grants: (stats.grants - lends).saturating_add(table_grants),
-            immediate: (stats
-                .immediate
-                .saturating_sub(lends.saturating_sub(proxy_lends)))
-            .saturating_add(table_grants.saturating_sub(table_got)),
+            immediate: (stats.immediate - lends)
+                .saturating_add(table_grants.saturating_sub(table_got)),
             // Figures the table's clients write are added without trust.
-            waits: stats
-                .waits
-                .saturating_sub(proxy_waits)
-                .saturating_add(table_waits),
+            waits: stats.waits.saturating_add(table_waits),
             // A waiter woken by its giver's hand-off; a wait moved from the
             // table to the queue counts when its grant wakes it.
             wakeups: self
                 .native_wakeups
                 .saturating_add(self.fast.as_ref().map_or(0, |f| f.table.handoffs())),
             denied: stats.denied,
-            cancelled: stats
-                .cancelled
-                .saturating_sub(proxy_cancels)
-                .saturating_add(table_cancelled),
+            cancelled: stats.cancelled.saturating_add(table_cancelled),
             reclaimed: stats.reclaimed + table_reclaimed,
             connections: stats.connections - u64::from(self.table_made),
             stopped: self.pool.stopped(),

@@ -626,19 +626,11 @@ impl Table {
     /// move the token (`cur → gift(giver, heir)`), wake the heir (its
     /// state *waiting → woken*, then `FUTEX_WAKE`).
     pub fn hand_on(&self, i: u32, cur: u32, giver: u32) -> HandOn {
-        self.hand_on_if(i, cur, giver, false)
-    }
-
-    /// [`hand_on`](Self::hand_on), which with `half_open` hands on in a
-    /// half-open table too (the broker's own lends only: a half-open
-    /// table's waiters are served in their turn of the broker's queue).
-    fn hand_on_if(&self, i: u32, cur: u32, giver: u32, half_open: bool) -> HandOn {
         let w = self.word(i);
         let mut cur = cur;
         loop {
-            let may = self.is_open() || (half_open && self.header(GATE).load(SeqCst) == HALF_OPEN);
             let heir = match self.tid() {
-                Some(tid) if may => self.heir(tid).map(|(h, t)| (tid, h, t)),
+                Some(tid) if self.is_open() => self.heir(tid).map(|(h, t)| (tid, h, t)),
                 _ => None,
             };
             match heir {
@@ -1283,12 +1275,10 @@ impl Table {
     }
 
     /// Lends word `i` (which the broker knows to be [`OUT`]): to the
-    /// oldest waiter, or free. In a half-open table too, where the broker
-    /// lends a word only for a wait in the table whose turn came in its
-    /// queue; a word left free there is the broker's to take back.
-    pub fn lend(&self, i: u32) -> HandOn {
+    /// oldest waiter, or free.
+    pub fn lend(&self, i: u32) {
         self.word(i).store(FREE, SeqCst);
-        self.hand_on_if(i, FREE, BROKER_GIVER, true)
+        self.hand_on(i, FREE, BROKER_GIVER);
     }
 
     /// Takes word `i` back if it is free. Whatever a client wrote into a

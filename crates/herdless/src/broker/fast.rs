@@ -68,15 +68,6 @@ pub(super) struct FastState {
     base_in_use: u32,
     /// Waits in the table the broker moved to its queue.
     pub(super) moved: u64,
-    /// Acquires of the table's client queued in the pool for waits in a
-    /// half-open table (`Broker::fast_queue_proxies`), not yet granted.
-    proxies: u32,
-    /// Of the pool's figures, those that proxies made: waits queued,
-    /// grants after a wait, and withdrawals (the waits themselves count in
-    /// the table).
-    pub(super) proxy_waits: u64,
-    pub(super) proxy_lends: u64,
-    pub(super) proxy_cancels: u64,
     /// While the table is half-open and clients wait in it: the native
     /// grants counted when the broker first saw them (their wait behind
     /// the broker's queue is bounded by that).
@@ -129,10 +120,6 @@ impl FastState {
             held_at_shutdown: 0,
             base_in_use: 0,
             moved: 0,
-            proxies: 0,
-            proxy_waits: 0,
-            proxy_lends: 0,
-            proxy_cancels: 0,
             half_waiters_since: None,
         })
     }
@@ -140,18 +127,6 @@ impl FastState {
     /// The table's client in the pool.
     pub(super) fn client(&self) -> ClientId {
         self.client
-    }
-
-    /// Acquires of the table's client queued for waits in the table,
-    /// which count as the table's waiters, not again as the pool's.
-    pub(super) fn proxies(&self) -> u32 {
-        self.proxies
-    }
-
-    /// The pool ended every queued acquire of the table's client without
-    /// a grant (a stop, an abort): no proxy is left.
-    pub(super) fn proxy_ended(&mut self) {
-        self.proxies = 0;
     }
 
     /// Tokens lent to the table now, free or held.
@@ -322,25 +297,6 @@ impl Broker {
                 .all(|&key| !self.pool.slot_lendable(key))
     }
 
-    /// Whether a socket request about to queue behind the table's waiters
-    /// will leave the table half-open (`fast_may_half_open` once it is
-    /// queued): then they keep their place in the table.
-    fn fast_may_half_open_for_socket(&self) -> bool {
-        let Some(fast) = self.fast.as_ref() else {
-            return false;
-        };
-        fast.guard.is_some()
-            && self.pool.plain_but_queue()
-            && self
-                .bridge
-                .as_ref()
-                .map_or(true, crate::bridge::Bridge::table_mode)
-            && fast
-                .named_slots
-                .keys()
-                .all(|&key| !self.pool.slot_lendable(key))
-    }
-
     /// Brings the table in line with the pool: open and lend free tokens,
     /// half-open or close and take back free words. Called after every
     /// event.
@@ -403,11 +359,7 @@ impl Broker {
             };
             if mv {
                 fast.half_waiters_since = None;
-                // They keep their place in the table, and take it in the
-                // queue through the table's own client: each is handed a
-                // word in its turn, one wake-up, instead of being moved
-                // (woken) to the queue and woken again by its grant.
-                self.fast_queue_proxies();
+                self.fast_move_waiters();
             }
             if let Some(fast) = self.fast.as_ref() {
                 if was_open || fast.dirty {
@@ -418,10 +370,7 @@ impl Broker {
             let was_open = fast.table.is_open();
             fast.table.close_gate();
             // After the gate: a client that starts waiting later sees it
-            // closed and asks the broker itself. A closed table serves no
-            // wait: what was queued for them goes, and they queue
-            // themselves.
-            self.fast_cancel_proxies();
+            // closed and asks the broker itself.
             self.fast_move_waiters();
             if let Some(fast) = self.fast.as_ref() {
                 if was_open || fast.dirty {
@@ -444,55 +393,6 @@ impl Broker {
             }
         }
         self.fast_queue_moved(queued);
-    }
-
-    /// Queues, in ticket order, one acquire of the table's own client
-    /// for each wait in the (half-open) table that none covers yet. The
-    /// waits keep their place ahead of whatever is queued after, and each
-    /// grant lends a word that goes to the oldest waiter
-    /// (`Table::lend`): one wake-up for the waiter, where moving it to the
-    /// queue wakes it once for the move and once for its grant. A proxy
-    /// whose wait ended meanwhile lends a word nobody waits for, which
-    /// the next read of the table takes back for the next in the queue.
-    fn fast_queue_proxies(&mut self) {
-        let now = self.now();
-        let Some(fast) = self.fast.as_ref() else {
-            return;
-        };
-        let client = fast.client;
-        let need = (fast.table.waiting_count() as u32).saturating_sub(fast.proxies);
-        for _ in 0..need {
-            let before = self.pool.waiting();
-            let _ = self.pool.acquire(client, now);
-            if self.pool.waiting() > before {
-                if let Some(fast) = self.fast.as_mut() {
-                    fast.proxies += 1;
-                    fast.proxy_waits += 1;
-                }
-            }
-        }
-        self.apply_effects();
-    }
-
-    /// Withdraws every proxy (`fast_queue_proxies`) still queued.
-    pub(super) fn fast_cancel_proxies(&mut self) {
-        let Some(fast) = self.fast.as_mut() else {
-            return;
-        };
-        let (client, n) = (fast.client, fast.proxies);
-        fast.proxies = 0;
-        let mut cancelled = 0;
-        for _ in 0..n {
-            let before = self.pool.waiting();
-            let _ = self.pool.cancel(client);
-            if self.pool.waiting() < before {
-                cancelled += 1;
-            }
-        }
-        if let Some(fast) = self.fast.as_mut() {
-            fast.proxy_cancels += cancelled;
-        }
-        self.apply_effects();
     }
 
     /// Queues an `Acquire` for each client of these slots, whose wait in
@@ -541,21 +441,12 @@ impl Broker {
         let Some(fast) = self.fast.as_mut() else {
             return;
         };
-        if fast.proxies > 0 {
-            fast.proxies -= 1;
-            fast.proxy_lends += 1;
-        }
         match fast.lent.iter().position(|l| !l) {
             Some(i) => {
                 fast.lent[i] = true;
                 fast.lent_count += 1;
                 fast.lends += 1;
-                let handed = fast.table.lend(i as u32);
-                if !fast.table.is_open() && !matches!(handed, crate::fast::HandOn::Handed) {
-                    // Free in a table nobody takes from: the next read
-                    // takes it back for the next in the queue.
-                    fast.dirty = true;
-                }
+                fast.table.lend(i as u32);
             }
             None => {
                 // No word left (cannot happen: the caller checks); the
@@ -786,17 +677,9 @@ impl Broker {
         if fast.lent() == 0 && fast.table.waiters().is_empty() {
             return;
         }
-        if self.fast_may_half_open_for_socket() {
-            // Clients waiting in the table asked first: they keep their
-            // place there and queue first, through the table's client; the
-            // socket's request queues behind them.
-            fast.table.half_open_gate();
-            self.fast_queue_proxies();
-        } else {
-            fast.table.close_gate();
-            // Clients waiting in the table asked first: they queue first.
-            self.fast_move_waiters();
-        }
+        fast.table.close_gate();
+        // Clients waiting in the table asked first: they queue first.
+        self.fast_move_waiters();
         self.fast_sweep(true);
     }
 }
@@ -867,7 +750,6 @@ impl Broker {
         // After the gate: no giver hands a word to a waiter from now on,
         // and every waiter hears of the close (and the abort or stop that
         // follows) from the socket.
-        self.fast_cancel_proxies();
         self.fast_move_waiters();
     }
 }
