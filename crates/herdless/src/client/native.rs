@@ -229,10 +229,7 @@ impl Native {
     /// broker that is busy (see [`is_busy`]) is tried again with growing
     /// pauses for up to [`BUSY_RETRY_FOR`].
     pub(crate) fn connect(path: &Path, flags: HelloFlags, slot: u64) -> Result<Native> {
-        let fast = !flags.contains(HelloFlags::OBSERVER)
-            && crate::broker::fast_path_wanted()
-            && herdless_platform::segment_support().is_ok();
-        if !fast {
+        if !Native::asks_for_table(flags) {
             return Native::connect_version(path, flags, slot, PROTOCOL_VERSION);
         }
         match Native::connect_version(path, flags | HelloFlags::FAST, slot, FAST_VERSION) {
@@ -245,6 +242,14 @@ impl Native {
             }
             other => other,
         }
+    }
+
+    /// Whether a hello with `flags` asks for the shared table: not for an
+    /// observer, nor where it is turned off or the OS has none.
+    fn asks_for_table(flags: HelloFlags) -> bool {
+        !flags.contains(HelloFlags::OBSERVER)
+            && crate::broker::fast_path_wanted()
+            && herdless_platform::segment_support().is_ok()
     }
 
     /// Which way this client takes tokens: `"shared table"` or `"socket"`.
@@ -297,9 +302,7 @@ impl Native {
     /// its own to do meanwhile (a make reading its makefiles) does not
     /// sleep for the answer, which has come by then.
     pub(crate) fn start(path: &Path, flags: HelloFlags, slot: u64) -> Result<Started> {
-        let fast = !flags.contains(HelloFlags::OBSERVER)
-            && crate::broker::fast_path_wanted()
-            && herdless_platform::segment_support().is_ok();
+        let fast = Native::asks_for_table(flags);
         let (flags_sent, version) = if fast {
             (flags | HelloFlags::FAST, FAST_VERSION)
         } else {
@@ -1165,14 +1168,20 @@ impl Native {
     /// After a timeout: cancels requests nobody wants any more and waits
     /// for the answers (a grant that raced the cancel stays in `ready`).
     fn withdraw<'a>(&'a self, mut st: MutexGuard<'a, State>) -> MutexGuard<'a, State> {
+        self.send_cancels(&mut st);
+        let (guard, _) = self.wait_until(st, NO_DEADLINE, |s| s.cancels == 0);
+        guard
+    }
+
+    /// Sends a `Cancel` for each acquire beyond what blocked threads still
+    /// want (their places in the queue are kept).
+    fn send_cancels(&self, st: &mut State) {
         while st.acquires > st.cancels && st.acquires - st.cancels + st.ready > st.wanting {
             if self.send(&Request::Cancel).is_err() {
                 break;
             }
             st.cancels += 1;
         }
-        let (guard, _) = self.wait_until(st, NO_DEADLINE, |s| s.cancels == 0);
-        guard
     }
 
     /// Asks for a token without waiting for one to be released.
@@ -1340,12 +1349,7 @@ impl Native {
         let mut got = u32::from(self.poll_withdraw()?);
         let mut st = lock(&self.state);
         self.drain(&mut st);
-        while st.acquires > st.cancels && st.acquires - st.cancels + st.ready > st.wanting {
-            if self.send(&Request::Cancel).is_err() {
-                break;
-            }
-            st.cancels += 1;
-        }
+        self.send_cancels(&mut st);
         let wait = Wait {
             deadline: Some(deadline),
             interruptible: false,
