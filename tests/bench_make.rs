@@ -1,7 +1,7 @@
 //! `herdless bench make`: the real makes on a small tree of mixed job
 //! lengths. The figures are reports; what is checked is that every variant
-//! ran the whole tree within `-j`, and that the idle-slot figures are
-//! sane.
+//! ran the whole tree within `-j`, that the idle-slot figures are sane,
+//! and that the makes with herdless inside report their broker's figures.
 
 use std::path::Path;
 use std::process::Command;
@@ -43,5 +43,22 @@ fn every_make_runs_the_mixed_tree_within_j() {
         assert!(idle >= 0.0, "{r}");
         // Idle slot-seconds cannot exceed all four slots for the whole run.
         assert!(idle <= 4.0 * r["wall_s"].as_f64().unwrap(), "{r}");
+        // A make with herdless inside reports its broker's figures; the
+        // broker's thread is one of the top make's, whose switches are
+        // among the makes'. Stock makes have no broker to report.
+        let name = r["variant"].as_str().unwrap();
+        if name.ends_with("(herdless)") {
+            assert!(r["woken"].as_u64().is_some(), "{r}");
+            assert!(r["moved"].as_u64().is_some(), "{r}");
+            if cfg!(target_os = "linux") {
+                let broker = r["broker_vcsw"].as_u64().expect("counted on Linux");
+                assert!(broker >= 1, "{r}");
+                assert!(broker <= r["makes_vcsw"].as_u64().unwrap(), "{r}");
+            }
+        } else {
+            assert!(r["woken"].is_null(), "{r}");
+            assert!(r["broker_vcsw"].is_null(), "{r}");
+            assert!(r["moved"].is_null(), "{r}");
+        }
     }
 }

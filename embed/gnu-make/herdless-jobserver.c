@@ -34,7 +34,10 @@
  *
  * HERDLESS_MAKE_STATS=FILE: a make that started a broker appends one line
  * to FILE when it stops it: "jobs J native_grants G classic_offered C
- * max_in_use M lost L". For tests and benchmarks.
+ * max_in_use M reclaimed R lost L woken W broker_vcsw V moved X" (W:
+ * grants to a make that waited for them; V: the broker thread's own
+ * wake-ups, -1 where not counted; X: waits moved from the shared table
+ * to the broker's queue). For tests and benchmarks.
  */
 
 #include "makeint.h"
@@ -145,10 +148,13 @@ report (const herdless_broker_report *r)
   if (!f)
     return;
   fprintf (f, "jobs %u native_grants %llu classic_offered %llu "
-           "max_in_use %u reclaimed %llu lost %lld\n", r->jobs,
+           "max_in_use %u reclaimed %llu lost %lld woken %llu "
+           "broker_vcsw %lld moved %llu\n", r->jobs,
            (unsigned long long) r->native_grants,
            (unsigned long long) r->classic_offered, r->max_in_use,
-           (unsigned long long) r->reclaimed, (long long) r->lost);
+           (unsigned long long) r->reclaimed, (long long) r->lost,
+           (unsigned long long) r->woken, (long long) r->broker_vcsw,
+           (unsigned long long) r->moved);
   fclose (f);
 }
 

@@ -56,6 +56,9 @@ pub fn status(args: StatusArgs) -> Result<u8> {
         "wait      p50 {:.0} µs, p99 {:.0} µs",
         s.wait_p50_us, s.wait_p99_us
     );
+    if let Some(n) = s.broker_vcsw {
+        println!("broker    {n} wake-ups of its thread");
+    }
     if let Some(c) = &s.controls {
         let mut limits = Vec::new();
         if let Some(l) = c.max_load {

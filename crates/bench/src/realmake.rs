@@ -117,6 +117,63 @@ pub struct MakeResult {
     pub idle_share: f64,
     /// Exit status of the top command.
     pub ok: bool,
+    /// Wake-ups of the broker's own thread inside the top make (counted
+    /// in `makes_vcsw`): its voluntary context switches, from the line the
+    /// make writes to `HERDLESS_MAKE_STATS`. `None` without such a broker,
+    /// or where the OS does not count them per thread.
+    pub broker_vcsw: Option<u64>,
+    /// Grants to a make that waited for them, from the same line: each
+    /// costs that make at most one voluntary context switch (counted in
+    /// `makes_vcsw`; none when the make was still running as its grant
+    /// came). `None` without such a broker.
+    pub woken: Option<u64>,
+    /// Waits in the shared table that the broker moved to its queue (each
+    /// woke its make once more, before its grant), from the same line.
+    pub moved: Option<u64>,
+}
+
+impl MakeResult {
+    /// The makes' switches less the broker thread's, one per grant to a
+    /// make that waited and one per wait moved: at most what the makes'
+    /// own work costs (forking jobs, reaping them), to set beside a make
+    /// that never waits for a token. `None` without the figures.
+    pub fn own_vcsw(&self) -> Option<u64> {
+        Some(
+            self.makes_vcsw
+                .saturating_sub(self.broker_vcsw?)
+                .saturating_sub(self.woken?)
+                .saturating_sub(self.moved.unwrap_or(0)),
+        )
+    }
+}
+
+/// What the top make's `HERDLESS_MAKE_STATS` line says of its broker.
+#[derive(Debug, Default, PartialEq, Eq)]
+struct BrokerFigures {
+    broker_vcsw: Option<u64>,
+    woken: Option<u64>,
+    moved: Option<u64>,
+}
+
+/// The figures of the top make's `HERDLESS_MAKE_STATS` line ("key value"
+/// pairs; the last line wins); a negative figure is "not counted".
+fn broker_figures(stats: &str) -> BrokerFigures {
+    let Some(line) = stats.lines().rev().find(|l| !l.trim().is_empty()) else {
+        return BrokerFigures::default();
+    };
+    let words: Vec<&str> = line.split_whitespace().collect();
+    let figure = |key: &str| {
+        words
+            .chunks(2)
+            .find(|kv| kv.len() == 2 && kv[0] == key)
+            .and_then(|kv| kv[1].parse::<i64>().ok())
+            .and_then(|n| u64::try_from(n).ok())
+    };
+    BrokerFigures {
+        broker_vcsw: figure("broker_vcsw"),
+        woken: figure("woken"),
+        moved: figure("moved"),
+    }
 }
 
 const JOB_SH: &str = r#"#!/bin/sh
@@ -243,6 +300,7 @@ impl Drop for Workspace {
 pub fn run_once(cfg: &MakeConfig, ws: &Workspace, v: &MakeVariant) -> std::io::Result<MakeResult> {
     let run = ws.reset()?;
     let rusage = run.join("rusage");
+    let stats = run.join("stats");
     let mut cmd = if v.under_run {
         let mut c = Command::new(&cfg.exe);
         c.args(["run", "-j", &cfg.jobs.to_string(), "--"])
@@ -274,6 +332,7 @@ pub fn run_once(cfg: &MakeConfig, ws: &Workspace, v: &MakeVariant) -> std::io::R
     }
     cmd.env("LD_PRELOAD", preload)
         .env("HERDLESS_BENCH_RUSAGE", &rusage)
+        .env("HERDLESS_MAKE_STATS", &stats)
         .env(
             "JOB_SLEEP",
             format!("{:.3}", f64::from(cfg.job_ms) / 1000.0),
@@ -311,6 +370,7 @@ pub fn run_once(cfg: &MakeConfig, ws: &Workspace, v: &MakeVariant) -> std::io::R
             makes_vcsw += n;
         }
     }
+    let broker = broker_figures(&fs::read_to_string(&stats).unwrap_or_default());
     let jobs_run = fs::read_to_string(run.join("done"))
         .unwrap_or_default()
         .lines()
@@ -334,6 +394,9 @@ pub fn run_once(cfg: &MakeConfig, ws: &Workspace, v: &MakeVariant) -> std::io::R
         idle_slot_s,
         idle_share,
         ok: status.success(),
+        broker_vcsw: broker.broker_vcsw,
+        woken: broker.woken,
+        moved: broker.moved,
     })
 }
 
@@ -408,12 +471,15 @@ pub fn table(results: &[MakeResult]) -> String {
     let mut out = String::new();
     writeln!(
         out,
-        "{:<26} {:>8} {:>8} {:>10} {:>9} {:>10} {:>6} {:>6} {:>8} {:>6} {:>5}",
+        "{:<26} {:>8} {:>8} {:>10} {:>9} {:>7} {:>7} {:>6} {:>10} {:>6} {:>6} {:>8} {:>6} {:>5}",
         "variant",
         "wall s",
         "CPU s",
         "makes vcsw",
         "per job",
+        "broker",
+        "woken",
+        "moved",
         "tree vcsw",
         "jobs",
         "most",
@@ -425,12 +491,15 @@ pub fn table(results: &[MakeResult]) -> String {
     for r in results {
         writeln!(
             out,
-            "{:<26} {:>8.2} {:>8.2} {:>10} {:>9.2} {:>10} {:>6} {:>6} {:>8.2} {:>6.1} {:>5}",
+            "{:<26} {:>8.2} {:>8.2} {:>10} {:>9.2} {:>7} {:>7} {:>6} {:>10} {:>6} {:>6} {:>8.2} {:>6.1} {:>5}",
             r.variant,
             r.wall_s,
             r.cpu_s,
             r.makes_vcsw,
             r.makes_vcsw_per_job,
+            dash(r.broker_vcsw),
+            dash(r.woken),
+            dash(r.moved),
             r.tree_vcsw,
             r.jobs_run,
             r.most_at_once,
@@ -454,7 +523,32 @@ pub fn table(results: &[MakeResult]) -> String {
             .unwrap();
         }
     }
+    let own: Vec<(&MakeResult, u64)> = results
+        .iter()
+        .filter_map(|r| r.own_vcsw().map(|o| (r, o)))
+        .collect();
+    if !own.is_empty() {
+        writeln!(
+            out,
+            "\nmakes' vcsw less the broker's thread, one per grant to a make that waited and one per wait moved:"
+        )
+        .unwrap();
+        for (r, o) in own {
+            writeln!(
+                out,
+                "{:<26} {:>6}  per job {:.2}",
+                r.variant,
+                o,
+                o as f64 / r.jobs_run.max(1) as f64
+            )
+            .unwrap();
+        }
+    }
     out
+}
+
+fn dash(n: Option<u64>) -> String {
+    n.map_or_else(|| "-".to_owned(), |n| n.to_string())
 }
 
 /// A bar chart (SVG) of the makes' voluntary context switches per job.
@@ -499,4 +593,33 @@ pub fn svg(results: &[MakeResult], caption: &str) -> String {
             .replace('>', "&gt;")
     );
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn broker_figures_come_from_the_last_stats_line() {
+        let line = "jobs 4 native_grants 9 classic_offered 0 max_in_use 3 reclaimed 0 \
+                    lost 0 woken 5 broker_vcsw 12\n";
+        let all = |b, w, m| BrokerFigures {
+            broker_vcsw: b,
+            woken: w,
+            moved: m,
+        };
+        assert_eq!(broker_figures(line), all(Some(12), Some(5), None));
+        let two = format!(
+            "jobs 4 woken 1 broker_vcsw 2 moved 1\n{} moved 7\n",
+            line.trim()
+        );
+        assert_eq!(broker_figures(&two), all(Some(12), Some(5), Some(7)));
+        // Not counted per thread; an older line without the figures; none.
+        assert_eq!(
+            broker_figures("woken 3 broker_vcsw -1"),
+            all(None, Some(3), None)
+        );
+        assert_eq!(broker_figures("jobs 4 lost 0"), BrokerFigures::default());
+        assert_eq!(broker_figures(""), BrokerFigures::default());
+    }
 }

@@ -135,6 +135,23 @@ typedef struct {
    * 0, or `'E'` / `'I'` when the tree was aborted.
    */
   char aborted;
+  /**
+   * Native clients woken to take a grant: one per grant that waited,
+   * handed over in the shared table or sent over the socket.
+   */
+  uint64_t woken;
+  /**
+   * Voluntary context switches of the broker's own thread, one per
+   * wake-up of its event loop (apart from this process's other
+   * threads); -1 where the OS does not count them per thread.
+   */
+  int64_t broker_vcsw;
+  /**
+   * Waits in the shared table that the broker moved to its queue when
+   * the table closed: each woke its client once more, before the grant
+   * counted in `woken`.
+   */
+  uint64_t moved;
 } herdless_broker_report;
 
 #ifdef __cplusplus

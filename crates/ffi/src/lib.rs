@@ -862,6 +862,17 @@ pub struct herdless_broker_report {
     pub lost: i64,
     /// 0, or `'E'` / `'I'` when the tree was aborted.
     pub aborted: c_char,
+    /// Native clients woken to take a grant: one per grant that waited,
+    /// handed over in the shared table or sent over the socket.
+    pub woken: u64,
+    /// Voluntary context switches of the broker's own thread, one per
+    /// wake-up of its event loop (apart from this process's other
+    /// threads); -1 where the OS does not count them per thread.
+    pub broker_vcsw: i64,
+    /// Waits in the shared table that the broker moved to its queue when
+    /// the table closed: each woke its client once more, before the grant
+    /// counted in `woken`.
+    pub moved: u64,
 }
 
 /// Starts a broker for `-j jobs` on a new thread of this process: the pool
@@ -1117,6 +1128,11 @@ pub unsafe extern "C" fn herdless_broker_stop(
                 .as_deref()
                 .and_then(|a| a.bytes().next())
                 .map_or(0, |c| c.to_ascii_uppercase() as c_char),
+            woken: status.wakeups,
+            broker_vcsw: status
+                .broker_vcsw
+                .map_or(-1, |n| i64::try_from(n).unwrap_or(i64::MAX)),
+            moved: status.fast.as_ref().map_or(0, |f| f.moved),
         };
         // SAFETY: not NULL, and by this function's contract writable.
         unsafe { report.write(r) };

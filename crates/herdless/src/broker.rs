@@ -1821,6 +1821,10 @@ impl Broker {
             clients_total,
             handshaking: self.handshakes.live() as u32,
             fast,
+            // Read on the broker's thread: status is built there.
+            broker_vcsw: herdless_platform::thread_rusage()
+                .ok()
+                .map(|u| u.voluntary_ctx),
         }
     }
 

@@ -153,6 +153,12 @@ pub struct Status {
     /// The shared token table, when the broker has one.
     #[cfg_attr(feature = "serde", serde(default))]
     pub fast: Option<FastStatus>,
+    /// Voluntary context switches of the broker's own thread so far: each
+    /// is one sleep of its event loop, so one wake-up (`None` where the
+    /// OS does not count them per thread). Apart from the host's threads
+    /// when the broker runs inside a program (a make that started it).
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub broker_vcsw: Option<u64>,
 }
 
 /// The shared token table (the fast path for native clients on the host).
@@ -335,6 +341,7 @@ impl Status {
             }
             None => o.raw("fast", "null"),
         }
+        o.opt_num("broker_vcsw", self.broker_vcsw);
         o.finish()
     }
 }
@@ -607,6 +614,7 @@ mod tests {
                 waiting: 1,
                 moved: 2,
             }),
+            broker_vcsw: classic.then_some(17),
             wait_histogram: classic.then(|| WaitHistogram {
                 le_us: vec![10.0, 100.0],
                 cumulative: vec![1, 3],

@@ -108,5 +108,5 @@ pub use system::{
 };
 pub use usage::{
     children_rusage, process_ctx_switches, process_ctx_switches_all_threads, self_rusage,
-    CtxSwitches, Usage,
+    thread_rusage, CtxSwitches, Usage,
 };

@@ -175,6 +175,28 @@ pub fn self_rusage() -> io::Result<Usage> {
     rusage(UsageWho::RUSAGE_SELF)
 }
 
+/// `getrusage(RUSAGE_THREAD)` — the same for the calling thread alone:
+/// what a service thread (the broker's, inside a host program) costs,
+/// apart from the threads around it.
+///
+/// # Errors
+///
+/// `ErrorKind::Unsupported` where the OS has no per-thread usage;
+/// otherwise the OS error of `getrusage()`.
+///
+/// # Portability
+///
+/// Linux, FreeBSD and OpenBSD; not NetBSD or macOS.
+pub fn thread_rusage() -> io::Result<Usage> {
+    #[cfg(any(target_os = "linux", target_os = "freebsd", target_os = "openbsd"))]
+    return rusage(UsageWho::RUSAGE_THREAD);
+    #[cfg(not(any(target_os = "linux", target_os = "freebsd", target_os = "openbsd")))]
+    Err(io::Error::new(
+        io::ErrorKind::Unsupported,
+        "no per-thread resource usage on this OS",
+    ))
+}
+
 /// `getrusage(RUSAGE_CHILDREN)` — the same for all children of this process
 /// that have terminated and been waited for, and their waited-for
 /// descendants. A child counts only after `wait()` has reaped it.
@@ -208,6 +230,30 @@ mod tests {
             parse_proc_status("Name:\tcat\n").unwrap_err().kind(),
             io::ErrorKind::InvalidData
         );
+    }
+
+    #[cfg(any(target_os = "linux", target_os = "freebsd", target_os = "openbsd"))]
+    #[test]
+    fn a_threads_usage_is_its_own() {
+        // Sleeps on this thread raise its count; a second thread's sleeps
+        // do not.
+        let before = thread_rusage().unwrap().voluntary_ctx;
+        for _ in 0..3 {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let slept = thread_rusage().unwrap().voluntary_ctx;
+        assert!(slept >= before + 3, "{before} then {slept}");
+        std::thread::spawn(|| {
+            for _ in 0..20 {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        })
+        .join()
+        .unwrap();
+        let after = thread_rusage().unwrap().voluntary_ctx;
+        // The join itself may sleep once.
+        assert!(after <= slept + 2, "{slept} then {after}");
+        assert!(self_rusage().unwrap().voluntary_ctx >= after + 20);
     }
 
     #[cfg(target_os = "linux")]

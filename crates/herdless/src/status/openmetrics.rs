@@ -117,6 +117,13 @@ impl Status {
             "Connections that completed the handshake.",
             self.connections,
         );
+        if let Some(n) = self.broker_vcsw {
+            o.counter(
+                "herdless_broker_wakeups",
+                "Voluntary context switches of the broker's own thread: one per wake-up of its event loop.",
+                n,
+            );
+        }
         o.gauge(
             "herdless_tokens_lost",
             None,
@@ -271,6 +278,7 @@ mod tests {
             controls: None,
             wait_histogram: None,
             fast: None,
+            broker_vcsw: Some(9),
         };
         s.wait_histogram = Some(WaitHistogram {
             le_us: vec![10.0, 1e6],
