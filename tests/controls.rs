@@ -523,6 +523,13 @@ for f in text_string_to_metric_families(sys.stdin.read()):
     assert_eq!(value("herdless_grants_total", "-"), s.grants as f64);
     assert_eq!(value("herdless_waits_total", "-"), 1.0);
     assert_eq!(value("herdless_wakeups_total", "-"), s.wakeups as f64);
+    if cfg!(target_os = "linux") {
+        // The broker's thread slept at least while the waiter waited; the
+        // status read after the exposition counts as many or more.
+        let woke = value("herdless_broker_wakeups_total", "-");
+        let later = s.broker_vcsw.expect("counted per thread on Linux") as f64;
+        assert!(woke >= 1.0 && woke <= later, "{woke} then {later}");
+    }
     assert_eq!(value("herdless_tokens_in_use", "-"), s.in_use as f64);
     assert_eq!(value("herdless_tokens_lost", "-"), 0.0);
     assert_eq!(
