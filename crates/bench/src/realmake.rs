@@ -136,7 +136,8 @@ impl MakeResult {
     /// The makes' switches less the broker thread's, one per grant to a
     /// make that waited and one per wait moved: at most what the makes'
     /// own work costs (forking jobs, reaping them), to set beside a make
-    /// that never waits for a token. `None` without the figures.
+    /// that never waits for a token. `None` without the broker's and
+    /// the woken figures; a line without `moved` counts none moved.
     pub fn own_vcsw(&self) -> Option<u64> {
         Some(
             self.makes_vcsw
