@@ -100,16 +100,21 @@ pub(crate) enum Record {
     Ready { idx: u32, pid: u32 },
     /// Got a token: began wanting it at `t_want`, had it at `t_got`.
     /// Herdless mode: `t_rel` is when this waiter gave back the token it
-    /// got before, if it did and has not said so yet. A waiter reports
-    /// before it gives back, as the kernel modes' waiters do before their
-    /// releaser releases: the report wakes the coordinator, and that
-    /// belongs to no hand-off.
+    /// got before, if it did and has not said so yet. A herdless waiter
+    /// keeps these until it is stopped (see [`Record::Drained`]).
     Got {
         idx: u32,
         t_want: u64,
         t_got: u64,
         t_rel: Option<u64>,
     },
+    /// Herdless mode: this waiter's grant spent the budget; it was the
+    /// last of the cell. Herdless waiters pass tokens on among themselves,
+    /// and the coordinator has no part in a hand-off: a record per grant
+    /// would wake it in the middle of the next one, for the measurement
+    /// alone. So they keep their `Got` records until the stop, and this
+    /// one record ends the grant phase.
+    Drained { idx: u32 },
     /// Told to stop. `wakes`: sleeps ended during the grant phase;
     /// `cpu_ns`: user + system time since `Ready`; `t_want`: when the wait
     /// that the stop ended began; `t_rel`: its last give-back, if no
@@ -129,6 +134,7 @@ impl Record {
     fn encode(&self) -> String {
         let mut line = match self {
             Record::Ready { idx, pid } => format!("ready {idx} {pid}"),
+            Record::Drained { idx } => format!("drained {idx}"),
             Record::Got {
                 idx,
                 t_want,
@@ -175,6 +181,7 @@ impl Record {
                 idx,
                 pid: u32::try_from(pid).ok()?,
             }),
+            ("drained", &[]) => Some(Record::Drained { idx }),
             ("got", &[t_want, t_got, t_rel]) => Some(Record::Got {
                 idx,
                 t_want,
@@ -294,6 +301,7 @@ mod tests {
     fn records_round_trip() {
         let records = [
             Record::Ready { idx: 3, pid: 4242 },
+            Record::Drained { idx: 7 },
             Record::Got {
                 idx: 1,
                 t_want: 10,
@@ -331,6 +339,7 @@ mod tests {
             assert_eq!(Record::parse(line.trim_end()), Some(r));
         }
         assert_eq!(Record::parse("got 1 2"), None);
+        assert_eq!(Record::parse("drained 1 2"), None);
         assert_eq!(Record::parse("nonsense"), None);
     }
 

@@ -14,19 +14,21 @@
 //!    writes the next token, until G tokens have been claimed.
 //!
 //!    Herdless: the coordinator holds the broker's T tokens and gives them
-//!    back; each waiter that gets one reports it and then gives it straight
-//!    back, and the token goes to the next waiter in line (through the
-//!    shared table, or the broker). The mechanism is the relay the
-//!    releaser is in the kernel modes. The report comes first, as in the
-//!    kernel modes, where it comes before the releaser's next release: the
-//!    coordinator it wakes is not part of any hand-off. A waiter's
-//!    give-back time goes with its next report (or its final one). A
-//!    budget of give-backs (see the `shared` module) ends the circulation
-//!    after exactly G grants.
+//!    back; each waiter that gets one notes it and gives it straight back,
+//!    and the token goes to the next waiter in line (through the shared
+//!    table, or the broker). The mechanism is the relay the releaser is in
+//!    the kernel modes. The coordinator has no part in that relay, so a
+//!    report per grant would only wake it in the middle of the next
+//!    hand-off, a cost of the measurement alone: the waiters keep their
+//!    notes (each grant with the give-back before it) until step 4. A
+//!    budget of give-backs and keeps (see the `shared` module) ends the
+//!    circulation after exactly G grants, and the waiter whose grant
+//!    spends it sends the one record of the grant phase, `drained`.
 //! 4. When every waiter sleeps again, the coordinator stops them all with
 //!    one last wake-up each (it closes the FIFO, posts a stop, or passes
 //!    one more token down the broker's line); each reports how often it
-//!    woke and how much CPU it used, and exits. On Linux the counters are
+//!    woke and how much CPU it used (a herdless waiter, its kept notes
+//!    first, written after its counters are read), and exits. On Linux the counters are
 //!    read from `/proc` instead, from outside, while every waiter sleeps
 //!    just before the first token and just after the last (see the
 //!    `procs` and `waiter` modules).
@@ -294,7 +296,7 @@ pub fn run_cell(cfg: &CellConfig, progress: &mut dyn FnMut(u64)) -> io::Result<C
 
     // The releaser's CPU is this whole process's in every mode: in the
     // kernel modes it reads the records and releases; in herdless mode it
-    // reads the records and runs the broker's thread.
+    // runs the broker's thread and waits for the one `drained` record.
     let usage0 = self_rusage()?;
     let t0 = now_ns();
     run.grant_phase(&mut shared, progress)?;
@@ -399,6 +401,13 @@ impl Run<'_> {
     ) -> io::Result<()> {
         let cfg = self.cfg;
         shared.start(cfg.tokens, &mut self.releases)?;
+        if shared.socket().is_some() {
+            // Herdless waiters keep their reports until the stop.
+            return match self.next_record()? {
+                Record::Drained { .. } => Ok(()),
+                other => self.unexpected(other),
+            };
+        }
         let mut last_progress = Instant::now();
         while (self.got.len() as u64) < cfg.grants {
             match self.next_record()? {
@@ -429,8 +438,18 @@ impl Run<'_> {
     /// Stops every waiter, collects their final reports and reaps them.
     fn stop_phase(&mut self, shared: &mut Shared) -> io::Result<()> {
         shared.stop(self.cfg.waiters)?;
+        let kept_back = shared.socket().is_some();
         while self.finals.iter().any(Option::is_none) {
             match self.next_record()? {
+                Record::Got {
+                    idx,
+                    t_want,
+                    t_got,
+                    t_rel,
+                } if kept_back && self.finals.get(idx as usize).is_some_and(Option::is_none) => {
+                    self.got.push((idx, t_want, t_got));
+                    self.releases.extend(t_rel);
+                }
                 Record::Final {
                     idx,
                     wakes,
@@ -446,6 +465,16 @@ impl Run<'_> {
             }
         }
         self.workers.reap(Duration::from_secs(30))?;
+        if self.got.len() as u64 != self.cfg.grants {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!(
+                    "{} grants reported, {} handed out",
+                    self.got.len(),
+                    self.cfg.grants
+                ),
+            ));
+        }
         shared.finish()
     }
 

@@ -18,11 +18,14 @@
 //!   it stops. So the run ends after exactly G grants with every token
 //!   kept by the waiter that got it last, and the budget costs a waiter
 //!   two atomic operations at most, no system call: the kernel modes'
-//!   waiters make none for it either (their releaser decides).
+//!   waiters make none for it either (their releaser decides). The keep
+//!   that leaves 0 is the run's last grant; its waiter tells the
+//!   coordinator (the `drained` record), and the grant phase is over.
 //!
 //!   The stop is a grant too: with the budget spent, the releaser gives
 //!   back its last token, which wakes the first waiter in line; that one
-//!   passes it on (with any it kept) and ends, and so on down the line, so each waiter wakes once for the stop, as in the other modes.
+//!   passes it on (with any it kept) and ends, and so on down the line,
+//!   so each waiter wakes once for the stop, as in the other modes.
 //!   Stopping the broker instead would wake a waiter that holds a token
 //!   twice: once for the broker's word about it, once for the closed
 //!   connection.

@@ -95,7 +95,24 @@ impl Tally {
         t_want: u64,
         t_rel: Option<u64>,
     ) -> io::Result<()> {
+        self.finish_after(out, stop_waited, t_want, t_rel, Vec::new())
+    }
+
+    /// [`finish`](Self::finish), sending the `Got` records kept back
+    /// before the final one, after the counters are read (a write that
+    /// waits for room in the FIFO does not count).
+    fn finish_after(
+        &self,
+        out: &mut RecordWriter,
+        stop_waited: bool,
+        t_want: u64,
+        t_rel: Option<u64>,
+        kept_back: Vec<Record>,
+    ) -> io::Result<()> {
         let at = self_rusage()?;
+        for r in &kept_back {
+            out.send(r)?;
+        }
         let stop_sleep = u64::from(stop_waited);
         let slept = sleeps(&at).saturating_sub(sleeps(&self.start));
         let cpu = at.cpu().saturating_sub(self.start.cpu());
@@ -182,9 +199,9 @@ fn futex_waiter(dir: &Path, idx: u32, out: &mut RecordWriter) -> io::Result<()> 
 
 /// Takes tokens from the broker and, for each, does what the budget says:
 /// give it back at once, keep it, or stop (pass it on, with those kept,
-/// and end). Each grant is reported before the token goes back, with the
-/// give-back before it: the report wakes the coordinator, which must not
-/// fall inside the next waiter's hand-off.
+/// and end). The grants are reported at the stop, each with the give-back
+/// before it; the grant that spends the budget says so at once
+/// ([`Record::Drained`]).
 fn herdless_waiter(dir: &Path, idx: u32, out: &mut RecordWriter) -> io::Result<()> {
     let client = Client::connect_with(
         dir.join(SOCKET_NAME),
@@ -196,24 +213,33 @@ fn herdless_waiter(dir: &Path, idx: u32, out: &mut RecordWriter) -> io::Result<(
     let tally = Tally::start(out, idx)?;
     let mut kept = Vec::new();
     let mut t_rel = None;
+    let mut reports = Vec::new();
     loop {
         let t_want = now_ns();
         let token = client.acquire().map_err(io::Error::other)?;
         let t_got = now_ns();
         let give_back = give_backs.take_one();
-        if !give_back && !keeps.take_one() {
+        let keep = if give_back {
+            None
+        } else {
+            keeps.take_one_left()
+        };
+        if !give_back && keep.is_none() {
             // The stop, which ended a wait: every waiter sleeps before it.
             let waited = true;
             drop(token);
             drop(kept);
-            return tally.finish(out, waited, t_want, t_rel);
+            return tally.finish_after(out, waited, t_want, t_rel, reports);
         }
-        out.send(&Record::Got {
+        reports.push(Record::Got {
             idx,
             t_want,
             t_got,
             t_rel: t_rel.take(),
-        })?;
+        });
+        if keep == Some(0) {
+            out.send(&Record::Drained { idx })?;
+        }
         if give_back {
             t_rel = Some(now_ns());
             drop(token);

@@ -172,10 +172,17 @@ impl SharedCount {
 
     /// Takes one from the count if it is above 0; `false` when it is 0.
     pub fn take_one(&self) -> bool {
+        self.take_one_left().is_some()
+    }
+
+    /// Takes one from the count if it is above 0: what is left after it
+    /// (0 for the taker of the last one); `None` when it was 0.
+    pub fn take_one_left(&self) -> Option<u32> {
         self.mapped
             .word()
             .fetch_update(Ordering::AcqRel, Ordering::Relaxed, |v| v.checked_sub(1))
-            .is_ok()
+            .ok()
+            .map(|was| was - 1)
     }
 
     /// What is left. Stale as soon as it returns.

@@ -150,11 +150,20 @@ fn shared_count_child() {
     let count = SharedCount::open(path).unwrap();
     let gate = SharedCount::open(std::env::var_os(GATE_FILE).unwrap()).unwrap();
     pass_gate(&gate);
+    let (took, last) = take_all(&count);
+    println!("took={took} last={}", u8::from(last));
+}
+
+/// Takes from `count` until it is spent: how many it took, and whether
+/// it took the last one (the take that left 0).
+fn take_all(count: &SharedCount) -> (u64, bool) {
     let mut took = 0u64;
-    while count.take_one() {
+    let mut last = false;
+    while let Some(left) = count.take_one_left() {
         took += 1;
+        last |= left == 0;
     }
-    println!("took={took}");
+    (took, last)
 }
 
 #[test]
@@ -178,23 +187,24 @@ fn a_count_is_taken_once_per_unit_by_several_processes() {
         })
         .collect();
     pass_gate(&gate);
-    let mut took = 0u64;
-    while count.take_one() {
-        took += 1;
-    }
+    let (mut took, last) = take_all(&count);
+    let mut lasts = u32::from(last);
     for child in children {
         let out = child.wait_with_output().unwrap();
         assert!(out.status.success());
         let text = String::from_utf8_lossy(&out.stdout);
-        let n: u64 = text
+        let line = text
             .lines()
             .find_map(|l| l.strip_prefix("took="))
-            .unwrap_or_else(|| panic!("no count from a child: {text}"))
-            .parse()
-            .unwrap();
-        took += n;
+            .unwrap_or_else(|| panic!("no count from a child: {text}"));
+        let (n, last) = line
+            .split_once(" last=")
+            .unwrap_or_else(|| panic!("no last from a child: {text}"));
+        took += n.parse::<u64>().unwrap();
+        lasts += last.parse::<u32>().unwrap();
     }
     assert_eq!(took, u64::from(UNITS));
+    assert_eq!(lasts, 1, "exactly one process takes the last unit");
     assert_eq!(count.value(), 0);
     assert!(!count.take_one(), "a spent count stays at 0");
     let err = SharedCount::create(&path.0, 1).unwrap_err();
