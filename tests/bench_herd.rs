@@ -137,3 +137,36 @@ fn zero_waiters_are_a_usage_error() {
     let out = herdless(&["bench", "herd", "--waiters", "0"]);
     assert_eq!(out.status.code(), Some(2));
 }
+
+/// Herdless waiters keep their reports until the stop, and one of them
+/// ends the grant phase: every grant must still be reported, once, with
+/// more tokens than grants, one waiter, or many waiters sharing few
+/// tokens.
+#[test]
+fn herdless_cells_report_exactly_their_grants() {
+    for (waiters, tokens, grants) in [("3", "8", 7u64), ("16", "4", 300), ("1", "2", 50)] {
+        let out = herdless(&[
+            "bench",
+            "herd",
+            "--mode",
+            "herdless,herdless-socket",
+            "--waiters",
+            waiters,
+            "--tokens",
+            tokens,
+            "--grants",
+            &grants.to_string(),
+            "--json",
+        ]);
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        let rows: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(rows.len(), 2);
+        for r in &rows {
+            assert_eq!(
+                r["grants"].as_u64(),
+                Some(grants),
+                "{waiters} × {tokens}: {r}"
+            );
+        }
+    }
+}
