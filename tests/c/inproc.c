@@ -2,8 +2,8 @@
  * make's poll loop leans on: capacity, status, take_grant handing over a
  * free token at once, pending, the non-blocking cancel (with a grant
  * racing it), nothing handed out after an abort, and a connect that never
- * falls back to a classic jobserver. Runs with no jobserver in its
- * environment. */
+ * falls back to a classic jobserver, and the broker's files removed from
+ * a signal handler. Runs with no jobserver in its environment. */
 #define _POSIX_C_SOURCE 200809L
 #include <errno.h>
 #include <fcntl.h>
@@ -12,14 +12,25 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/resource.h>
+#include <signal.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 #ifdef __linux__
 #include <dirent.h>
-#include <signal.h>
 #endif
 
 #include "check.h"
+
+/* For unlink_on_signal: the broker, and what the call returned. */
+static herdless_broker *doomed;
+static volatile sig_atomic_t unlinked = 1;
+
+/* A fatal-signal handler's cleanup, as a make's. */
+static void unlink_on_signal(int sig) {
+    (void)sig;
+    unlinked = herdless_broker_unlink(doomed);
+}
 
 /* Waits (no timeout: the test's harness has one) until c's descriptor is
  * readable, then takes the grant. */
@@ -179,6 +190,44 @@ int main(void) {
 #endif
     /* The socket, FIFO and directory are gone; the variable too. */
     CHECK(access(dir, F_OK) != 0);
+    CHECK(getenv("HERDLESS_SOCKET") == NULL);
+
+    /* herdless_broker_unlink, as a fatal-signal handler calls it: a forked
+     * child removes nothing; the started process's handler removes the
+     * socket, both FIFOs of a bmake bridge and the directory; the broker
+     * still serves the connection it has, and stops as before. */
+    CHECK_EQ(herdless_broker_unlink(NULL), -EINVAL);
+    doomed = herdless_broker_start(4, HERDLESS_BROKER_CLASSIC_PIPE | HERDLESS_BROKER_BMAKE, NULL);
+    REQUIRE(doomed != NULL);
+    snprintf(dir, sizeof dir, "%s", herdless_broker_dir(doomed));
+    c = herdless_client_native_from_env();
+    REQUIRE(c != NULL);
+    {
+        int st = 0;
+        pid_t child = fork();
+        REQUIRE(child >= 0);
+        if (child == 0)
+            _exit(herdless_broker_unlink(doomed) == -EPERM ? 0 : 1);
+        CHECK_EQ(waitpid(child, &st, 0), child);
+        CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+    }
+    CHECK_EQ(access(dir, F_OK), 0);
+    {
+        struct sigaction act;
+        memset(&act, 0, sizeof act);
+        act.sa_handler = unlink_on_signal;
+        sigemptyset(&act.sa_mask);
+        REQUIRE(sigaction(SIGUSR1, &act, NULL) == 0);
+        REQUIRE(raise(SIGUSR1) == 0);
+    }
+    CHECK_EQ(unlinked, 0);
+    CHECK(access(dir, F_OK) != 0);
+    CHECK_EQ(herdless_take_grant(c), 0);
+    CHECK_EQ(herdless_release(c), 0);
+    herdless_client_free(c);
+    CHECK_EQ(herdless_broker_stop(doomed, &rep), 0);
+    CHECK_EQ(rep.lost, 0);
+    CHECK_EQ(rep.native_grants, 1);
     CHECK(getenv("HERDLESS_SOCKET") == NULL);
 
     /* A connection begun before it is needed, as a sub-make begins one

@@ -588,10 +588,10 @@ herdless_broker *herdless_broker_start(unsigned int jobs, unsigned int flags, co
 const char *herdless_broker_socket(const herdless_broker *b);
 
 /**
- * The broker's private directory (the socket's and FIFOs' parent): a
- * caller that must clean up from a signal handler can remove its entries
- * and the directory with `unlink` and `rmdir`. NULL when `b` is NULL.
- * Owned by the handle, valid until `herdless_broker_stop`.
+ * The broker's private directory (the socket's and FIFOs' parent). NULL
+ * when `b` is NULL. Owned by the handle, valid until
+ * `herdless_broker_stop`. A program that must clean up from a signal
+ * handler calls `herdless_broker_unlink`.
  *
  * # Safety
  *
@@ -612,6 +612,28 @@ const char *herdless_broker_dir(const herdless_broker *b);
  * `b` is NULL or a live broker handle.
  */
 const char *herdless_broker_classic_auth(const herdless_broker *b);
+
+/**
+ * Removes the broker's socket, its FIFOs and its directory with
+ * async-signal-safe calls only (`getpid`, `unlink`, `rmdir`: nothing is
+ * allocated, no lock is taken), for a fatal-signal handler of the program
+ * that started it, about to let the process die: the broker goes on
+ * serving the connections it has until then, and new clients cannot find
+ * it. `herdless_broker_stop` still stops it, and copes with the files
+ * being gone.
+ *
+ * Returns 0 when the directory is gone; the negative `errno` of the
+ * `rmdir` that failed otherwise; `-EPERM`, removing nothing, when called
+ * in another process than the one that started the broker (a forked
+ * child); `-EINVAL` when `b` is NULL.
+ *
+ * # Safety
+ *
+ * `b` is NULL or a live broker handle. Safe to call from a signal handler
+ * that interrupted any herdless call except `herdless_broker_stop` on
+ * the same handle.
+ */
+int herdless_broker_unlink(const herdless_broker *b);
 
 /**
  * Stops the broker, waits for its thread, removes its socket, FIFOs and

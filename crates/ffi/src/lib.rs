@@ -836,6 +836,11 @@ pub struct herdless_broker {
     thread: Option<std::thread::JoinHandle<std::io::Result<Status>>>,
     socket: CString,
     dir_path: CString,
+    /// Every entry of the directory once the broker was set up (its
+    /// socket and FIFOs), for `herdless_broker_unlink`.
+    entries: Vec<CString>,
+    /// The process that started it.
+    pid: libc::pid_t,
     auth: Option<CString>,
     /// Pipe style: the descriptors children inherit (no close-on-exec).
     fds: Option<(OwnedFd, OwnedFd)>,
@@ -991,6 +996,13 @@ fn start_broker(
     let socket = std::path::absolute(dir.socket()).map_err(|e| io_errno(&e))?;
     let socket = CString::new(socket.into_os_string().into_vec()).map_err(|_| libc::EINVAL)?;
     let dir_path = CString::new(dir.dir().as_os_str().as_bytes()).map_err(|_| libc::EINVAL)?;
+    // Everything the broker and its bridge made is there now; nothing is
+    // added later.
+    let mut entries = Vec::new();
+    for entry in std::fs::read_dir(dir.dir()).map_err(|e| io_errno(&e))? {
+        let path = entry.map_err(|e| io_errno(&e))?.path();
+        entries.push(CString::new(path.into_os_string().into_vec()).map_err(|_| libc::EINVAL)?);
+    }
     // The caller is the command at the top: when it connects natively, as
     // a make with herdless inside does next, the bridge learns it from the
     // broker like any other native command.
@@ -1011,6 +1023,8 @@ fn start_broker(
         thread: Some(thread),
         socket,
         dir_path,
+        entries,
+        pid: std::process::id() as libc::pid_t,
         auth,
         fds,
         previous,
@@ -1034,10 +1048,10 @@ pub unsafe extern "C" fn herdless_broker_socket(b: *const herdless_broker) -> *c
     }
 }
 
-/// The broker's private directory (the socket's and FIFOs' parent): a
-/// caller that must clean up from a signal handler can remove its entries
-/// and the directory with `unlink` and `rmdir`. NULL when `b` is NULL.
-/// Owned by the handle, valid until `herdless_broker_stop`.
+/// The broker's private directory (the socket's and FIFOs' parent). NULL
+/// when `b` is NULL. Owned by the handle, valid until
+/// `herdless_broker_stop`. A program that must clean up from a signal
+/// handler calls `herdless_broker_unlink`.
 ///
 /// # Safety
 ///
@@ -1068,6 +1082,49 @@ pub unsafe extern "C" fn herdless_broker_classic_auth(b: *const herdless_broker)
         Some(b) => b.auth.as_ref().map_or(ptr::null(), |a| a.as_ptr()),
         None => ptr::null(),
     }
+}
+
+/// Removes the broker's socket, its FIFOs and its directory with
+/// async-signal-safe calls only (`getpid`, `unlink`, `rmdir`: nothing is
+/// allocated, no lock is taken), for a fatal-signal handler of the program
+/// that started it, about to let the process die: the broker goes on
+/// serving the connections it has until then, and new clients cannot find
+/// it. `herdless_broker_stop` still stops it, and copes with the files
+/// being gone.
+///
+/// Returns 0 when the directory is gone; the negative `errno` of the
+/// `rmdir` that failed otherwise; `-EPERM`, removing nothing, when called
+/// in another process than the one that started the broker (a forked
+/// child); `-EINVAL` when `b` is NULL.
+///
+/// # Safety
+///
+/// `b` is NULL or a live broker handle. Safe to call from a signal handler
+/// that interrupted any herdless call except `herdless_broker_stop` on
+/// the same handle.
+#[no_mangle]
+pub unsafe extern "C" fn herdless_broker_unlink(b: *const herdless_broker) -> c_int {
+    // SAFETY: as in `herdless_broker_socket`.
+    let Some(b) = (unsafe { b.as_ref() }) else {
+        return -libc::EINVAL;
+    };
+    // SAFETY: getpid(2) takes nothing and always succeeds.
+    if unsafe { libc::getpid() } != b.pid {
+        return -libc::EPERM;
+    }
+    for entry in &b.entries {
+        // SAFETY: `entry` is a NUL-terminated path owned by the handle;
+        // unlink(2) only reads it. A missing entry is no error here.
+        unsafe { libc::unlink(entry.as_ptr()) };
+    }
+    // SAFETY: as for unlink(2) above.
+    if unsafe { libc::rmdir(b.dir_path.as_ptr()) } == 0 {
+        return 0;
+    }
+    // Reads errno into a plain value: nothing allocated.
+    -std::io::Error::last_os_error()
+        .raw_os_error()
+        .unwrap_or(libc::EIO)
 }
 
 /// Stops the broker, waits for its thread, removes its socket, FIFOs and
