@@ -79,9 +79,6 @@ static herdless_broker *broker;
 static unsigned int broker_slots;
 /* The process that owns the broker (not a forked child). */
 static pid_t broker_pid;
-/* Paths removed from a fatal-signal handler, where only async-signal-safe
- * calls may be made: the socket, the FIFO, their directory. */
-static char *doomed_socket, *doomed_fifo, *doomed_dir;
 
 static const char *
 mode (void)
@@ -193,25 +190,34 @@ stop_broker_at_exit (void)
 unsigned int
 __wrap_jobserver_setup (int slots, const char *style)
 {
-  const char *auth;
   herdless_client *c;
+  sigset_t all, before;
+  int start_errno;
 
   if (!mode_is ("auto") || (style && strcmp (style, "fifo") != 0))
     return __real_jobserver_setup (slots, style);
 
   /* In make's own temporary directory (MAKE_TMPDIR, TMPDIR), where the
-     stock jobserver would put its FIFO. */
+     stock jobserver would put its FIFO. A fatal signal waits until the
+     fatal-signal handler can find the broker to remove its files: one
+     that came while they were being made would leave them behind. */
+  sigfillset (&all);
+  sigprocmask (SIG_BLOCK, &all, &before);
   broker = herdless_broker_start ((unsigned int) slots + 1,
                                   HERDLESS_BROKER_CLASSIC_FIFO, get_tmpdir ());
+  if (broker)
+    broker_pid = getpid ();
+  start_errno = errno;
+  sigprocmask (SIG_SETMASK, &before, NULL);
   if (!broker)
     {
+      errno = start_errno;
       /* The stock jobserver reports what is wrong (the same directory) in
          its own words, and copes as it does. */
       DB (DB_JOBS, ("herdless: cannot start a broker (%s): stock jobserver\n",
                     herdless_strerror (-errno)));
       return __real_jobserver_setup (slots, style);
     }
-  broker_pid = getpid ();
   broker_slots = (unsigned int) slots;
   c = herdless_client_native_from_env ();
   if (!c)
@@ -223,10 +229,6 @@ __wrap_jobserver_setup (int slots, const char *style)
       return __real_jobserver_setup (slots, style);
     }
   connected (c);
-  auth = herdless_broker_classic_auth (broker);
-  doomed_socket = xstrdup (herdless_broker_socket (broker));
-  doomed_fifo = xstrdup (auth + CSTRLEN ("fifo:"));
-  doomed_dir = xstrdup (herdless_broker_dir (broker));
   export_variable ("HERDLESS_SOCKET", herdless_broker_socket (broker));
   {
     static int registered;
@@ -299,14 +301,7 @@ __wrap_jobserver_clear (void)
       /* In a signal handler: remove the broker's files, nothing else. The
          process is about to die, and its broker thread with it. */
       if (broker && getpid () == broker_pid)
-        {
-          if (doomed_socket)
-            unlink (doomed_socket);
-          if (doomed_fifo)
-            unlink (doomed_fifo);
-          if (doomed_dir)
-            rmdir (doomed_dir);
-        }
+        herdless_broker_unlink (broker);
       __real_jobserver_clear ();
       return;
     }
@@ -344,6 +339,13 @@ __wrap_jobserver_release (int is_fatal)
       __real_jobserver_release (is_fatal);
       return;
     }
+  /* In make's fatal-signal handler the main flow may be in the middle of
+     a herdless call, holding its locks: nothing of herdless is called from
+     there. The token is not lost: the process is about to die, and the
+     broker takes back what a connection holds as it closes (and in the
+     make that owns the broker, ends with it). */
+  if (handling_fatal_signal)
+    return;
   r = herdless_release (hl);
   if (r < 0)
     {
@@ -443,11 +445,13 @@ __wrap_jobserver_acquire (int timeout)
 /* Not a jobserver function: make's blocking wait for a child, called from
    remake.c when no other job can start (and while dying). A request left
    queued by jobserver_acquire is not wanted any more then: withdraw it, so
-   the token goes to another waiter instead of idling here. */
+   the token goes to another waiter instead of idling here. While dying
+   (make's fatal-signal handler waits for its children here) it is left
+   queued, as in jobserver_release: the connection's end withdraws it. */
 void
 __wrap_reap_children (int block, int err)
 {
-  if (block && hl && herdless_pending (hl) > 0)
+  if (block && hl && !handling_fatal_signal && herdless_pending (hl) > 0)
     herdless_cancel_nowait (hl);
   __real_reap_children (block, err);
 }
