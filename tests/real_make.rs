@@ -478,11 +478,65 @@ fn sigint(t: &Tree, make: &Path) {
         thread::sleep(Duration::from_millis(20));
     }
     common::signal(-(child.id() as i32), libc::SIGINT);
-    let status = common::wait_timeout(&mut child, PATIENCE).expect("make ignored SIGINT");
+    let Some(status) = common::wait_timeout(&mut child, PATIENCE) else {
+        let report = common::group_report(child.id() as i32);
+        common::signal(-(child.id() as i32), libc::SIGKILL);
+        let _ = child.wait();
+        panic!("make did not end on SIGINT; what was left:\n{report}");
+    };
     assert!(!status.success());
     // Nothing finished: every job was interrupted.
     assert_eq!(t.counts().0, 0);
     assert_no_leftovers(t);
+}
+
+#[test]
+fn sigint_inside_a_herdless_call_stops_the_tree() {
+    sigint_in_send("gnu", &herdless_make(), tree);
+}
+
+#[test]
+fn sigint_inside_a_herdless_call_stops_a_bmake_tree() {
+    sigint_in_send("bmake", &herdless_bmake(), bmake_tree);
+}
+
+/// ^C while a make is in the middle of a herdless call: a preloaded
+/// `send` (`tests/c/signal_in_send.c`) sends SIGINT to the whole tree from
+/// inside the make's Nth request to its broker, for N = 1 (the top make
+/// still connecting, its broker's files just made) to 4 (sub-makes asking
+/// for tokens). The make's fatal-signal handler then runs while herdless
+/// holds its locks: it must not call herdless again (it would wait for
+/// itself forever), and the broker's files must still go.
+fn sigint_in_send(name: &str, make: &Path, build: fn(&Tree) -> usize) {
+    let preload = preload("signal_in_send");
+    for n in 1..=4 {
+        let t = Tree::new(&format!("real-{name}-sigint-send{n}"));
+        let total = build(&t);
+        let mark = t.path("signalled");
+        let mut cmd = make_cmd(&t, make);
+        cmd.arg("-j4")
+            .env("LD_PRELOAD", &preload)
+            .env("SIGNAL_IN_SEND", n.to_string())
+            .env("SIGNAL_IN_SEND_MARK", &mark)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .process_group(0);
+        let mut child = cmd.spawn().expect("spawn");
+        let Some(status) = common::wait_timeout(&mut child, PATIENCE) else {
+            let report = common::group_report(child.id() as i32);
+            common::signal(-(child.id() as i32), libc::SIGKILL);
+            let _ = child.wait();
+            panic!("{name}: SIGINT in send {n}: the make did not end; what was left:\n{report}");
+        };
+        let signalled = fs::read_to_string(&mark).unwrap_or_default();
+        assert!(
+            !signalled.trim().is_empty(),
+            "{name}: no make made {n} sends (the tree ran to its end: {status})"
+        );
+        assert!(!status.success(), "{name}: send {n}: {status}");
+        assert!(t.counts().0 < total, "{name}: send {n}: every job ran");
+        assert_no_leftovers(&t);
+    }
 }
 
 /// Debian's bmake 20200710 with herdless inside.
@@ -575,7 +629,7 @@ fn herdless_makes_that_wait_and_end_late_leave_no_token_behind() {
     // have withdrawn the wait and given back what came for it: the broker
     // takes nothing back from a client that ended holding a token, and
     // no token sits in a make that starts nothing.
-    let preload = slow_exit_preload();
+    let preload = preload("slow_exit");
     for (name, make) in [("gnu", herdless_make()), ("bmake", herdless_bmake())] {
         for round in 0..5 {
             let t = Tree::new(&format!("real-make-late-{name}-{round}"));
@@ -606,32 +660,33 @@ fn herdless_makes_that_wait_and_end_late_leave_no_token_behind() {
     }
 }
 
-/// `tests/c/slow_exit.c` built as a shared object, once per test process.
-fn slow_exit_preload() -> PathBuf {
-    static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
-    BUILT
-        .get_or_init(|| {
-            let dir =
-                std::env::temp_dir().join(format!("herdless-slow-exit-{}", std::process::id()));
-            fs::create_dir_all(&dir).unwrap();
-            let so = dir.join("slow_exit.so");
-            let cc = std::env::var_os("CC").unwrap_or_else(|| "cc".into());
-            let out = Command::new(&cc)
-                .args([
-                    "-shared", "-fPIC", "-O2", "-Wall", "-Wextra", "-Werror", "-o",
-                ])
-                .arg(&so)
-                .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/c/slow_exit.c"))
-                .output()
-                .unwrap_or_else(|e| panic!("{}: {e}", cc.to_string_lossy()));
-            assert!(
-                out.status.success(),
-                "cc slow_exit.c failed:\n{}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-            so
-        })
-        .clone()
+/// `tests/c/NAME.c` built as a shared object to preload, once per test
+/// process.
+fn preload(name: &str) -> PathBuf {
+    static BUILT: std::sync::Mutex<Vec<(String, PathBuf)>> = std::sync::Mutex::new(Vec::new());
+    let mut built = BUILT.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((_, so)) = built.iter().find(|(n, _)| n == name) {
+        return so.clone();
+    }
+    let dir = std::env::temp_dir().join(format!("herdless-preload-{}", std::process::id()));
+    fs::create_dir_all(&dir).unwrap();
+    let so = dir.join(format!("{name}.so"));
+    let cc = std::env::var_os("CC").unwrap_or_else(|| "cc".into());
+    let out = Command::new(&cc)
+        .args([
+            "-shared", "-fPIC", "-O2", "-Wall", "-Wextra", "-Werror", "-o",
+        ])
+        .arg(&so)
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("tests/c/{name}.c")))
+        .output()
+        .unwrap_or_else(|e| panic!("{}: {e}", cc.to_string_lossy()));
+    assert!(
+        out.status.success(),
+        "cc {name}.c failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    built.push((name.to_owned(), so.clone()));
+    so
 }
 
 /// A job fails in one branch: the abort reaches every branch, herdless

@@ -139,6 +139,83 @@ pub fn signal(pid: i32, sig: i32) {
     );
 }
 
+/// What every process of group `pgid` is doing, for a test that found
+/// it stuck: each process's command line, and each thread's state, wait
+/// channel and kernel stack from /proc (the stack where /proc shows it,
+/// as to root), then the threads' user-space backtraces where `gdb` is
+/// installed. Linux only; elsewhere it says so.
+pub fn group_report(pgid: i32) -> String {
+    let mut out = String::new();
+    let Ok(procs) = std::fs::read_dir("/proc") else {
+        return "no /proc to read the group from".into();
+    };
+    let mut pids: Vec<i32> = procs
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+        .filter(|pid| {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+            // pid (comm) state ppid pgrp ...: comm may hold spaces.
+            let after = stat.rsplit_once(')').map_or("", |(_, rest)| rest);
+            after.split_whitespace().nth(2) == Some(&pgid.to_string())
+        })
+        .collect();
+    pids.sort_unstable();
+    let read = |path: String| std::fs::read_to_string(path).unwrap_or_default();
+    for pid in &pids {
+        let cmdline = read(format!("/proc/{pid}/cmdline")).replace('\0', " ");
+        let ppid = read(format!("/proc/{pid}/stat"))
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().nth(1).map(str::to_owned))
+            .unwrap_or_default();
+        out += &format!("process {pid} (parent {ppid}): {}\n", cmdline.trim());
+        let tasks = std::fs::read_dir(format!("/proc/{pid}/task"))
+            .into_iter()
+            .flatten()
+            .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<i32>().ok());
+        for tid in tasks {
+            let dir = format!("/proc/{pid}/task/{tid}");
+            let state = read(format!("{dir}/status"))
+                .lines()
+                .find_map(|l| l.strip_prefix("State:").map(|s| s.trim().to_owned()))
+                .unwrap_or_default();
+            out += &format!(
+                "  thread {tid} {}: {state}, waits in {}\n",
+                read(format!("{dir}/comm")).trim(),
+                read(format!("{dir}/wchan")).trim()
+            );
+            for frame in read(format!("{dir}/stack")).lines() {
+                out += &format!("    {frame}\n");
+            }
+        }
+    }
+    if pids.is_empty() {
+        out += &format!("no process is left in group {pgid}\n");
+    }
+    for pid in &pids {
+        let gdb = Command::new("gdb")
+            .args([
+                "-p",
+                &pid.to_string(),
+                "-batch",
+                "-ex",
+                "thread apply all bt",
+            ])
+            .stdin(Stdio::null())
+            .stderr(Stdio::null())
+            .output();
+        let Ok(gdb) = gdb else {
+            out += "(no gdb here for user-space backtraces)\n";
+            break;
+        };
+        out += &format!("gdb backtraces of {pid}:\n");
+        for line in String::from_utf8_lossy(&gdb.stdout).lines() {
+            if line.starts_with('#') || line.starts_with("Thread") {
+                out += &format!("  {line}\n");
+            }
+        }
+    }
+    out
+}
+
 /// Whether this test process started with `sig` ignored, as everything
 /// under `nohup` starts with SIGHUP: `herdless run` then leaves it ignored
 /// (its command inherits that), by design, so a test that sends it to
