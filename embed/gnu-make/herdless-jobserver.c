@@ -73,6 +73,8 @@ void __real_reap_children (int block, int err);
 
 /* Non-NULL: this make takes its tokens from herdless. */
 static herdless_client *hl;
+/* The process that connected hl (not a forked child). */
+static pid_t hl_pid;
 /* The broker this make started for its group, if any. */
 static herdless_broker *broker;
 /* The pool's size when this make started the broker. */
@@ -119,11 +121,17 @@ export_slot (void)
 /* This make now takes its tokens from herdless: its jobs learn its slot,
    and its poll loop (pselect in jobserver_acquire) waits for tokens in the
    broker's shared table where it can, woken by the giver's SIGURG. */
+static void end_at_exit (void);
+
 static void
 connected (herdless_client *c)
 {
+  static int registered;
   int r;
   hl = c;
+  hl_pid = getpid ();
+  if (!registered)
+    registered = !atexit (end_at_exit);
   export_slot ();
   r = herdless_poll_handoff (hl);
   if (r < 0)
@@ -181,10 +189,24 @@ stop_broker (void)
   return lost;
 }
 
+/* At exit: stop this make's broker, and close the connection on purpose.
+   A sub-make leaves jobserver_clear uncalled as it ends, and may still
+   owe the broker the answer to a withdrawal (reap_children's): a grant
+   that overtook it is in the socket, unread. Freeing the handle settles
+   that and gives back what came, so the broker takes nothing back from a
+   make that ended normally. Not from a fatal-signal handler (the main
+   flow may hold the handle's locks), nor in a forked child. */
 static void
-stop_broker_at_exit (void)
+end_at_exit (void)
 {
+  if (handling_fatal_signal)
+    return;
   stop_broker ();
+  if (hl && getpid () == hl_pid)
+    {
+      herdless_client_free (hl);
+      hl = NULL;
+    }
 }
 
 unsigned int
@@ -230,11 +252,6 @@ __wrap_jobserver_setup (int slots, const char *style)
     }
   connected (c);
   export_variable ("HERDLESS_SOCKET", herdless_broker_socket (broker));
-  {
-    static int registered;
-    if (!registered)
-      registered = !atexit (stop_broker_at_exit);
-  }
   DB (DB_JOBS, ("herdless: broker for -j%d at %s\n", slots + 1,
                 herdless_broker_socket (broker)));
   return 1;
