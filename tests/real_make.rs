@@ -209,6 +209,76 @@ fn herdless_gnu_make_runs_a_recursive_tree_at_j_1_4_16_64() {
     }
 }
 
+/// Sub-makes reached through the wrappers and shell forms recipes use:
+/// `timeout`, a subshell, `setsid -w`, `sh -c`, `env` and `nice`,
+/// `nohup`, a brace group, a pipeline. Each is still the herdless client
+/// of the top make's broker, and the sub-make's first job runs on the
+/// token of the recipe that started it: at most N at once, N reached,
+/// every job run, no token lost or taken back from a make that ended.
+fn wrapped_sub_makes(name: &str, make: &Path) {
+    // MK stands for the sub-make's makefile.
+    let forms = [
+        "timeout 120 ${MAKE} -f MK",
+        "(cd / && ${MAKE} -f MK)",
+        "setsid -w ${MAKE} -f MK",
+        "sh -c '${MAKE} -f MK'",
+        "env HERDLESS_TEST_WRAPPED=1 nice ${MAKE} -f MK",
+        "nohup ${MAKE} -f MK 2>&1",
+        "{ ${MAKE} -f MK; }",
+        "${MAKE} -f MK | cat",
+    ];
+    for n in [4u32, 16] {
+        let t = Tree::new(&format!("real-make-wrapped-{name}-j{n}"));
+        let mut top = String::from("all:");
+        for b in 1..=forms.len() {
+            top += &format!(" branch{b}");
+        }
+        top += "\n";
+        for (b, form) in forms.iter().enumerate() {
+            let b = b + 1;
+            let file = format!("sub{b}.mk");
+            t.flat_makefile(&file, &format!("b{b}j"), 6);
+            let line = form.replace("MK", &t.path(&file).display().to_string());
+            top += &format!("branch{b}:\n\t@{line}\n");
+        }
+        fs::write(t.path("Makefile"), top).unwrap();
+        let mut cmd = make_cmd(&t, make);
+        cmd.arg(format!("-j{n}")).env("JOB_SLEEP", "0.3");
+        if name == "gnu" {
+            cmd.arg("--debug=jobs");
+        }
+        let out = run(cmd);
+        let report = text(&out);
+        assert!(out.status.success(), "{name} -j{n}: {report}");
+        let (done, most) = t.counts();
+        assert_eq!(done, 6 * forms.len(), "{name} -j{n}: {report}");
+        assert!(most <= n, "{name} -j{n}: {most} jobs at once\n{report}");
+        assert_eq!(most, n, "{name} -j{n}: never {n} jobs at once\n{report}");
+        if name == "gnu" {
+            // Every sub-make says where its tokens come from.
+            let natives = report.matches("herdless: tokens from the broker").count();
+            assert_eq!(natives, forms.len(), "{name} -j{n}: {report}");
+        }
+        let brokers = broker_lines(&t);
+        assert_eq!(brokers.len(), 1, "{name} -j{n}: {brokers:?}");
+        let b = &brokers[0];
+        assert!(figure(b, "native_grants") > 0, "{name} -j{n}: {b:?}");
+        assert_eq!(figure(b, "lost"), 0, "{name} -j{n}: {b:?}");
+        assert_eq!(figure(b, "reclaimed"), 0, "{name} -j{n}: {b:?}");
+        assert_no_leftovers(&t);
+    }
+}
+
+#[test]
+fn herdless_gnu_sub_makes_behind_wrappers_keep_the_limit() {
+    wrapped_sub_makes("gnu", &herdless_make());
+}
+
+#[test]
+fn herdless_bmake_sub_makes_behind_wrappers_keep_the_limit() {
+    wrapped_sub_makes("bmake", &herdless_bmake());
+}
+
 /// Writes a tree's Makefiles, given the jobs per makefile; returns how
 /// many jobs it runs.
 type TreeBuilder = fn(&Tree, usize) -> usize;
