@@ -548,12 +548,7 @@ fn sigint(t: &Tree, make: &Path) {
         thread::sleep(Duration::from_millis(20));
     }
     common::signal(-(child.id() as i32), libc::SIGINT);
-    let Some(status) = common::wait_timeout(&mut child, PATIENCE) else {
-        let report = common::group_report(child.id() as i32);
-        common::signal(-(child.id() as i32), libc::SIGKILL);
-        let _ = child.wait();
-        panic!("make did not end on SIGINT; what was left:\n{report}");
-    };
+    let status = common::wait_or_report(&mut child, PATIENCE, "make did not end on SIGINT");
     assert!(!status.success());
     // Nothing finished: every job was interrupted.
     assert_eq!(t.counts().0, 0);
@@ -592,12 +587,11 @@ fn sigint_in_send(name: &str, make: &Path, build: fn(&Tree) -> usize) {
             .stderr(Stdio::null())
             .process_group(0);
         let mut child = cmd.spawn().expect("spawn");
-        let Some(status) = common::wait_timeout(&mut child, PATIENCE) else {
-            let report = common::group_report(child.id() as i32);
-            common::signal(-(child.id() as i32), libc::SIGKILL);
-            let _ = child.wait();
-            panic!("{name}: SIGINT in send {n}: the make did not end; what was left:\n{report}");
-        };
+        let status = common::wait_or_report(
+            &mut child,
+            PATIENCE,
+            &format!("{name}: SIGINT in send {n}: the make did not end"),
+        );
         let signalled = fs::read_to_string(&mark).unwrap_or_default();
         assert!(
             !signalled.trim().is_empty(),

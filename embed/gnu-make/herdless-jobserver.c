@@ -189,24 +189,31 @@ stop_broker (void)
   return lost;
 }
 
-/* At exit: stop this make's broker, and close the connection on purpose.
-   A sub-make leaves jobserver_clear uncalled as it ends, and may still
-   owe the broker the answer to a withdrawal (reap_children's): a grant
-   that overtook it is in the socket, unread. Freeing the handle settles
-   that and gives back what came, so the broker takes nothing back from a
-   make that ended normally. Not from a fatal-signal handler (the main
-   flow may hold the handle's locks), nor in a forked child. */
+/* Stops this make's broker and closes the connection on purpose (from
+   jobserver_clear, and at exit). Freeing the handle settles a withdrawal
+   still unanswered and gives back what came for it, so the broker takes
+   nothing back from a make that ended normally. Nothing in a forked
+   child: the broker and the connection are the parent's. */
 static void
-end_at_exit (void)
+end_herdless (void)
 {
-  if (handling_fatal_signal)
-    return;
   stop_broker ();
   if (hl && getpid () == hl_pid)
     {
       herdless_client_free (hl);
       hl = NULL;
     }
+}
+
+/* A sub-make leaves jobserver_clear uncalled as it ends, and may still
+   owe the broker the answer to a withdrawal (reap_children's): a grant
+   that overtook it would be in the socket, unread. Not from a
+   fatal-signal handler: the main flow may hold the handle's locks. */
+static void
+end_at_exit (void)
+{
+  if (!handling_fatal_signal)
+    end_herdless ();
 }
 
 unsigned int
@@ -322,13 +329,7 @@ __wrap_jobserver_clear (void)
       __real_jobserver_clear ();
       return;
     }
-  if (broker)
-    stop_broker ();
-  if (hl)
-    {
-      herdless_client_free (hl);
-      hl = NULL;
-    }
+  end_herdless ();
   __real_jobserver_clear ();
 }
 

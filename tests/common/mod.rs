@@ -9,7 +9,7 @@
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::process::{Child, ChildStdin, ChildStdout, Command, ExitStatus, Stdio};
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -149,23 +149,21 @@ pub fn group_report(pgid: i32) -> String {
     let Ok(procs) = std::fs::read_dir("/proc") else {
         return "no /proc to read the group from".into();
     };
-    let mut pids: Vec<i32> = procs
-        .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
-        .filter(|pid| {
-            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let read = |path: String| std::fs::read_to_string(path).unwrap_or_default();
+    // (pid, parent) of each process in the group.
+    let mut pids: Vec<(i32, String)> = procs
+        .filter_map(|e| {
+            let pid: i32 = e.ok()?.file_name().to_str()?.parse().ok()?;
+            let stat = read(format!("/proc/{pid}/stat"));
             // pid (comm) state ppid pgrp ...: comm may hold spaces.
-            let after = stat.rsplit_once(')').map_or("", |(_, rest)| rest);
-            after.split_whitespace().nth(2) == Some(&pgid.to_string())
+            let mut after = stat.rsplit_once(')')?.1.split_whitespace().skip(1);
+            let ppid = after.next()?.to_owned();
+            (after.next()? == pgid.to_string()).then_some((pid, ppid))
         })
         .collect();
     pids.sort_unstable();
-    let read = |path: String| std::fs::read_to_string(path).unwrap_or_default();
-    for pid in &pids {
+    for (pid, ppid) in &pids {
         let cmdline = read(format!("/proc/{pid}/cmdline")).replace('\0', " ");
-        let ppid = read(format!("/proc/{pid}/stat"))
-            .rsplit_once(')')
-            .and_then(|(_, rest)| rest.split_whitespace().nth(1).map(str::to_owned))
-            .unwrap_or_default();
         out += &format!("process {pid} (parent {ppid}): {}\n", cmdline.trim());
         let tasks = std::fs::read_dir(format!("/proc/{pid}/task"))
             .into_iter()
@@ -190,7 +188,7 @@ pub fn group_report(pgid: i32) -> String {
     if pids.is_empty() {
         out += &format!("no process is left in group {pgid}\n");
     }
-    for pid in &pids {
+    for (pid, _) in &pids {
         let gdb = Command::new("gdb")
             .args([
                 "-p",
@@ -214,6 +212,20 @@ pub fn group_report(pgid: i32) -> String {
         }
     }
     out
+}
+
+/// Waits up to `patience` for `child`, the leader of its own process
+/// group, and returns its status; when it has not ended, panics with
+/// `what` and the [`group_report`] of its group, killed first.
+pub fn wait_or_report(child: &mut Child, patience: Duration, what: &str) -> ExitStatus {
+    if let Some(status) = wait_timeout(child, patience) {
+        return status;
+    }
+    let pgid = child.id() as i32;
+    let report = group_report(pgid);
+    signal(-pgid, libc::SIGKILL);
+    let _ = child.wait();
+    panic!("{what}; what was left:\n{report}");
 }
 
 /// Whether this test process started with `sig` ignored, as everything
