@@ -157,10 +157,16 @@ fn figure(line: &[(String, i64)], key: &str) -> i64 {
 
 /// Nothing of a broker is left in the tree's TMPDIR.
 fn assert_no_leftovers(t: &Tree) {
+    assert_none_left(t, "");
+}
+
+/// Nothing whose name starts with `prefix` is left in the tree's TMPDIR.
+fn assert_none_left(t: &Tree, prefix: &str) {
     let left: Vec<_> = fs::read_dir(t.path("tmp"))
         .unwrap()
         .filter_map(|e| e.ok())
         .map(|e| e.file_name())
+        .filter(|f| f.to_string_lossy().starts_with(prefix))
         .collect();
     assert!(left.is_empty(), "left behind in TMPDIR: {left:?}");
 }
@@ -600,6 +606,213 @@ fn sigint_in_send(name: &str, make: &Path, build: fn(&Tree) -> usize) {
         assert!(!status.success(), "{name}: send {n}: {status}");
         assert!(t.counts().0 < total, "{name}: send {n}: every job ran");
         assert_no_leftovers(&t);
+    }
+}
+
+#[test]
+fn a_gnu_sub_make_killed_mid_build_gives_its_tokens_back() {
+    kill_a_sub_make("gnu", &herdless_make(), "$(MAKE)");
+}
+
+#[test]
+fn a_bmake_sub_make_killed_mid_build_gives_its_tokens_back() {
+    kill_a_sub_make("bmake", &herdless_bmake(), "${MAKE}");
+}
+
+/// `kill -9` of one herdless sub-make while it runs jobs on tokens, under
+/// `make -k -j4`: the broker takes back every token it held (its jobs live
+/// on, as orphans, and end on their own), the rest of the tree runs to its
+/// end on the full pool, nothing is lost or left behind. The orphans run
+/// beside the jobs their tokens start next, so the tree may run over N by
+/// at most their number until they end (`docs/EMBEDDING.md`, "When a make
+/// dies"); with the tokens lost instead, as a pipe loses them, the tree
+/// would run on fewer for the rest of the build.
+fn kill_a_sub_make(name: &str, make: &Path, sub: &str) {
+    let t = Tree::new(&format!("real-{name}-kill-sub"));
+    let d = t.dir.display();
+    for b in 1..=3 {
+        t.flat_makefile(&format!("sub{b}.mk"), &format!("b{b}j"), 8);
+    }
+    // The victim's four jobs mark their start and run 2 s, so that it
+    // holds tokens for a while; it records its own pid (the shell's, which
+    // `exec` makes the sub-make's).
+    let mut victim = String::from("all: v1 v2 v3 v4\n");
+    for v in 1..=4 {
+        victim += &format!("v{v}:\n\t@touch {d}/vstart.$$$$; JOB_SLEEP=2 sh {d}/job.sh {d}; touch {d}/vdone.$$$$\n");
+    }
+    fs::write(t.path("victim.mk"), victim).unwrap();
+    // Branch 3 holds one job until the test says so, so that the top make
+    // (and its broker) outlive the kill: the broker's own count of what
+    // it took back is read while it still serves.
+    let sub3 = fs::read_to_string(t.path("sub3.mk")).unwrap();
+    let sub3 = sub3.replacen("all:", "all: hold", 1)
+        + &format!("hold:\n\t@while [ ! -e {d}/release ]; do sleep 0.05; done\n");
+    fs::write(t.path("sub3.mk"), sub3).unwrap();
+    let mut top = String::from("all: victim branch1 branch2 branch3\n");
+    top += &format!("victim:\n\t@echo $$$$ > {d}/victim.pid; exec {sub} -f {d}/victim.mk\n");
+    for b in 1..=3 {
+        top += &format!("branch{b}:\n\t@{sub} -f {d}/sub{b}.mk\n");
+    }
+    fs::write(t.path("Makefile"), top).unwrap();
+    let marks = |what: &str| {
+        fs::read_dir(&t.dir)
+            .unwrap()
+            .filter_map(|e| e.ok())
+            .filter(|e| e.file_name().to_string_lossy().starts_with(what))
+            .count()
+    };
+    let started = || marks("vstart.");
+    let mut cmd = make_cmd(&t, make);
+    cmd.args(["-k", "-j4"])
+        .stdout(fs::File::create(t.path("out")).unwrap())
+        .stderr(fs::File::create(t.path("err")).unwrap())
+        .process_group(0);
+    let mut child = cmd.spawn().expect("spawn");
+    // Two of the victim's jobs run: it holds a token besides its implicit
+    // one (none of its jobs has ended yet: they run 2 s).
+    let start = Instant::now();
+    while started() < 2 {
+        if start.elapsed() > PATIENCE {
+            let report = common::group_report(child.id() as i32);
+            common::signal(-(child.id() as i32), libc::SIGKILL);
+            panic!("{name}: the victim never ran two jobs\n{report}");
+        }
+        thread::sleep(Duration::from_millis(10));
+    }
+    let pid: i32 = fs::read_to_string(t.path("victim.pid"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    common::signal(pid, libc::SIGKILL);
+    // The broker, still serving the rest of the tree, took the killed
+    // make's tokens back.
+    let socket = fs::read_dir(t.path("tmp"))
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .map(|e| e.path().join("broker.sock"))
+        .find(|p| p.exists())
+        .expect("the top make's broker socket");
+    let start = Instant::now();
+    let last = loop {
+        let out = Command::new(BIN)
+            .args(["status", "--json", "--socket"])
+            .arg(&socket)
+            .output()
+            .unwrap();
+        let last = String::from_utf8_lossy(&out.stdout).into_owned();
+        let doc: serde_json::Value = serde_json::from_str(&last).unwrap_or_default();
+        if doc["reclaimed"].as_u64().is_some_and(|n| n >= 1) {
+            break last;
+        }
+        if start.elapsed() > PATIENCE {
+            let report = common::group_report(child.id() as i32);
+            common::signal(-(child.id() as i32), libc::SIGKILL);
+            panic!("{name}: the killed make's token was not taken back:\n{last}\n{report}");
+        }
+        thread::sleep(Duration::from_millis(20));
+    };
+    fs::write(t.path("release"), "").unwrap();
+    let status = common::wait_or_report(
+        &mut child,
+        PATIENCE,
+        &format!("{name}: the tree did not end after kill -9 of a sub-make"),
+    );
+    let report = format!(
+        "{name}: status {status}\nstderr:\n{}",
+        fs::read_to_string(t.path("err")).unwrap_or_default()
+    );
+    assert!(!status.success(), "{report}");
+    assert!(!report.contains("INTERNAL"), "{report}");
+    // The orphans end on their own.
+    let start = Instant::now();
+    while marks("vdone.") < started() {
+        assert!(
+            start.elapsed() < PATIENCE,
+            "{name}: orphan jobs never ended"
+        );
+        thread::sleep(Duration::from_millis(20));
+    }
+    let orphans = started();
+    let (done, most) = t.counts();
+    assert_eq!(done, 24 + orphans, "{name}: every other job runs\n{report}");
+    assert!(
+        most as usize <= 4 + orphans,
+        "{name}: {most} jobs at once, {orphans} of them orphans\n{report}"
+    );
+    let brokers = broker_lines(&t);
+    assert_eq!(brokers.len(), 1, "{name}: {brokers:?}\n{report}");
+    let b = &brokers[0];
+    assert_eq!(figure(b, "lost"), 0, "{name}: {b:?}");
+    assert!(figure(b, "reclaimed") >= 1, "{name}: {b:?}\n{last}");
+    // Nothing of the broker's is left (the killed bmake's own job script
+    // may be: it dies between making and removing it, as a stock one does).
+    assert_none_left(&t, "herdless");
+}
+
+#[test]
+fn a_gnu_top_make_killed_mid_build_stops_its_sub_makes() {
+    kill_the_top_make("gnu", &herdless_make());
+}
+
+#[test]
+fn a_bmake_top_make_killed_mid_build_stops_its_sub_makes() {
+    kill_the_top_make("bmake", &herdless_bmake());
+}
+
+/// `kill -9` of the top make, whose process is the broker's: the
+/// sub-makes' next token request finds the broker gone, and they stop
+/// (GNU make says so, then waits for its jobs; a bmake sub-make also
+/// loses the top make that read its output) instead of waiting forever
+/// or spinning. The whole process group ends, with fewer jobs run than
+/// the tree holds. (The broker's directory stays in TMPDIR, as a stock
+/// make's FIFO does when it is killed.)
+fn kill_the_top_make(name: &str, make: &Path) {
+    let t = Tree::new(&format!("real-{name}-kill-top"));
+    t.recursive_makefile(4, 16);
+    let mut cmd = make_cmd(&t, make);
+    cmd.arg("-j4")
+        .env("JOB_SLEEP", "0.3")
+        .stdout(fs::File::create(t.path("out")).unwrap())
+        .stderr(fs::File::create(t.path("err")).unwrap())
+        .process_group(0);
+    let mut child = cmd.spawn().expect("spawn");
+    let pgid = child.id() as i32;
+    let start = Instant::now();
+    while t.counts().0 < 2 {
+        if start.elapsed() > PATIENCE {
+            let report = common::group_report(pgid);
+            common::signal(-pgid, libc::SIGKILL);
+            panic!("{name}: the tree never finished two jobs\n{report}");
+        }
+        thread::sleep(Duration::from_millis(10));
+    }
+    common::signal(pgid, libc::SIGKILL);
+    let status = child.wait().unwrap();
+    assert_eq!(
+        std::os::unix::process::ExitStatusExt::signal(&status),
+        Some(libc::SIGKILL)
+    );
+    let start = Instant::now();
+    while nix::sys::signal::killpg(nix::unistd::Pid::from_raw(pgid), None).is_ok() {
+        if start.elapsed() > PATIENCE {
+            let report = common::group_report(pgid);
+            common::signal(-pgid, libc::SIGKILL);
+            panic!("{name}: the sub-makes did not end without their broker\n{report}");
+        }
+        thread::sleep(Duration::from_millis(20));
+    }
+    let err = fs::read_to_string(t.path("err")).unwrap_or_default();
+    let (done, _) = t.counts();
+    assert!(
+        done < 64,
+        "{name}: the whole tree ran without its top make\n{err}"
+    );
+    if name == "gnu" {
+        assert!(
+            err.contains("the herdless broker went away"),
+            "{name}: no sub-make said why it stopped\n{err}"
+        );
     }
 }
 
