@@ -668,17 +668,11 @@ fn kill_a_sub_make(name: &str, make: &Path, sub: &str) {
         .stderr(fs::File::create(t.path("err")).unwrap())
         .process_group(0);
     let mut child = cmd.spawn().expect("spawn");
+    let pgid = child.id() as i32;
     // Two of the victim's jobs run: it holds a token besides its implicit
     // one (none of its jobs has ended yet: they run 2 s).
-    let start = Instant::now();
-    while started() < 2 {
-        if start.elapsed() > PATIENCE {
-            let report = common::group_report(child.id() as i32);
-            common::signal(-(child.id() as i32), libc::SIGKILL);
-            panic!("{name}: the victim never ran two jobs\n{report}");
-        }
-        thread::sleep(Duration::from_millis(10));
-    }
+    let what = format!("{name}: the victim never ran two jobs");
+    common::until_or_report(pgid, PATIENCE, &what, || started() >= 2);
     let pid: i32 = fs::read_to_string(t.path("victim.pid"))
         .unwrap()
         .trim()
@@ -693,25 +687,18 @@ fn kill_a_sub_make(name: &str, make: &Path, sub: &str) {
         .map(|e| e.path().join("broker.sock"))
         .find(|p| p.exists())
         .expect("the top make's broker socket");
-    let start = Instant::now();
-    let last = loop {
+    let mut last = String::new();
+    let what = format!("{name}: the killed make's token was not taken back");
+    common::until_or_report(pgid, PATIENCE, &what, || {
         let out = Command::new(BIN)
             .args(["status", "--json", "--socket"])
             .arg(&socket)
             .output()
             .unwrap();
-        let last = String::from_utf8_lossy(&out.stdout).into_owned();
+        last = String::from_utf8_lossy(&out.stdout).into_owned();
         let doc: serde_json::Value = serde_json::from_str(&last).unwrap_or_default();
-        if doc["reclaimed"].as_u64().is_some_and(|n| n >= 1) {
-            break last;
-        }
-        if start.elapsed() > PATIENCE {
-            let report = common::group_report(child.id() as i32);
-            common::signal(-(child.id() as i32), libc::SIGKILL);
-            panic!("{name}: the killed make's token was not taken back:\n{last}\n{report}");
-        }
-        thread::sleep(Duration::from_millis(20));
-    };
+        doc["reclaimed"].as_u64().is_some_and(|n| n >= 1)
+    });
     fs::write(t.path("release"), "").unwrap();
     let status = common::wait_or_report(
         &mut child,
@@ -778,30 +765,18 @@ fn kill_the_top_make(name: &str, make: &Path) {
         .process_group(0);
     let mut child = cmd.spawn().expect("spawn");
     let pgid = child.id() as i32;
-    let start = Instant::now();
-    while t.counts().0 < 2 {
-        if start.elapsed() > PATIENCE {
-            let report = common::group_report(pgid);
-            common::signal(-pgid, libc::SIGKILL);
-            panic!("{name}: the tree never finished two jobs\n{report}");
-        }
-        thread::sleep(Duration::from_millis(10));
-    }
+    let what = format!("{name}: the tree never finished two jobs");
+    common::until_or_report(pgid, PATIENCE, &what, || t.counts().0 >= 2);
     common::signal(pgid, libc::SIGKILL);
     let status = child.wait().unwrap();
     assert_eq!(
         std::os::unix::process::ExitStatusExt::signal(&status),
         Some(libc::SIGKILL)
     );
-    let start = Instant::now();
-    while nix::sys::signal::killpg(nix::unistd::Pid::from_raw(pgid), None).is_ok() {
-        if start.elapsed() > PATIENCE {
-            let report = common::group_report(pgid);
-            common::signal(-pgid, libc::SIGKILL);
-            panic!("{name}: the sub-makes did not end without their broker\n{report}");
-        }
-        thread::sleep(Duration::from_millis(20));
-    }
+    let what = format!("{name}: the sub-makes did not end without their broker");
+    common::until_or_report(pgid, PATIENCE, &what, || {
+        nix::sys::signal::killpg(nix::unistd::Pid::from_raw(pgid), None).is_err()
+    });
     let err = fs::read_to_string(t.path("err")).unwrap_or_default();
     let (done, _) = t.counts();
     assert!(

@@ -228,6 +228,21 @@ pub fn wait_or_report(child: &mut Child, patience: Duration, what: &str) -> Exit
     panic!("{what}; what was left:\n{report}");
 }
 
+/// Polls `ready` every 10 ms until it holds; after `patience`, panics
+/// with `what` and the [`group_report`] of process group `pgid`, killed
+/// first.
+pub fn until_or_report(pgid: i32, patience: Duration, what: &str, mut ready: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !ready() {
+        if start.elapsed() > patience {
+            let report = group_report(pgid);
+            signal(-pgid, libc::SIGKILL);
+            panic!("{what}; what was left:\n{report}");
+        }
+        thread::sleep(Duration::from_millis(10));
+    }
+}
+
 /// Whether this test process started with `sig` ignored, as everything
 /// under `nohup` starts with SIGHUP: `herdless run` then leaves it ignored
 /// (its command inherits that), by design, so a test that sends it to
