@@ -226,6 +226,22 @@ fn a_native_wait_gets_the_token_of_the_standing_offer() {
 }
 
 #[test]
+fn a_status_read_as_the_offer_is_made_shows_the_table_open_again() {
+    // Under `herdless run -j 2` whose command is a native client, with no
+    // classic client: one native takes the one shared token from the
+    // table, holds it while the bridge's offer falls due (the broker then
+    // asks for the offer in its queue and half-opens the table), gives it
+    // back and at once asks for the broker's status. Whichever of the
+    // give-back and the status request the broker reads first, the token
+    // becomes the standing offer and the table opens again before the
+    // status is written: a status never shows a state the broker is
+    // about to leave (the offer out, nobody waiting, the table shut).
+    // Each round then takes the token again.
+    let stdout = role_under_run(2, "hold-across-the-offer");
+    assert!(stdout.contains("role: 200 rounds"), "{stdout}");
+}
+
+#[test]
 fn natives_contending_around_the_standing_offer_stay_within_the_limit() {
     // Under `herdless run -j 2` whose command is a native client, four
     // native processes without an implicit token take the one shared
@@ -418,6 +434,37 @@ fn wait_for_the_offer() {
     println!("role: 40 rounds, {with_offer} with the offer out");
 }
 
+fn hold_across_the_offer() {
+    let socket = herdless::client::socket_from_env().unwrap();
+    let observer = Client::observe(&socket).unwrap();
+    let client = Client::from_env_with(Options::default().implicit_token(false)).unwrap();
+    let mut offers_seen = 0;
+    for round in 0..200 {
+        let token = client
+            .acquire_timeout(common::PATIENCE)
+            .unwrap()
+            .unwrap_or_else(|| panic!("round {round}: no token within {:?}", common::PATIENCE));
+        // Long enough for the broker to handle the take that made the
+        // offer due before the give-back.
+        std::thread::sleep(Duration::from_millis(1));
+        drop(token);
+        // Asked at once: the broker may read this before the give-back's
+        // message, and finds the token freed in the table itself.
+        let s: herdless::status::Status = serde_json::from_str(&observer.json().unwrap()).unwrap();
+        let bridge = s.classic.as_ref().expect("a bridge");
+        let fast = s.fast.as_ref().expect("a shared table");
+        let waiting = s.waiting + fast.waiting;
+        if bridge.in_pipe == 1 && waiting == 0 {
+            offers_seen += 1;
+            // With nobody waiting, the one token in the pipe is the
+            // standing offer, which leaves the table open.
+            assert!(fast.open, "round {round}: {s:#?}");
+        }
+    }
+    assert!(offers_seen > 0, "no round saw the offer out");
+    println!("role: 200 rounds, {offers_seen} with the offer out");
+}
+
 fn hold_and_wait() {
     let socket = herdless::client::socket_from_env().unwrap();
     let connect =
@@ -471,6 +518,10 @@ fn helper_process() {
     }
     if std::env::var("HERDLESS_TEST_ROLE").as_deref() == Ok("wait-for-the-offer") {
         wait_for_the_offer();
+        std::process::exit(0);
+    }
+    if std::env::var("HERDLESS_TEST_ROLE").as_deref() == Ok("hold-across-the-offer") {
+        hold_across_the_offer();
         std::process::exit(0);
     }
     if std::env::var("HERDLESS_TEST_ROLE").as_deref() == Ok("contend-around-the-offer") {

@@ -1430,9 +1430,16 @@ impl Broker {
     /// Answers a status request; the connection is read no more until the
     /// document has gone out.
     fn send_status(&mut self, token: Token) {
-        // What the table says is checked before it is reported.
+        // What the table says is checked before it is reported, and what
+        // the check changed is settled: a token it found freed in a
+        // half-open table may have gone to the bridge's queued request,
+        // which makes it the standing offer and reopens the table. The
+        // status shows where the broker stands between events, never a
+        // state it is about to leave.
         if let Some(open) = self.fast.as_ref().map(|f| f.table.is_open()) {
             self.fast_sweep(!open);
+            self.apply_effects();
+            self.rebalance();
         }
         let json = self.status().to_json();
         self.send(token, &Reply::Status { json });
