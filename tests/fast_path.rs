@@ -23,6 +23,10 @@ fn helper_process() {
     let Ok(role) = std::env::var(ROLE) else {
         return;
     };
+    if role == "one-descriptor-free" {
+        one_descriptor_free();
+        std::process::exit(0);
+    }
     let client = Client::from_env_with(Options::default().implicit_token(false))
         .expect("connect to the broker");
     match role.as_str() {
@@ -59,6 +63,27 @@ fn helper_process() {
         }
         other => panic!("unknown role {other}"),
     }
+}
+
+/// Connects with room for one descriptor more, the socket's: the table's
+/// descriptor, sent with the broker's answer, finds none. The client must
+/// then take its tokens over the socket, at once.
+fn one_descriptor_free() {
+    use nix::sys::resource::{getrlimit, setrlimit, Resource};
+    // The lowest free descriptor is the next one made; with the limit just
+    // above it, no other can be.
+    let lowest = std::os::fd::AsRawFd::as_raw_fd(&std::fs::File::open("/dev/null").unwrap());
+    let (_, hard) = getrlimit(Resource::RLIMIT_NOFILE).expect("getrlimit");
+    let soft = u64::try_from(lowest).unwrap() + 1;
+    setrlimit(Resource::RLIMIT_NOFILE, soft, hard).expect("setrlimit");
+    let start = std::time::Instant::now();
+    let client = Client::from_env_with(Options::default().implicit_token(false))
+        .expect("connect to the broker with one descriptor free");
+    println!("role: {} after {:?}", client.token_path(), start.elapsed());
+    for _ in 0..3 {
+        drop(client.acquire().expect("acquire"));
+    }
+    println!("role: 3 tokens");
 }
 
 /// Processes registered in `held` that can still act: alive, with their
@@ -370,6 +395,31 @@ fn a_client_told_to_keep_to_the_socket_does() {
     assert_eq!(s.fast.map(|f| f.grants), Some(0));
     let _ = serve.stop();
     let _ = PATIENCE;
+}
+
+#[test]
+fn a_client_with_no_room_for_the_tables_descriptor_keeps_to_the_socket() {
+    // The kernel drops a descriptor sent to a process whose table is full
+    // and marks the message truncated; the bytes with it still come. The
+    // client must read the broker's answer, keep to the socket, and work.
+    let serve = Serve::start(3);
+    let mut cmd = common::helper_command();
+    cmd.env(ROLE, "one-descriptor-free")
+        .env("HERDLESS_SOCKET", &serve.socket)
+        .stdin(Stdio::null());
+    let out = common::output_within(&mut cmd, PATIENCE);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains("role: socket after"), "{text}");
+    assert!(text.contains("role: 3 tokens"), "{text}");
+    let s = serve.status();
+    assert_eq!(s.lost, 0, "{s:#?}");
+    assert_eq!(s.in_use, 0, "{s:#?}");
+    let _ = serve.stop();
 }
 
 fn tempfile_dir(name: &str) -> PathBuf {

@@ -787,6 +787,13 @@ pub fn send_with_fd(sock: BorrowedFd<'_>, bytes: &[u8], fd: BorrowedFd<'_>) -> i
 /// sent with the bytes (`SCM_RIGHTS`) if there is one; extra descriptors
 /// are closed. Returns the bytes read and the descriptor.
 ///
+/// A descriptor this process has no room for (its table is full: the
+/// kernel drops it and marks the control data truncated, `MSG_CTRUNC`)
+/// is not an error: the bytes still count, and no descriptor comes with
+/// them. Control data truncated for want of space here (more than four
+/// descriptors sent at once, which no broker does) is read the same way;
+/// what the kernel installed of it then stays open, close-on-exec.
+///
 /// # Errors
 ///
 /// The OS error of `recvmsg`.
@@ -805,6 +812,10 @@ pub fn recv_with_fd(sock: BorrowedFd<'_>, buf: &mut [u8]) -> io::Result<(usize, 
     let msg = recvmsg::<()>(sock.as_raw_fd(), &mut iov, Some(&mut space), flags)
         .map_err(io::Error::from)?;
     let mut got = None;
+    if msg.flags.contains(MsgFlags::MSG_CTRUNC) {
+        // The control data cannot be walked safely (nix refuses it).
+        return Ok((msg.bytes, None));
+    }
     for c in msg.cmsgs().map_err(io::Error::from)? {
         if let ControlMessageOwned::ScmRights(fds) = c {
             for raw in fds {

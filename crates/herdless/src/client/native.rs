@@ -422,6 +422,16 @@ impl Native {
                     continue;
                 }
                 Some(Reply::Segment { owner, words }) => {
+                    if owner != 0 && fd.is_none() {
+                        // The broker sent the table's descriptor, and this
+                        // process had no room for it (a full descriptor
+                        // table): the socket serves, as for a table that
+                        // cannot be mapped.
+                        crate::log!(
+                            crate::log::Level::Info,
+                            "no descriptor left for the shared table; tokens go over the socket"
+                        );
+                    }
                     if let (true, Some(fd)) = (owner != 0, fd.take()) {
                         // A table that cannot be mapped leaves the socket,
                         // which works on its own.
