@@ -618,6 +618,90 @@ fn sigint_in_send(name: &str, make: &Path, build: fn(&Tree) -> usize) {
     }
 }
 
+/// Runs what follows with `FREE` descriptors free below its limit (the
+/// lowest limit that leaves that many, counting what is open below it).
+const TIGHT_SH: &str = r#"free=$1; shift
+lim=3
+while :; do
+  n=0
+  for f in /proc/$$/fd/*; do f=${f##*/}; [ "$f" -lt "$lim" ] && n=$((n+1)); done
+  [ $((lim - n)) -ge "$free" ] && break
+  lim=$((lim+1))
+done
+ulimit -n "$lim"
+exec "$@"
+"#;
+
+/// One tree of
+/// `a_gnu_sub_make_short_of_descriptors_runs_as_a_stock_one_would`: a
+/// sub-make with `free` descriptors free (in mode `mode`) beside a plain
+/// one, under a herdless `make -j4`. Its jobs open no descriptor (they
+/// mark their start and end on the make's standard output), so that the
+/// make's own needs decide whether it runs. Returns the jobs that ended,
+/// the most that ran at once, and the make's output.
+fn tight_tree(name: &str, free: u32, mode: &str) -> (Tree, usize, u32, Output) {
+    let t = Tree::new(&format!("real-gnu-tight-{name}-{free}"));
+    let d = t.dir.display();
+    for (mk, p) in [("tight.mk", "t"), ("plain.mk", "p")] {
+        let targets: Vec<String> = (1..=6).map(|i| format!("{p}{i}")).collect();
+        let mut text = format!("all: {}\n", targets.join(" "));
+        for j in &targets {
+            text += &format!("{j}:\n\t@echo start {j}; sleep 0.1; echo end {j}\n");
+        }
+        fs::write(t.path(mk), text).unwrap();
+    }
+    fs::write(t.path("tight.sh"), TIGHT_SH).unwrap();
+    fs::write(
+        t.path("Makefile"),
+        format!(
+            "all: tight plain\n\
+             tight:\n\t+@HERDLESS_MAKE={mode} sh {d}/tight.sh {free} $(MAKE) -s -f {d}/tight.mk\n\
+             plain:\n\t+@$(MAKE) -s -f {d}/plain.mk\n"
+        ),
+    )
+    .unwrap();
+    let mut cmd = make_cmd(&t, &herdless_make());
+    cmd.args(["-s", "-j4"]);
+    let out = run(cmd);
+    let (mut now, mut most, mut done) = (0i32, 0i32, 0);
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        if line.starts_with("start ") {
+            now += 1;
+            most = most.max(now);
+        } else if line.starts_with("end ") {
+            now -= 1;
+            done += 1;
+        }
+    }
+    (t, done, u32::try_from(most).unwrap_or(0), out)
+}
+
+#[test]
+fn a_gnu_sub_make_short_of_descriptors_runs_as_a_stock_one_would() {
+    // A herdless connection takes up to four descriptors (the socket, the
+    // shared table, the poll hand-off's two). A sub-make with too few free
+    // must not stall (a table's descriptor the kernel could not give it)
+    // or fail for want of them where a stock make runs: with fewer than
+    // HERDLESS_FD_HEADROOM free it keeps to the stock jobserver, which the
+    // top make's broker serves. The fewest free descriptors a stock sub-make
+    // (HERDLESS_MAKE=stock) needs for this tree are found first.
+    let least = (1..=16)
+        .find(|&free| tight_tree("stock", free, "stock").3.status.success())
+        .expect("a stock sub-make never ran with up to 16 descriptors free");
+    eprintln!("a stock sub-make runs with {least} descriptors free");
+    for free in least..least + 4 {
+        let (t, done, most, out) = tight_tree("herdless", free, "auto");
+        let report = text(&out);
+        assert!(out.status.success(), "{free} free: {report}");
+        assert_eq!(done, 12, "{free} free: {report}");
+        assert!(most <= 4, "{free} free: {most} jobs at once\n{report}");
+        let brokers = broker_lines(&t);
+        assert_eq!(brokers.len(), 1, "{free} free: {brokers:?}");
+        assert_eq!(figure(&brokers[0], "lost"), 0, "{free} free: {brokers:?}");
+        assert_no_leftovers(&t);
+    }
+}
+
 #[test]
 fn a_gnu_sub_make_killed_mid_build_gives_its_tokens_back() {
     kill_a_sub_make("gnu", &herdless_make(), "$(MAKE)");

@@ -283,7 +283,7 @@ __wrap_jobserver_parse_auth (const char *auth)
   c = herdless_client_native_from_env ();
   if (!c)
     {
-      DB (DB_JOBS, ("herdless: no broker at %s (%s): stock jobserver\n",
+      DB (DB_JOBS, ("herdless: not using the broker at %s (%s): stock jobserver\n",
                     getenv ("HERDLESS_SOCKET"), herdless_strerror (-errno)));
       return classic;
     }

@@ -49,6 +49,13 @@
 #define HERDLESS_WAIT_FOREVER (-1)
 
 /**
+ * The descriptors that must be free for `herdless_client_native_from_env`
+ * or `herdless_connect_begin` to connect: the four a connection may take,
+ * and four left to the program.
+ */
+#define HERDLESS_FD_HEADROOM 8
+
+/**
  * `herdless_broker_start` flag: serve classic clients (stock GNU make
  * 4.4 and later, cargo) through a FIFO, `fifo:PATH`.
  */
@@ -182,6 +189,13 @@ herdless_client *herdless_client_from_env(void);
  * `HERDLESS_SOCKET` is not set (or empty) or its socket does not exist,
  * `ECONNREFUSED` when nobody listens there or the broker refuses this
  * client, another value when the connection fails otherwise.
+ *
+ * `EMFILE` also when fewer than `HERDLESS_FD_HEADROOM` descriptors are
+ * free in this process: a connection takes up to four (the socket, the
+ * shared table, and `herdless_poll_handoff`'s two), and the make must
+ * still open its makefiles and run its jobs. Such a make goes on with
+ * its stock jobserver, as it would without a broker, and keeps the
+ * descriptors it has for its own work.
  */
 herdless_client *herdless_client_native_from_env(void);
 
@@ -196,7 +210,8 @@ herdless_client *herdless_client_native_from_env(void);
  * `herdless_connect_finish` or `herdless_connect_abandon`), or NULL with
  * `errno` set as `herdless_client_native_from_env` sets it for a failed
  * connection (`ENOENT`: no `HERDLESS_SOCKET`, or no such socket;
- * `ECONNREFUSED`: nobody listens there). A broker's refusal is reported by
+ * `ECONNREFUSED`: nobody listens there; `EMFILE`: too few descriptors
+ * free, see `HERDLESS_FD_HEADROOM`). A broker's refusal is reported by
  * `herdless_connect_finish`. The socket is close-on-exec.
  */
 herdless_connecting *herdless_connect_begin(void);

@@ -176,12 +176,46 @@ pub extern "C" fn herdless_client_from_env() -> *mut herdless_client {
 /// `HERDLESS_SOCKET` is not set (or empty) or its socket does not exist,
 /// `ECONNREFUSED` when nobody listens there or the broker refuses this
 /// client, another value when the connection fails otherwise.
+///
+/// `EMFILE` also when fewer than `HERDLESS_FD_HEADROOM` descriptors are
+/// free in this process: a connection takes up to four (the socket, the
+/// shared table, and `herdless_poll_handoff`'s two), and the make must
+/// still open its makefiles and run its jobs. Such a make goes on with
+/// its stock jobserver, as it would without a broker, and keeps the
+/// descriptors it has for its own work.
 #[no_mangle]
 pub extern "C" fn herdless_client_native_from_env() -> *mut herdless_client {
     into_handle(catch_unwind(|| match client::socket_from_env() {
-        Some(path) => Client::connect_with(&path, options()).map_err(|e| e.errno()),
+        Some(path) => {
+            fd_headroom()?;
+            Client::connect_with(&path, options()).map_err(|e| e.errno())
+        }
         None => Err(libc::ENOENT),
     }))
+}
+
+/// The descriptors that must be free for `herdless_client_native_from_env`
+/// or `herdless_connect_begin` to connect: the four a connection may take,
+/// and four left to the program.
+pub const HERDLESS_FD_HEADROOM: usize = 8;
+
+/// `Err(EMFILE)` when fewer than `HERDLESS_FD_HEADROOM` descriptors are
+/// free: it opens `/dev/null` that many times (closing each again), and
+/// counts a full table (`EMFILE`, or the system's, `ENFILE`) before the
+/// last as too few. Any other failure to open it says nothing of the
+/// table, and lets the connection be tried.
+fn fd_headroom() -> Result<(), i32> {
+    let mut open = Vec::with_capacity(HERDLESS_FD_HEADROOM);
+    while open.len() < HERDLESS_FD_HEADROOM {
+        match std::fs::File::open("/dev/null") {
+            Ok(f) => open.push(f),
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE)) => {
+                return Err(libc::EMFILE);
+            }
+            Err(_) => break,
+        }
+    }
+    Ok(())
 }
 
 /// A connection to a broker begun by `herdless_connect_begin`: the hello
@@ -202,12 +236,16 @@ pub struct herdless_connecting {
 /// `herdless_connect_finish` or `herdless_connect_abandon`), or NULL with
 /// `errno` set as `herdless_client_native_from_env` sets it for a failed
 /// connection (`ENOENT`: no `HERDLESS_SOCKET`, or no such socket;
-/// `ECONNREFUSED`: nobody listens there). A broker's refusal is reported by
+/// `ECONNREFUSED`: nobody listens there; `EMFILE`: too few descriptors
+/// free, see `HERDLESS_FD_HEADROOM`). A broker's refusal is reported by
 /// `herdless_connect_finish`. The socket is close-on-exec.
 #[no_mangle]
 pub extern "C" fn herdless_connect_begin() -> *mut herdless_connecting {
     let made = catch_unwind(|| match client::socket_from_env() {
-        Some(path) => Client::begin_connect_with(&path, options()).map_err(|e| e.errno()),
+        Some(path) => {
+            fd_headroom()?;
+            Client::begin_connect_with(&path, options()).map_err(|e| e.errno())
+        }
         None => Err(libc::ENOENT),
     });
     let errno = match made {
@@ -254,6 +292,7 @@ pub unsafe extern "C" fn herdless_connect_finish(
             Some(path) if path == connecting.socket() => connecting.finish().map_err(|e| e.errno()),
             Some(path) => {
                 drop(connecting);
+                fd_headroom()?;
                 Client::connect_with(&path, options()).map_err(|e| e.errno())
             }
             None => Err(libc::ENOENT),
@@ -811,6 +850,9 @@ fn describe(code: c_int) -> &'static CStr {
         libc::EACCES => c"permission denied",
         libc::ENOTRECOVERABLE => c"internal error in herdless (a bug)",
         libc::EIO => c"input/output error",
+        libc::EMFILE | libc::ENFILE => {
+            c"too few file descriptors free (herdless leaves HERDLESS_FD_HEADROOM to the program)"
+        }
         _ => c"unknown error",
     }
 }
