@@ -74,7 +74,9 @@ fn one_descriptor_free() {
     // above it, no other can be.
     let lowest = std::os::fd::AsRawFd::as_raw_fd(&std::fs::File::open("/dev/null").unwrap());
     let (_, hard) = getrlimit(Resource::RLIMIT_NOFILE).expect("getrlimit");
-    let soft = u64::try_from(lowest).unwrap() + 1;
+    // A descriptor number is small and not negative: it fits rlim_t (u64
+    // on Linux, i64 on the BSDs).
+    let soft = (lowest + 1) as libc::rlim_t;
     setrlimit(Resource::RLIMIT_NOFILE, soft, hard).expect("setrlimit");
     let start = std::time::Instant::now();
     let client = Client::from_env_with(Options::default().implicit_token(false))
