@@ -851,7 +851,7 @@ fn describe(code: c_int) -> &'static CStr {
         libc::ENOTRECOVERABLE => c"internal error in herdless (a bug)",
         libc::EIO => c"input/output error",
         libc::EMFILE | libc::ENFILE => {
-            c"too few file descriptors free (herdless leaves HERDLESS_FD_HEADROOM to the program)"
+            c"too many open files: too few descriptors free for herdless"
         }
         _ => c"unknown error",
     }
