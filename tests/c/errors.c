@@ -7,8 +7,11 @@
 #define _POSIX_C_SOURCE 200809L
 
 #include <errno.h>
+#include <fcntl.h>
 #include <limits.h>
 #include <string.h>
+#include <sys/resource.h>
+#include <unistd.h>
 
 #include "check.h"
 
@@ -185,12 +188,48 @@ static void after_abort(herdless_client *c) {
     herdless_client_free(other);
 }
 
+/* With one descriptor free: herdless_fds_free counts it, and the native
+ * connects refuse with EMFILE, leaving it to the program. */
+static void short_of_descriptors(void) {
+    struct rlimit saved, tight;
+    int lowest = open("/dev/null", O_RDONLY);
+    REQUIRE(lowest >= 0);
+    close(lowest);
+    REQUIRE(getrlimit(RLIMIT_NOFILE, &saved) == 0);
+    tight = saved;
+    tight.rlim_cur = (rlim_t)lowest + 1;
+    REQUIRE(setrlimit(RLIMIT_NOFILE, &tight) == 0);
+    int one = herdless_fds_free(1), two = herdless_fds_free(2);
+    errno = 0;
+    herdless_client *c = herdless_client_native_from_env();
+    int native_errno = errno;
+    errno = 0;
+    herdless_connecting *begun = herdless_connect_begin();
+    int begin_errno = errno;
+    REQUIRE(setrlimit(RLIMIT_NOFILE, &saved) == 0);
+    CHECK_EQ(one, 1);
+    CHECK_EQ(two, 0);
+    CHECK(c == NULL);
+    CHECK_EQ(native_errno, EMFILE);
+    CHECK(begun == NULL);
+    CHECK_EQ(begin_errno, EMFILE);
+    herdless_client_free(c);
+    herdless_connect_abandon(begun);
+    CHECK(strstr(herdless_strerror(-EMFILE), "descriptors") != NULL);
+    /* With room, they connect. */
+    CHECK_EQ(herdless_fds_free(HERDLESS_FD_HEADROOM), 1);
+    c = herdless_client_native_from_env();
+    CHECK(c != NULL);
+    herdless_client_free(c);
+}
+
 int main(int argc, char **argv) {
     (void)argc;
     signatures();
     null_handles();
     strerror_always_answers();
     bad_connections(argv[0]);
+    short_of_descriptors();
 
     herdless_client *c = herdless_client_from_env();
     REQUIRE(c != NULL);

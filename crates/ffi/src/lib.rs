@@ -200,22 +200,40 @@ pub extern "C" fn herdless_client_native_from_env() -> *mut herdless_client {
 pub const HERDLESS_FD_HEADROOM: usize = 8;
 
 /// `Err(EMFILE)` when fewer than `HERDLESS_FD_HEADROOM` descriptors are
-/// free: it opens `/dev/null` that many times (closing each again), and
-/// counts a full table (`EMFILE`, or the system's, `ENFILE`) before the
-/// last as too few. Any other failure to open it says nothing of the
-/// table, and lets the connection be tried.
+/// free (`herdless_fds_free`).
 fn fd_headroom() -> Result<(), i32> {
-    let mut open = Vec::with_capacity(HERDLESS_FD_HEADROOM);
-    while open.len() < HERDLESS_FD_HEADROOM {
+    if fds_free(HERDLESS_FD_HEADROOM) {
+        Ok(())
+    } else {
+        Err(libc::EMFILE)
+    }
+}
+
+/// Whether `n` descriptors are free: opens `/dev/null` that many times
+/// (closing each again), and counts a full table (`EMFILE`, or the
+/// system's, `ENFILE`) before the last as too few. Any other failure to
+/// open it says nothing of the table, and counts as enough.
+fn fds_free(n: usize) -> bool {
+    let mut open = Vec::with_capacity(n.min(4096));
+    while open.len() < n {
         match std::fs::File::open("/dev/null") {
             Ok(f) => open.push(f),
-            Err(e) if matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE)) => {
-                return Err(libc::EMFILE);
-            }
-            Err(_) => break,
+            Err(e) => return !matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE)),
         }
     }
-    Ok(())
+    true
+}
+
+/// Whether at least `n` file descriptors are free in this process: 1 if
+/// so, 0 if not (it opens `/dev/null` up to `n` times and closes each
+/// again). For a make that needs descriptors of its own beside a
+/// connection: the herdless bmake finishes a sub-make's connection only
+/// with room for its job pipes too, and otherwise runs on its stock
+/// jobserver. A failure to open `/dev/null` other than a full table
+/// counts as room.
+#[no_mangle]
+pub extern "C" fn herdless_fds_free(n: c_uint) -> c_int {
+    catch_unwind(|| c_int::from(fds_free(n as usize))).unwrap_or(1)
 }
 
 /// A connection to a broker begun by `herdless_connect_begin`: the hello
