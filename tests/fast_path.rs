@@ -27,6 +27,10 @@ fn helper_process() {
         one_descriptor_free();
         std::process::exit(0);
     }
+    if role == "two-descriptors-free" {
+        two_descriptors_free();
+        std::process::exit(0);
+    }
     let client = Client::from_env_with(Options::default().implicit_token(false))
         .expect("connect to the broker");
     match role.as_str() {
@@ -82,6 +86,29 @@ fn one_descriptor_free() {
     let client = Client::from_env_with(Options::default().implicit_token(false))
         .expect("connect to the broker with one descriptor free");
     println!("role: {} after {:?}", client.token_path(), start.elapsed());
+    for _ in 0..3 {
+        drop(client.acquire().expect("acquire"));
+    }
+    println!("role: 3 tokens");
+}
+
+/// Connects with room for two descriptors more: the socket's, and the
+/// table's while it is mapped. A client that closes the table's descriptor
+/// once mapped has one free again afterwards.
+fn two_descriptors_free() {
+    use nix::sys::resource::{getrlimit, setrlimit, Resource};
+    let lowest = std::os::fd::AsRawFd::as_raw_fd(&std::fs::File::open("/dev/null").unwrap());
+    let (_, hard) = getrlimit(Resource::RLIMIT_NOFILE).expect("getrlimit");
+    // As in `one_descriptor_free`.
+    let soft = (lowest + 2) as libc::rlim_t;
+    setrlimit(Resource::RLIMIT_NOFILE, soft, hard).expect("setrlimit");
+    let client = Client::from_env_with(Options::default().implicit_token(false))
+        .expect("connect to the broker with two descriptors free");
+    println!("role: {}", client.token_path());
+    match std::fs::File::open("/dev/null") {
+        Ok(_) => println!("role: a descriptor is free after connecting"),
+        Err(e) => println!("role: no descriptor free after connecting: {e}"),
+    }
     for _ in 0..3 {
         drop(client.acquire().expect("acquire"));
     }
@@ -419,6 +446,39 @@ fn a_client_with_no_room_for_the_tables_descriptor_keeps_to_the_socket() {
     assert!(text.contains("role: socket after"), "{text}");
     assert!(text.contains("role: 3 tokens"), "{text}");
     let s = serve.status();
+    assert_eq!(s.lost, 0, "{s:#?}");
+    assert_eq!(s.in_use, 0, "{s:#?}");
+    let _ = serve.stop();
+}
+
+#[test]
+fn a_client_of_the_table_keeps_no_descriptor_for_it() {
+    // The mapping keeps the table's memory file: the client closes the
+    // descriptor it came with, and has it for its own work.
+    let serve = Serve::start(3);
+    let mut cmd = common::helper_command();
+    cmd.env(ROLE, "two-descriptors-free")
+        .env("HERDLESS_SOCKET", &serve.socket)
+        .stdin(Stdio::null());
+    let out = common::output_within(&mut cmd, PATIENCE);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    if cfg!(target_os = "linux") {
+        assert!(text.contains("role: shared table"), "{text}");
+    }
+    assert!(
+        text.contains("role: a descriptor is free after connecting"),
+        "{text}"
+    );
+    assert!(text.contains("role: 3 tokens"), "{text}");
+    let s = serve.status();
+    if cfg!(target_os = "linux") {
+        assert_eq!(s.fast.as_ref().map(|f| f.grants), Some(3), "{s:#?}");
+    }
     assert_eq!(s.lost, 0, "{s:#?}");
     assert_eq!(s.in_use, 0, "{s:#?}");
     let _ = serve.stop();

@@ -85,7 +85,7 @@
 //! [`DeathGuard`]: herdless_platform::DeathGuard
 
 use std::io;
-use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::fd::{BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::SeqCst};
 use std::time::Instant;
 
@@ -1380,9 +1380,11 @@ impl Table {
     }
 }
 
-impl AsFd for Table {
-    fn as_fd(&self) -> BorrowedFd<'_> {
-        self.seg.as_fd()
+impl Table {
+    /// The table's memory file, to pass to a client: `Some` for the
+    /// broker's table, `None` for a client's, which closed it once mapped.
+    pub fn file(&self) -> Option<BorrowedFd<'_>> {
+        self.seg.file()
     }
 }
 

@@ -38,7 +38,10 @@ pub struct Segment {
     base: NonNull<AtomicU32>,
     len: usize,
     words: u32,
-    fd: OwnedFd,
+    /// The memory file, kept by its maker (to pass it on, and for a death
+    /// guard's own mapping); a receiver closes it once mapped, the mapping
+    /// keeping the file.
+    fd: Option<OwnedFd>,
 }
 
 // SAFETY: the mapping is process-wide and lives until drop; it is only ever
@@ -71,11 +74,12 @@ impl Segment {
         let len = byte_len(words);
         nix::unistd::ftruncate(&fd, len as libc::off_t)?;
         seal(&fd)?;
-        Segment::map(fd, words)
+        Segment::map(fd, words, true)
     }
 
     /// Maps a segment received from its maker, which says it has `words`
-    /// table words.
+    /// table words, and closes `fd`: a receiver spends no descriptor on
+    /// the segment it uses ([`file`](Segment::file) is `None`).
     ///
     /// # Errors
     ///
@@ -108,18 +112,25 @@ impl Segment {
                 "the segment is not sealed against resizing",
             ));
         }
-        Segment::map(fd, words)
+        Segment::map(fd, words, false)
     }
 
-    fn map(fd: OwnedFd, words: u32) -> io::Result<Segment> {
+    fn map(fd: OwnedFd, words: u32, keep: bool) -> io::Result<Segment> {
         let len = byte_len(words);
         let base = map_shared(fd.as_fd(), len)?;
         Ok(Segment {
             base,
             len,
             words,
-            fd,
+            fd: keep.then_some(fd),
         })
+    }
+
+    /// The memory file, to pass to a client: `Some` for the segment's
+    /// maker ([`create`](Segment::create)), `None` for one that
+    /// [`open`](Segment::open)ed it.
+    pub fn file(&self) -> Option<BorrowedFd<'_>> {
+        self.fd.as_ref().map(AsFd::as_fd)
     }
 
     /// Table words.
@@ -297,7 +308,13 @@ impl Segment {
         // a wake through either mapping reaches sleepers on both).
         // The descriptor closes once mapped: the mapping keeps the file,
         // and a broker short of descriptors spends none on its guard.
-        let mine = Mapping::of(self.fd.try_clone()?, self.len)?;
+        let file = self.fd.as_ref().ok_or_else(|| {
+            io::Error::new(
+                io::ErrorKind::Unsupported,
+                "a death guard is made by the segment's maker, which keeps its file",
+            )
+        })?;
+        let mine = Mapping::of(file.try_clone()?, self.len)?;
         DeathGuard::start(mine, offsets)
     }
 }
@@ -667,13 +684,6 @@ mod imp_guard {
             io::ErrorKind::Unsupported,
             "a death guard needs the kernel's robust futex list (Linux)",
         )));
-    }
-}
-
-impl AsFd for Segment {
-    /// The memory file, to pass to a client.
-    fn as_fd(&self) -> BorrowedFd<'_> {
-        self.fd.as_fd()
     }
 }
 

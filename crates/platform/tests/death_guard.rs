@@ -79,7 +79,12 @@ fn helper_process() {
     println!("tid {tid}");
     std::io::stdout().flush().unwrap();
     let (conn, _) = listener.accept().expect("accept");
-    send_with_fd(conn.as_fd(), b"s", seg.as_fd()).expect("send the segment");
+    send_with_fd(
+        conn.as_fd(),
+        b"s",
+        seg.file().expect("the maker keeps its file"),
+    )
+    .expect("send the segment");
     // Until killed.
     let mut buf = Vec::new();
     let _ = std::io::stdin().read_to_end(&mut buf);

@@ -215,17 +215,15 @@ impl Broker {
                     let mut frame = Vec::new();
                     Reply::Segment { owner, words }.encode(&mut frame);
                     flushed
-                        && match herdless_platform::send_with_fd(
-                            conn.stream.as_fd(),
-                            &frame,
-                            fast.table.as_fd(),
-                        ) {
-                            Ok(n) => {
+                        && match fast.table.file().map(|file| {
+                            herdless_platform::send_with_fd(conn.stream.as_fd(), &frame, file)
+                        }) {
+                            Some(Ok(n)) => {
                                 conn.tx.extend_from_slice(&frame[n..]);
                                 self.output_total += frame.len() - n;
                                 true
                             }
-                            Err(_) => false,
+                            Some(Err(_)) | None => false,
                         }
                 }
                 _ => false,
