@@ -17,6 +17,10 @@ const SPIN: &str = "HERDLESS_HANDOFF_TEST_SPIN";
 /// `poll(2)` on the client's descriptor) with the poll-loop hand-off on.
 const POLL_SPIN: &str = "HERDLESS_HANDOFF_TEST_POLL_SPIN";
 const FILL_FDS: &str = "HERDLESS_HANDOFF_TEST_FILL_FDS";
+/// Waits for one token in a poll loop with the poll-loop hand-off on,
+/// counting the returns of `poll(2)` until the token came, then holds it
+/// until its standard input closes.
+const POLL_ONCE: &str = "HERDLESS_HANDOFF_TEST_POLL_ONCE";
 
 #[test]
 fn helper_process() {
@@ -75,6 +79,39 @@ fn helper_process() {
             drop(t);
         }
         println!("role: done after {polls} polls");
+        std::process::exit(0);
+    }
+    if std::env::var_os(POLL_ONCE).is_some() {
+        use std::io::Read;
+        use std::os::fd::AsFd;
+        let client = herdless::client::Client::from_env_with(
+            herdless::client::Options::default().implicit_token(false),
+        )
+        .expect("connect to the broker");
+        let on = client.enable_poll_handoff().expect("poll hand-off");
+        println!("role: poll hand-off {}", if on { "on" } else { "off" });
+        let mut polls = 0u64;
+        let mut said = false;
+        let t = loop {
+            if let Some(t) = client.request_grant().expect("request a grant") {
+                break t;
+            }
+            if !said {
+                println!("role: waiting");
+                said = true;
+            }
+            let mut fds = [nix::poll::PollFd::new(
+                client.as_fd(),
+                nix::poll::PollFlags::POLLIN,
+            )];
+            match nix::poll::poll(&mut fds, nix::poll::PollTimeout::NONE) {
+                Ok(_) | Err(nix::errno::Errno::EINTR) => polls += 1,
+                Err(e) => panic!("poll: {e}"),
+            }
+        };
+        println!("role: got after {polls} polls");
+        let _ = std::io::stdin().read_to_end(&mut Vec::new());
+        drop(t);
         std::process::exit(0);
     }
 }
@@ -260,6 +297,96 @@ fn a_socket_ask_queues_behind_the_waits_in_the_table() {
     let s = serve.wait_for("all free", |s| s.clients.is_empty() && s.free == 2);
     assert_eq!(s.lost, 0, "{s:#?}");
     assert_eq!(s.reclaimed, 0, "{s:#?}");
+    let (status, log) = serve.stop();
+    assert!(status.success(), "{log}");
+}
+
+/// A poll-loop waiter of [`POLL_ONCE`], and its output.
+struct PollWaiter {
+    child: std::process::Child,
+    out: BufReader<std::process::ChildStdout>,
+}
+
+impl PollWaiter {
+    fn spawn(serve: &Serve) -> PollWaiter {
+        let mut child = common::helper_command()
+            .env(POLL_ONCE, "1")
+            .env("HERDLESS_SOCKET", &serve.socket)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn a poll-loop waiter");
+        let out = BufReader::new(child.stdout.take().unwrap());
+        PollWaiter { child, out }
+    }
+
+    /// What its next line says after `role: `.
+    fn line(&mut self) -> String {
+        let mut line = String::new();
+        loop {
+            line.clear();
+            let n = std::io::BufRead::read_line(&mut self.out, &mut line).unwrap();
+            assert!(n > 0, "a poll-loop waiter ended early");
+            // The test harness may print its own words before it.
+            if let Some(at) = line.find("role: ") {
+                return line[at + "role: ".len()..].trim_end().to_string();
+            }
+        }
+    }
+
+    /// Closes its input: it gives its token back and exits.
+    fn finish(mut self) {
+        drop(self.child.stdin.take());
+        let status = common::wait_timeout(&mut self.child, PATIENCE).expect("exit");
+        assert!(status.success(), "{status:?}");
+    }
+}
+
+#[test]
+fn a_poll_loop_wait_moved_to_the_queue_wakes_only_for_its_grant() {
+    // Three processes wait in their poll loops, in the table, for the two
+    // shared tokens that two others hold. A client kept to the socket asks:
+    // the table closes and the broker moves the three waits to its queue.
+    // A poll loop watches the socket, where a moved wait's grant comes, so
+    // the move itself must not wake it: each waiter's poll returns once,
+    // for its grant, and the grants follow the tickets.
+    let serve = Serve::start(3);
+    let h1 = holder(&serve, 1);
+    let h2 = holder(&serve, 1);
+    let mut ws = Vec::new();
+    for i in 1..=3 {
+        let mut w = PollWaiter::spawn(&serve);
+        assert_eq!(w.line(), "poll hand-off on");
+        assert_eq!(w.line(), "waiting");
+        serve.wait_for("one more waiter in the table", |s| {
+            s.fast.as_ref().is_some_and(|f| f.waiting == i)
+        });
+        ws.push(w);
+    }
+    let mut sock = socket_client(&serve);
+    assert_eq!(sock.line(), "waiting");
+    let s = serve.wait_for("four waiting at the broker", |s| {
+        s.waiting == 4 && s.fast.as_ref().is_some_and(|f| f.waiting == 0)
+    });
+    assert_eq!(s.fast.as_ref().unwrap().moved, 3, "{s:#?}");
+    // Each release serves the next in line; a waiter's first poll return
+    // is its grant.
+    h1.finish();
+    assert_eq!(ws[0].line(), "got after 1 polls");
+    h2.finish();
+    assert_eq!(ws[1].line(), "got after 1 polls");
+    let mut ws = ws.into_iter();
+    ws.next().unwrap().finish();
+    let mut w3 = ws.next().map(|w2| (w2, ws.next().unwrap())).unwrap();
+    assert_eq!(w3.1.line(), "got after 1 polls");
+    w3.0.finish();
+    assert_eq!(sock.line(), "got");
+    w3.1.finish();
+    sock.finish();
+    let s = serve.wait_for("all free", |s| s.clients.is_empty() && s.free == 2);
+    assert_eq!(s.lost, 0, "{s:#?}");
+    assert!(s.max_in_use <= 2, "{s:#?}");
     let (status, log) = serve.stop();
     assert!(status.success(), "{log}");
 }

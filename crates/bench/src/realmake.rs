@@ -127,23 +127,22 @@ pub struct MakeResult {
     /// `makes_vcsw`; none when the make was still running as its grant
     /// came). `None` without such a broker.
     pub woken: Option<u64>,
-    /// Waits in the shared table that the broker moved to its queue (each
-    /// woke its make once more, before its grant), from the same line.
+    /// Waits in the shared table that the broker moved to its queue, from
+    /// the same line. A make waits in its poll loop, which the move does
+    /// not wake: its grant comes over the socket, counted in `woken`.
     pub moved: Option<u64>,
 }
 
 impl MakeResult {
-    /// The makes' switches less the broker thread's, one per grant to a
-    /// make that waited and one per wait moved: at most what the makes'
-    /// own work costs (forking jobs, reaping them), to set beside a make
-    /// that never waits for a token. `None` without the broker's and
-    /// the woken figures; a line without `moved` counts none moved.
+    /// The makes' switches less the broker thread's and one per grant to
+    /// a make that waited: at most what the makes' own work costs (forking
+    /// jobs, reaping them), to set beside a make that never waits for a
+    /// token. `None` without the broker's and the woken figures.
     pub fn own_vcsw(&self) -> Option<u64> {
         Some(
             self.makes_vcsw
                 .saturating_sub(self.broker_vcsw?)
-                .saturating_sub(self.woken?)
-                .saturating_sub(self.moved.unwrap_or(0)),
+                .saturating_sub(self.woken?),
         )
     }
 }
@@ -531,7 +530,7 @@ pub fn table(results: &[MakeResult]) -> String {
     if !own.is_empty() {
         writeln!(
             out,
-            "\nmakes' vcsw less the broker's thread, one per grant to a make that waited and one per wait moved:"
+            "\nmakes' vcsw less the broker's thread and one per grant to a make that waited:"
         )
         .unwrap();
         for (r, o) in own {

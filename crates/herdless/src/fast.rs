@@ -481,6 +481,18 @@ impl Table {
         }
     }
 
+    /// Wakes the waiter of slot `k` whose wait the broker moved to its
+    /// queue, unless it waits in its own poll loop: that loop watches the
+    /// socket, where the moved wait's grant comes (or the connection's
+    /// end), so a signal now would only wake it once more before the grant
+    /// (the waiter finds its wait moved when it next looks). A waiter on
+    /// its state word is woken, to wait on the socket.
+    fn wake_moved(&self, k: u32) {
+        if !herdless_platform::valid_wake_pid(self.wake_word(k).load(SeqCst)) {
+            let _ = self.seg.wake_one(self.state_index(k));
+        }
+    }
+
     fn header(&self, i: u32) -> &AtomicU32 {
         self.seg.header(i)
     }
@@ -1187,7 +1199,11 @@ impl Table {
             .state(k)
             .compare_exchange(waiting, waiting | FUTEX_OWNER_DIED, SeqCst, SeqCst)
             .is_ok();
-        self.wake_slot(k);
+        if moved {
+            self.wake_moved(k);
+        } else {
+            self.wake_slot(k);
+        }
         moved
     }
 
@@ -1244,8 +1260,10 @@ impl Table {
                     .is_ok()
             {
                 moved.push(k);
+                self.wake_moved(k);
+            } else {
+                self.wake_slot(k);
             }
-            self.wake_slot(k);
         }
         (moved, freed)
     }
