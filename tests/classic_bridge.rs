@@ -310,6 +310,7 @@ fn helper_process() {
         Ok("starve-driver") => starve_driver(),
         Ok("hog-driver") => hog_driver(),
         Ok("classic-hog") => classic_hog(),
+        Ok("holder-driver") => holder_driver(),
         _ => {}
     }
     common::helper_main();
@@ -454,6 +455,72 @@ fn hog_driver() -> ! {
     drop(hog.stdin.take());
     let _ = hog.wait();
     std::process::exit(0);
+}
+
+/// Runs as the command of `herdless run -j 4` (three shared tokens beside
+/// its implicit one), as a top make does: one native client takes two
+/// tokens and keeps them to the end, without waiting for more (a make's
+/// sub-makes running on them); three more take and give back the third,
+/// 20 times each, holding it 5 ms. Prints
+/// how many of the 60 jobs ran.
+fn holder_driver() -> ! {
+    use herdless::client::{Client, Options};
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::Arc;
+
+    let socket = std::env::var("HERDLESS_SOCKET").unwrap();
+    let holder = Client::connect_with(&socket, Options::default().implicit_token(false)).unwrap();
+    let held = [holder.acquire().unwrap(), holder.acquire().unwrap()];
+    let done = Arc::new(AtomicU64::new(0));
+    let natives: Vec<_> = (0..3)
+        .map(|_| {
+            let (done, socket) = (done.clone(), socket.clone());
+            std::thread::spawn(move || {
+                let c = Client::connect_with(&socket, Options::default().implicit_token(false))
+                    .unwrap();
+                for _ in 0..20 {
+                    let t = c.acquire().unwrap();
+                    std::thread::sleep(std::time::Duration::from_millis(5));
+                    drop(t);
+                    done.fetch_add(1, Ordering::SeqCst);
+                }
+            })
+        })
+        .collect();
+    for n in natives {
+        n.join().unwrap();
+    }
+    drop(held);
+    println!("role: {} jobs done", done.load(Ordering::SeqCst));
+    std::process::exit(0);
+}
+
+/// Liveness of the bridge: an offer for classic clients that nobody reads
+/// does not stay in the pipe while natives wait and the only other
+/// holder keeps its tokens for a long time (a top make whose sub-makes
+/// run on them): no native grant comes to count the offer ignored, so it
+/// must also be taken back after a while.
+#[cfg(target_os = "linux")]
+#[test]
+fn an_unread_offer_does_not_idle_a_token_while_the_other_holder_keeps_its_own() {
+    let mut cmd = Command::new(BIN);
+    cmd.args(["run", "-j", "4", "--stats", "--"])
+        .arg(std::env::current_exe().unwrap())
+        .args(["--exact", "helper_process", "--nocapture"])
+        .env("HERDLESS_TEST_ROLE", "holder-driver")
+        .env_remove("MAKEFLAGS")
+        .env_remove("HERDLESS_SOCKET");
+    // A stall (the one token the natives share left unread in the pipe)
+    // lasts until the holder lets go, which it does only after the 60 jobs;
+    // the bound is far above their 0.3 s of work.
+    let out = common::output_within(&mut cmd, PATIENCE);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stdout}{stderr}");
+    assert!(stdout.contains("role: 60 jobs done"), "{stdout}\n{stderr}");
+    let max: u32 = stat(&stderr, "max in use").parse().unwrap();
+    assert!(max <= 3, "{stderr}");
+    assert_eq!(stat(&stderr, "tokens lost"), "0", "{stderr}");
 }
 
 #[cfg(target_os = "linux")]

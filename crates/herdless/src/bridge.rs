@@ -40,8 +40,11 @@
 //!   that starts waiting while natives contend gets a token within at most
 //!   2^`MAX_BACKOFF` rounds of native grants, usually within one, and a
 //!   tree with no classic client at all leaves a token idle only rarely.
-//!   Every figure here counts grants, never time: nothing in the bridge
-//!   sleeps or uses a timer.
+//!   These figures count grants, not time, with one exception: an offer
+//!   left unread for [`OFFER_WAIT`] (50 ms) counts as ignored too, however
+//!   few grants came, since a holder may keep its tokens for long (a top
+//!   make's sub-makes run on them) while the waiters have nothing else to
+//!   free one; the broker then wakes once, at that deadline.
 //!
 //! # Who reads the pipe
 //!
@@ -129,7 +132,8 @@
 //! pool token goes to the first waiter at once (the pool's own invariant),
 //! and the one offer in the pipe stays there only while some native client
 //! holds a token without waiting for another — so a broker event, its
-//! release, is still to come — and for at most one round of native grants.
+//! release, is still to come — and for at most one round of native grants
+//! or [`OFFER_WAIT`], whichever ends first.
 //! When no such native holder is left, the offer is taken back in the same
 //! event. What the classic side holds never keeps an offer in the pipe: a
 //! classic job may run for a long time, or its holder may have died with
@@ -184,7 +188,16 @@ pub struct TableView {
 struct Offer {
     native_grants_at: u64,
     patience: u64,
+    /// When it went into the pipe.
+    made_at: std::time::Duration,
 }
+
+/// How long an offer made while natives wait stays in the pipe unread
+/// before it counts as ignored, however few native grants came meanwhile:
+/// a classic reader blocked on the pipe takes it at once, and the natives'
+/// grants may not come for a long time (a holder keeping its tokens, as a
+/// top make does for its sub-makes, and waiters that nothing else frees).
+pub const OFFER_WAIT: std::time::Duration = std::time::Duration::from_millis(50);
 
 /// A round of native grants: one per waiter, but no more than there are
 /// tokens, since a classic reader that wants an offer takes it at once and
@@ -406,6 +419,16 @@ impl Bridge {
         Ok(())
     }
 
+    /// When the offer in the pipe, if any, counts as ignored for its age
+    /// ([`OFFER_WAIT`]): the broker balances again then, with no other
+    /// event to wake it.
+    pub fn offer_deadline(&self) -> Option<std::time::Duration> {
+        self.offer
+            .as_ref()
+            .filter(|_| self.expected_in_pipe > 0)
+            .map(|o| o.made_at + OFFER_WAIT)
+    }
+
     /// The descriptor to watch, edge-triggered, for writability: the pipe
     /// was emptied by a classic reader (backed pools on Linux).
     pub fn drained_fd(&self) -> Option<RawFd> {
@@ -597,6 +620,7 @@ impl Bridge {
                 self.offer = (waiting > 0 || waited).then_some(Offer {
                     native_grants_at: native_grants,
                     patience: round(pool, waiting),
+                    made_at: now,
                 });
             }
             other => {
@@ -830,7 +854,8 @@ impl Bridge {
         }
         let keep = match &self.offer {
             Some(o) if in_pipe > 0 => {
-                let ignored = native_grants.saturating_sub(o.native_grants_at) >= o.patience;
+                let ignored = native_grants.saturating_sub(o.native_grants_at) >= o.patience
+                    || now.saturating_sub(o.made_at) >= OFFER_WAIT;
                 // Liveness: the offer may wait for a classic reader only
                 // while some native client holds a token without waiting
                 // for another, so that its release, a broker event, is

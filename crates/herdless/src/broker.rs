@@ -703,8 +703,9 @@ impl Broker {
                 self.flush_dirty();
             }
             // No timeout, except while a connection waits for a turn or
-            // its hello, or while waiters are held back only by a load or
-            // memory limit (see control.rs).
+            // its hello, while an offer in the classic pipe waits for a
+            // reader (`bridge::OFFER_WAIT`), or while waiters are held back
+            // only by a load or memory limit (see control.rs).
             let timeout = match (self.poll_timeout(), self.admission_timeout()) {
                 (Some(a), Some(b)) => Some(a.min(b)),
                 (a, b) => a.or(b),
@@ -786,9 +787,14 @@ impl Broker {
             return Some(Duration::ZERO);
         }
         let conns = &self.conns;
-        let deadline = self
+        let handshake = self
             .handshakes
-            .next_deadline(|t| conns.get(&t).is_some_and(|c| c.client.is_none()))?;
+            .next_deadline(|t| conns.get(&t).is_some_and(|c| c.client.is_none()));
+        let offer = self.bridge.as_ref().and_then(Bridge::offer_deadline);
+        let deadline = match (handshake, offer) {
+            (Some(a), Some(b)) => a.min(b),
+            (a, b) => a.or(b)?,
+        };
         // Round up so the loop does not wake just before the deadline.
         Some(deadline.saturating_sub(self.now()) + Duration::from_millis(1))
     }
