@@ -497,6 +497,84 @@ fn the_bridge_learns_from_the_broker_who_reads_the_pipe() {
     }
 }
 
+/// A job that waits until `$2` jobs have started (each makes a directory
+/// in `$1/run`), or for 20 s, which only a stall reaches: it then leaves
+/// `$1/stalled`. Once they met, every job (a later one too) ends at once.
+const BARRIER_SH: &str = r#"d=$1; n=$2
+mkdir "$d/run/$$"
+i=0
+while [ ! -e "$d/met" ]; do
+  if [ "$(ls "$d/run" | wc -l)" -ge "$n" ]; then touch "$d/met"; break; fi
+  i=$((i + 1))
+  if [ "$i" -ge 400 ]; then touch "$d/stalled"; break; fi
+  sleep 0.05
+done
+touch "$d/done/$$"
+"#;
+
+#[test]
+fn stock_sub_makes_of_a_herdless_top_make_get_every_token_at_once() {
+    // A herdless `make -j8` whose three sub-makes are all stock GNU make,
+    // classic clients of the FIFO its broker serves. Every job waits until
+    // eight have started: the eight are reached only if the stock
+    // sub-makes can take all five free tokens while the first jobs run.
+    // The broker saw nothing when a stock make took the one token it
+    // offered while no classic client was known and gave it back later:
+    // the tree then ran four at a time (three sub-makes' own tokens and
+    // the offer) and here stalled.
+    let t = Tree::new("real-make-stock-subs");
+    let d = t.dir.clone();
+    fs::create_dir_all(d.join("run")).unwrap();
+    fs::create_dir_all(d.join("done")).unwrap();
+    fs::write(d.join("barrier.sh"), BARRIER_SH).unwrap();
+    let jobs: Vec<String> = (1..=4).map(|j| format!("j{j}")).collect();
+    fs::write(
+        d.join("sub.mk"),
+        format!(
+            "all: {all}
+{all}:
+	@sh {d}/barrier.sh {d} 8
+.PHONY: all {all}
+",
+            all = jobs.join(" "),
+            d = d.display()
+        ),
+    )
+    .unwrap();
+    fs::write(
+        d.join("Makefile"),
+        format!(
+            "all: s1 s2 s3
+s1 s2 s3:
+	+@{} -f {}/sub.mk
+.PHONY: all s1 s2 s3
+",
+            stock_make().display(),
+            d.display()
+        ),
+    )
+    .unwrap();
+    let mut cmd = make_cmd(&t, &herdless_make());
+    cmd.arg("-j8");
+    let out = run(cmd);
+    let report = text(&out);
+    assert!(out.status.success(), "{report}");
+    assert!(
+        !d.join("stalled").exists(),
+        "eight jobs never ran at once\n{report}"
+    );
+    assert!(d.join("met").exists(), "{report}");
+    assert_eq!(
+        fs::read_dir(d.join("done")).unwrap().count(),
+        12,
+        "{report}"
+    );
+    let brokers = broker_lines(&t);
+    assert_eq!(brokers.len(), 1, "{brokers:?}");
+    assert_eq!(figure(&brokers[0], "lost"), 0, "{brokers:?}");
+    assert_no_leftovers(&t);
+}
+
 #[test]
 fn a_failing_job_stops_the_tree() {
     let t = Tree::new("real-make-fail");

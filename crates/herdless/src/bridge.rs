@@ -106,7 +106,12 @@
 //!   in the queue), the table opens again.
 //!
 //! A classic client that reads an offer wakes the classic side for good:
-//! the table stays closed from then on.
+//! the table stays closed from then on. With a table the pipe is shrunk to
+//! one buffer where the OS allows (Linux, as for a backed pool), so the
+//! broker wakes when a reader empties it: a stock make that took the
+//! standing offer and gave it back before the broker looked again would
+//! otherwise show no change in the pipe's count, and the classic side
+//! would be fed one offer at a time.
 
 //! # Backed pools
 //!
@@ -205,6 +210,10 @@ pub const OFFER_WAIT: std::time::Duration = std::time::Duration::from_millis(50)
 fn round(pool: &Pool, natives_waiting: u64) -> u64 {
     natives_waiting.min(u64::from(pool.capacity())).max(1)
 }
+
+/// Fewer tokens than this fit one pipe buffer (a page of 4 KiB, one byte
+/// per token, bytes written one after another sharing it).
+const ONE_BUFFER_TOKENS: u32 = 4096;
 
 /// The most doublings of the gap between offers nobody reads.
 pub const MAX_BACKOFF: u32 = 4;
@@ -408,7 +417,14 @@ impl Bridge {
     /// reads the offer, so the next one follows at once.
     pub fn set_backed(&mut self) -> io::Result<()> {
         self.backed = true;
-        if herdless_platform::pipe_one_buffer(self.offers.as_fd())? {
+        self.watch_drain()
+    }
+
+    /// Shrinks the pipe to one buffer, where the OS allows (Linux), and
+    /// opens [`Bridge::drained_fd`]: the broker then wakes when a classic
+    /// client takes the last token from the pipe.
+    fn watch_drain(&mut self) -> io::Result<()> {
+        if self.drained.is_none() && herdless_platform::pipe_one_buffer(self.offers.as_fd())? {
             self.drained = Some(
                 OpenOptions::new()
                     .write(true)
@@ -442,8 +458,23 @@ impl Bridge {
     /// The broker has a shared token table (`crate::fast`): while the
     /// classic side is dormant the free pool goes to the table, not the
     /// pipe (see *The shared table* in the module documentation).
-    pub fn set_table(&mut self, yes: bool) {
+    ///
+    /// With a table, the pipe is watched for the moment a classic client
+    /// empties it (as for a backed pool): the standing offer that a
+    /// classic client reads, and gives back before the broker looks
+    /// again, shows no change in the pipe's count, and the classic side
+    /// would stay dormant, fed one offer at a time. Not for a pipe that
+    /// may have to hold more tokens than one buffer does.
+    ///
+    /// # Errors
+    ///
+    /// Opening the pipe again for the watch.
+    pub fn set_table(&mut self, yes: bool) -> io::Result<()> {
         self.table = yes;
+        if yes && self.jobs < ONE_BUFFER_TOKENS {
+            self.watch_drain()?;
+        }
+        Ok(())
     }
 
     /// Whether the table may take the free pool: there is one and the

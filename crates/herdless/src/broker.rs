@@ -458,7 +458,7 @@ impl Broker {
     pub fn with_bridge(mut self, mut bridge: Bridge) -> io::Result<Broker> {
         // The table takes the free pool only while the classic side is
         // dormant (crate::bridge, "The shared table").
-        bridge.set_table(self.fast.is_some());
+        bridge.set_table(self.fast.is_some())?;
         if self.backing.is_some() {
             bridge.set_backed()?;
         }
