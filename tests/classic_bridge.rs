@@ -407,10 +407,7 @@ fn classic_hog() -> ! {
 /// job of anyone, each take and give back a token 100 times, holding it 5
 /// ms. Prints how many of the 300 jobs ran.
 fn hog_driver() -> ! {
-    use herdless::client::{Client, Options};
     use std::io::BufRead;
-    use std::sync::atomic::{AtomicU64, Ordering};
-    use std::sync::Arc;
 
     let mut hog = Command::new(std::env::current_exe().unwrap())
         .args(["--exact", "helper_process", "--nocapture"])
@@ -431,15 +428,28 @@ fn hog_driver() -> ! {
         hog.kill().unwrap();
         hog.wait().unwrap();
     }
-    let done = Arc::new(AtomicU64::new(0));
     let socket = std::env::var("HERDLESS_SOCKET").unwrap();
-    let natives: Vec<_> = (0..3)
+    println!("role: {} jobs done", native_jobs(&socket, 3, 100));
+    drop(hog.stdin.take());
+    let _ = hog.wait();
+    std::process::exit(0);
+}
+
+/// `clients` native clients, one thread each, each taking and giving back
+/// a token `rounds` times, holding it 5 ms: the jobs they ran.
+fn native_jobs(socket: &str, clients: usize, rounds: u32) -> u64 {
+    use herdless::client::{Client, Options};
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::Arc;
+
+    let done = Arc::new(AtomicU64::new(0));
+    let natives: Vec<_> = (0..clients)
         .map(|_| {
-            let (done, socket) = (done.clone(), socket.clone());
+            let (done, socket) = (done.clone(), socket.to_string());
             std::thread::spawn(move || {
                 let c = Client::connect_with(&socket, Options::default().implicit_token(false))
                     .unwrap();
-                for _ in 0..100 {
+                for _ in 0..rounds {
                     let t = c.acquire().unwrap();
                     std::thread::sleep(std::time::Duration::from_millis(5));
                     drop(t);
@@ -451,10 +461,7 @@ fn hog_driver() -> ! {
     for n in natives {
         n.join().unwrap();
     }
-    println!("role: {} jobs done", done.load(Ordering::SeqCst));
-    drop(hog.stdin.take());
-    let _ = hog.wait();
-    std::process::exit(0);
+    done.load(Ordering::SeqCst)
 }
 
 /// Runs as the command of `herdless run -j 4` (three shared tokens beside
@@ -465,33 +472,13 @@ fn hog_driver() -> ! {
 /// how many of the 60 jobs ran.
 fn holder_driver() -> ! {
     use herdless::client::{Client, Options};
-    use std::sync::atomic::{AtomicU64, Ordering};
-    use std::sync::Arc;
 
     let socket = std::env::var("HERDLESS_SOCKET").unwrap();
     let holder = Client::connect_with(&socket, Options::default().implicit_token(false)).unwrap();
     let held = [holder.acquire().unwrap(), holder.acquire().unwrap()];
-    let done = Arc::new(AtomicU64::new(0));
-    let natives: Vec<_> = (0..3)
-        .map(|_| {
-            let (done, socket) = (done.clone(), socket.clone());
-            std::thread::spawn(move || {
-                let c = Client::connect_with(&socket, Options::default().implicit_token(false))
-                    .unwrap();
-                for _ in 0..20 {
-                    let t = c.acquire().unwrap();
-                    std::thread::sleep(std::time::Duration::from_millis(5));
-                    drop(t);
-                    done.fetch_add(1, Ordering::SeqCst);
-                }
-            })
-        })
-        .collect();
-    for n in natives {
-        n.join().unwrap();
-    }
+    let done = native_jobs(&socket, 3, 20);
     drop(held);
-    println!("role: {} jobs done", done.load(Ordering::SeqCst));
+    println!("role: {done} jobs done");
     std::process::exit(0);
 }
 

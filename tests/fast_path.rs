@@ -69,19 +69,25 @@ fn helper_process() {
     }
 }
 
-/// Connects with room for one descriptor more, the socket's: the table's
-/// descriptor, sent with the broker's answer, finds none. The client must
-/// then take its tokens over the socket, at once.
-fn one_descriptor_free() {
+/// Lowers this process's descriptor limit so that exactly `n` more can be
+/// made.
+fn leave_free(n: i32) {
     use nix::sys::resource::{getrlimit, setrlimit, Resource};
-    // The lowest free descriptor is the next one made; with the limit just
-    // above it, no other can be.
+    // The lowest free descriptor is the next one made; with the limit `n`
+    // above it, no more than `n` can be.
     let lowest = std::os::fd::AsRawFd::as_raw_fd(&std::fs::File::open("/dev/null").unwrap());
     let (_, hard) = getrlimit(Resource::RLIMIT_NOFILE).expect("getrlimit");
     // A descriptor number is small and not negative: it fits rlim_t (u64
     // on Linux, i64 on the BSDs).
-    let soft = (lowest + 1) as libc::rlim_t;
+    let soft = (lowest + n) as libc::rlim_t;
     setrlimit(Resource::RLIMIT_NOFILE, soft, hard).expect("setrlimit");
+}
+
+/// Connects with room for one descriptor more, the socket's: the table's
+/// descriptor, sent with the broker's answer, finds none. The client must
+/// then take its tokens over the socket, at once.
+fn one_descriptor_free() {
+    leave_free(1);
     let start = std::time::Instant::now();
     let client = Client::from_env_with(Options::default().implicit_token(false))
         .expect("connect to the broker with one descriptor free");
@@ -96,12 +102,7 @@ fn one_descriptor_free() {
 /// table's while it is mapped. A client that closes the table's descriptor
 /// once mapped has one free again afterwards.
 fn two_descriptors_free() {
-    use nix::sys::resource::{getrlimit, setrlimit, Resource};
-    let lowest = std::os::fd::AsRawFd::as_raw_fd(&std::fs::File::open("/dev/null").unwrap());
-    let (_, hard) = getrlimit(Resource::RLIMIT_NOFILE).expect("getrlimit");
-    // As in `one_descriptor_free`.
-    let soft = (lowest + 2) as libc::rlim_t;
-    setrlimit(Resource::RLIMIT_NOFILE, soft, hard).expect("setrlimit");
+    leave_free(2);
     let client = Client::from_env_with(Options::default().implicit_token(false))
         .expect("connect to the broker with two descriptors free");
     println!("role: {}", client.token_path());
@@ -426,23 +427,30 @@ fn a_client_told_to_keep_to_the_socket_does() {
     let _ = PATIENCE;
 }
 
+/// Runs a helper in `role` against `serve`, which must succeed: its
+/// standard output.
+fn run_role(serve: &Serve, role: &str) -> String {
+    let mut cmd = common::helper_command();
+    cmd.env(ROLE, role)
+        .env("HERDLESS_SOCKET", &serve.socket)
+        .stdin(Stdio::null());
+    let out = common::output_within(&mut cmd, PATIENCE);
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    text
+}
+
 #[test]
 fn a_client_with_no_room_for_the_tables_descriptor_keeps_to_the_socket() {
     // The kernel drops a descriptor sent to a process whose table is full
     // and marks the message truncated; the bytes with it still come. The
     // client must read the broker's answer, keep to the socket, and work.
     let serve = Serve::start(3);
-    let mut cmd = common::helper_command();
-    cmd.env(ROLE, "one-descriptor-free")
-        .env("HERDLESS_SOCKET", &serve.socket)
-        .stdin(Stdio::null());
-    let out = common::output_within(&mut cmd, PATIENCE);
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{text}{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let text = run_role(&serve, "one-descriptor-free");
     assert!(text.contains("role: socket after"), "{text}");
     assert!(text.contains("role: 3 tokens"), "{text}");
     let s = serve.status();
@@ -456,17 +464,7 @@ fn a_client_of_the_table_keeps_no_descriptor_for_it() {
     // The mapping keeps the table's memory file: the client closes the
     // descriptor it came with, and has it for its own work.
     let serve = Serve::start(3);
-    let mut cmd = common::helper_command();
-    cmd.env(ROLE, "two-descriptors-free")
-        .env("HERDLESS_SOCKET", &serve.socket)
-        .stdin(Stdio::null());
-    let out = common::output_within(&mut cmd, PATIENCE);
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{text}{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let text = run_role(&serve, "two-descriptors-free");
     if cfg!(target_os = "linux") {
         assert!(text.contains("role: shared table"), "{text}");
     }
