@@ -235,8 +235,9 @@ fn fds_free(n: usize) -> bool {
 
 /// Whether at least `n` file descriptors are free in this process: 1 if
 /// so, 0 if not (it opens `/dev/null` and duplicates it until `n` are
-/// open, and closes them again). For a make that needs descriptors of its own beside a
-/// connection: the herdless bmake finishes a sub-make's connection only
+/// open, and closes them again). For a make that needs descriptors of
+/// its own beside a connection: the herdless bmake finishes a sub-make's
+/// connection only
 /// with room for its job pipes too, and otherwise runs on its stock
 /// jobserver. A failure other than a full table (to open `/dev/null`,
 /// say) counts as room.

@@ -939,6 +939,8 @@ impl Bridge {
     /// token in it, as bmake itself does, so every make stops.
     pub fn on_abort(&mut self, pool: &mut Pool, reason: AbortReason, now: std::time::Duration) {
         self.queued = false;
+        // No offer is taken back after this: none has a deadline.
+        self.offer = None;
         self.aborted = Some(reason);
         let n = self.in_pipe();
         self.take_back(pool, n, now);
