@@ -1014,6 +1014,79 @@ fn herdless_bmake_runs_a_recursive_tree_at_j_1_4_16_64() {
 }
 
 #[test]
+fn a_stock_sub_make_after_the_top_makes_own_jobs_reaches_n() {
+    // A top `-j5` runs eight jobs of its own, then one stock sub-make of
+    // thirty jobs, alone. The top make's waits took back the tokens the
+    // bridge had put in the pipe at the start, before any classic client
+    // was known, and its back-off was then counted in native grants that
+    // never came again: the top make had nothing more to start. The free
+    // tokens stayed in the shared table and the stock sub-make ran its
+    // jobs one at a time (it reads the pipe only when it starts a job).
+    // The next offer is also due after a time, so it reaches five.
+    // Debian's bmake under a herdless bmake stalled so; stock GNU make
+    // 4.4.1 under a herdless GNU make did not, and is checked alike.
+    for (name, make, sub, deps) in [
+        (
+            "bmake",
+            herdless_bmake(),
+            "@/usr/bin/bmake".to_string(),
+            " .MAKE",
+        ),
+        (
+            "gnu",
+            herdless_make(),
+            format!("+@{}", stock_make().display()),
+            "",
+        ),
+    ] {
+        let t = Tree::new(&format!("real-make-late-stock-{name}"));
+        t.flat_makefile("top-jobs.mk", "p", 8);
+        let last = t.path("last");
+        fs::create_dir_all(last.join("running")).unwrap();
+        let jobs: Vec<String> = (1..=30).map(|j| format!("l{j}")).collect();
+        let mut mk = format!("all: {}\n", jobs.join(" "));
+        for j in &jobs {
+            mk += &format!(
+                "{j}:\n\t@sh {} {}\n",
+                t.path("job.sh").display(),
+                last.display()
+            );
+        }
+        fs::write(t.path("last.mk"), mk).unwrap();
+        let pre: Vec<String> = (1..=8).map(|j| format!("p{j}")).collect();
+        let mut top = fs::read_to_string(t.path("top-jobs.mk"))
+            .unwrap()
+            .replacen("all:", "pre:", 1);
+        top = format!(
+            "all: last\nlast: {}{deps}\n\t{sub} -f {}\n{top}",
+            pre.join(" "),
+            t.path("last.mk").display()
+        );
+        fs::write(t.path("Makefile"), top).unwrap();
+        let mut cmd = make_cmd(&t, &make);
+        cmd.arg("-j5").env("JOB_SLEEP", "0.1");
+        let out = run(cmd);
+        let report = text(&out);
+        assert!(out.status.success(), "{name}: {report}");
+        let (done, most) = t.counts();
+        assert_eq!(done, 8, "{name}: {report}");
+        assert_eq!(most, 5, "{name}: {report}");
+        let peaks = fs::read_to_string(last.join("peaks")).unwrap();
+        let in_sub: Vec<u32> = peaks.lines().map(|l| l.parse().unwrap()).collect();
+        assert_eq!(in_sub.len(), 30, "{name}: {report}");
+        assert_eq!(
+            in_sub.iter().max(),
+            Some(&5),
+            "{name}: the stock sub-make never ran 5 jobs at once: {in_sub:?}\n{report}"
+        );
+        let brokers = broker_lines(&t);
+        assert_eq!(brokers.len(), 1, "{name}: {brokers:?}");
+        assert_eq!(figure(&brokers[0], "lost"), 0, "{name}: {brokers:?}");
+        assert_no_leftovers(&t);
+    }
+}
+
+#[test]
 fn a_herdless_bmake_gives_back_what_its_jobs_returned_before_it_exits() {
     // Eight sub-makes each run four jobs that start together (-j33 has a
     // token for every job) and sleep as long. bmake keeps the token of a

@@ -40,11 +40,16 @@
 //!   that starts waiting while natives contend gets a token within at most
 //!   2^`MAX_BACKOFF` rounds of native grants, usually within one, and a
 //!   tree with no classic client at all leaves a token idle only rarely.
-//!   These figures count grants, not time, with one exception: an offer
+//!   These figures count grants, and time only as a bound: an offer
 //!   left unread for [`OFFER_WAIT`] (50 ms) counts as ignored too, however
 //!   few grants came, since a holder may keep its tokens for long (a top
 //!   make's sub-makes run on them) while the waiters have nothing else to
-//!   free one; the broker then wakes once, at that deadline.
+//!   free one; the broker then wakes once, at that deadline. Likewise the
+//!   next offer is due after its rounds of grants or as many
+//!   [`OFFER_WAIT`]s, whichever comes first: with the shared table open
+//!   the broker sees no grants, and a top make with nothing left to start
+//!   makes none, so a count alone could keep a free token from a classic
+//!   reader for good.
 //!
 //! # Who reads the pipe
 //!
@@ -238,7 +243,16 @@ pub struct Bridge {
     /// clients took some.
     expected_in_pipe: u32,
     backoff: u32,
+    /// The native grants after which the next offer is due
+    /// ([`Bridge::offer_allowed`]).
     next_offer_at: u64,
+    /// The time after which the next offer is due however few native
+    /// grants came: grants hidden in the shared table, or none at all (a
+    /// make that holds its tokens, or has nothing left to start), must
+    /// not keep a free token from a classic reader for good.
+    next_offer_time: std::time::Duration,
+    /// When [`Bridge::balance`] last ran.
+    balanced_at: std::time::Duration,
     /// The native grants counted at the last [`Bridge::balance`].
     grants_seen: u64,
     /// Natives waiting in the shared table at the last
@@ -348,6 +362,8 @@ impl Bridge {
             command_native: false,
             classic_seen: false,
             next_offer_at: 0,
+            next_offer_time: std::time::Duration::ZERO,
+            balanced_at: std::time::Duration::ZERO,
             grants_seen: 0,
             table_waiting: 0,
 
@@ -438,11 +454,25 @@ impl Bridge {
     /// When the offer in the pipe, if any, counts as ignored for its age
     /// ([`OFFER_WAIT`]): the broker balances again then, with no other
     /// event to wake it.
+    ///
+    /// In [`table_mode`](Self::table_mode) with nothing in the pipe, also
+    /// when the next offer is due by time ([`Bridge::back_off`]): the
+    /// broker sees no grant or release in the open table that would
+    /// otherwise bring it there. Only a time still ahead of the last
+    /// [`Bridge::balance`] counts, which acted on any before it.
     pub fn offer_deadline(&self) -> Option<std::time::Duration> {
-        self.offer
+        let unread = self
+            .offer
             .as_ref()
             .filter(|_| self.expected_in_pipe > 0)
-            .map(|o| o.made_at + OFFER_WAIT)
+            .map(|o| o.made_at + OFFER_WAIT);
+        let due = Some(self.next_offer_time).filter(|&t| {
+            t > self.balanced_at && self.table_mode() && !self.queued && self.expected_in_pipe == 0
+        });
+        match (unread, due) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
     }
 
     /// The descriptor to watch, edge-triggered, for writability: the pipe
@@ -517,11 +547,11 @@ impl Bridge {
     /// (`native_grants` counted as there): the broker first closes the
     /// table, so that the natives waiting in it, who asked first, queue
     /// first.
-    pub fn offer_due(&self, native_grants: u64) -> bool {
+    pub fn offer_due(&self, native_grants: u64, now: std::time::Duration) -> bool {
         self.table_mode()
             && !self.queued
             && self.expected_in_pipe == 0
-            && native_grants >= self.next_offer_at
+            && self.offer_allowed(native_grants, now)
     }
 
     /// When the broker should hear of takes and waits in the open shared
@@ -781,6 +811,30 @@ impl Bridge {
         self.classic_seen = true;
         self.backoff = 0;
         self.next_offer_at = 0;
+        self.next_offer_time = std::time::Duration::ZERO;
+    }
+
+    /// An offer nobody read: the next one waits for more rounds of
+    /// native grants (doubling up to [`MAX_BACKOFF`]), or as many
+    /// [`OFFER_WAIT`]s, whichever comes first.
+    fn back_off(
+        &mut self,
+        pool: &Pool,
+        natives_waiting: usize,
+        native_grants: u64,
+        now: std::time::Duration,
+    ) {
+        self.backoff = (self.backoff + 1).min(MAX_BACKOFF);
+        let rounds = (1u32 << self.backoff) - 1;
+        self.next_offer_at =
+            native_grants + round(pool, natives_waiting as u64) * u64::from(rounds);
+        self.next_offer_time = now + OFFER_WAIT * rounds;
+    }
+
+    /// Whether the next offer is due: after its rounds of native grants,
+    /// or its time, whichever comes first (see [`Bridge::back_off`]).
+    fn offer_allowed(&self, native_grants: u64, now: std::time::Duration) -> bool {
+        native_grants >= self.next_offer_at || now >= self.next_offer_time
     }
 
     /// The broker saw the command at the top connect as a native client
@@ -819,6 +873,7 @@ impl Bridge {
         table: TableView,
         now: std::time::Duration,
     ) {
+        self.balanced_at = now;
         let Some(id) = self.client else {
             return;
         };
@@ -845,7 +900,7 @@ impl Bridge {
             // pool's queue (which closes the table and takes its free
             // words back).
             self.offer = None;
-            let keep = u32::from(in_pipe > 0 || native_grants >= self.next_offer_at);
+            let keep = u32::from(in_pipe > 0 || self.offer_allowed(native_grants, now));
             self.keep_in_pipe(pool, in_pipe, keep, now);
             return;
         }
@@ -879,9 +934,7 @@ impl Bridge {
             // The standing offer, put there while no native waited: nobody
             // read it before a native wanted it. It comes back below;
             // the next waits for the back-off.
-            self.backoff = (self.backoff + 1).min(MAX_BACKOFF);
-            let round = round(pool, natives_waiting as u64);
-            self.next_offer_at = native_grants + round * ((1u64 << self.backoff) - 1);
+            self.back_off(pool, natives_waiting, native_grants, now);
         }
         let keep = match &self.offer {
             Some(o) if in_pipe > 0 => {
@@ -908,9 +961,7 @@ impl Bridge {
                     == 0;
                 if ignored || no_event_to_come {
                     // Nobody read it: back off before the next offer.
-                    self.backoff = (self.backoff + 1).min(MAX_BACKOFF);
-                    let round = round(pool, natives_waiting as u64);
-                    self.next_offer_at = native_grants + round * ((1u64 << self.backoff) - 1);
+                    self.back_off(pool, natives_waiting, native_grants, now);
                     self.offer = None;
                     0
                 } else {
@@ -924,7 +975,7 @@ impl Bridge {
         }
         if in_pipe == 0 {
             self.offer = None;
-            if !self.queued && native_grants >= self.next_offer_at {
+            if !self.queued && self.offer_allowed(native_grants, now) {
                 if pool.free() > 0 {
                     // Taken-back tokens went to natives; any left is ours.
                     let _ = pool.try_acquire(id);
