@@ -1086,6 +1086,92 @@ fn a_stock_sub_make_after_the_top_makes_own_jobs_reaches_n() {
     }
 }
 
+/// One run of `a_top_make_short_of_descriptors_runs_where_a_stock_one_does`:
+/// `make -j16` over 30 sub-makes of 4 jobs each, under `ulimit -n limit`.
+fn thirty_sub_makes(name: &str, make: &Path, limit: u32, bmake: bool) -> (Tree, Output) {
+    let t = Tree::new(&format!("real-make-nofile-{name}-{limit}"));
+    t.recursive_makefile(30, 4);
+    if !bmake {
+        // GNU make runs a sub-make as one only when the recipe says so.
+        let mk = fs::read_to_string(t.path("Makefile")).unwrap();
+        fs::write(t.path("Makefile"), mk.replace("\t@${MAKE}", "\t+@$(MAKE)")).unwrap();
+    }
+    let mut cmd = make_cmd(&t, Path::new("/bin/sh"));
+    cmd.arg("-c")
+        .arg("ulimit -n \"$0\" && exec \"$@\"")
+        .arg(limit.to_string())
+        .arg(make)
+        .arg("-j16")
+        .env("JOB_SLEEP", "0.05");
+    (t, run(cmd))
+}
+
+#[test]
+fn a_top_make_short_of_descriptors_runs_where_a_stock_one_does() {
+    // A broker started inside a make takes its descriptors from the
+    // make's own table: a socket per connected sub-make, a process
+    // descriptor per holder (Linux), and its FIFOs and poll set. A
+    // herdless `bmake -j16` of 30 sub-makes failed under `ulimit -n` 48
+    // to 80 ("Cannot create pipe: Too many open files") where Debian's
+    // bmake finishes, and at 64 lost tokens. The make now keeps room for
+    // its own job pipes: it starts no broker without that room and more,
+    // and its broker turns away a sub-make that would leave less, which
+    // then runs on the classic pipe. From the lowest limit at which the
+    // stock make runs this tree, in steps of 16: every job runs, at most
+    // 16 and 16 reached, nothing lost; somewhere in the sweep the broker
+    // both served sub-makes and turned some away.
+    for (name, stock, make, bmake) in [
+        (
+            "bmake",
+            PathBuf::from("/usr/bin/bmake"),
+            herdless_bmake(),
+            true,
+        ),
+        ("gnu", stock_make(), herdless_make(), false),
+    ] {
+        // At its lowest limit a stock make passes or not as its jobs'
+        // timing decides how many pipes are open at once: the limit taken
+        // is the lowest at which it passes three times running.
+        let least = (24..=128)
+            .step_by(8)
+            .find(|&n| {
+                (0..3).all(|_| {
+                    thirty_sub_makes(&format!("{name}-stock"), &stock, n, bmake)
+                        .1
+                        .status
+                        .success()
+                })
+            })
+            .unwrap_or_else(|| panic!("stock {name} never ran 30 sub-makes under ulimit -n 128"));
+        eprintln!("stock {name}: 30 sub-makes at -j16 run under ulimit -n {least}");
+        let mut mixed = false;
+        for limit in (least..=least + 96).step_by(16) {
+            let (t, out) = thirty_sub_makes(name, &make, limit, bmake);
+            let report = text(&out);
+            assert!(out.status.success(), "{name} at {limit}: {report}");
+            let (done, most) = t.counts();
+            assert_eq!(done, 120, "{name} at {limit}: {report}");
+            assert!(
+                most <= 16,
+                "{name} at {limit}: {most} jobs at once\n{report}"
+            );
+            assert_eq!(most, 16, "{name} at {limit}: never 16 at once\n{report}");
+            // No broker when the make had too few descriptors for one.
+            let brokers = broker_lines(&t);
+            assert!(brokers.len() <= 1, "{name} at {limit}: {brokers:?}");
+            if let Some(b) = brokers.first() {
+                assert_eq!(figure(b, "lost"), 0, "{name} at {limit}: {b:?}");
+                mixed |= figure(b, "no_room") > 0 && figure(b, "native_grants") > 0;
+            }
+            assert_no_leftovers(&t);
+        }
+        assert!(
+            mixed,
+            "{name}: the broker never both served and turned away sub-makes"
+        );
+    }
+}
+
 #[test]
 fn a_herdless_bmake_gives_back_what_its_jobs_returned_before_it_exits() {
     // Eight sub-makes each run four jobs that start together (-j33 has a

@@ -34,10 +34,12 @@
  *
  * HERDLESS_MAKE_STATS=FILE: a make that started a broker appends one line
  * to FILE when it stops it: "jobs J native_grants G classic_offered C
- * max_in_use M reclaimed R lost L woken W broker_vcsw V moved X" (W:
- * grants to a make that waited for them; V: the broker thread's own
- * wake-ups, -1 where not counted; X: waits moved from the shared table
- * to the broker's queue). For tests and benchmarks.
+ * max_in_use M reclaimed R lost L woken W broker_vcsw V moved X
+ * no_room Y" (W: grants to a make that waited for them; V: the broker
+ * thread's own wake-ups, -1 where not counted; X: waits moved from the
+ * shared table to the broker's queue; Y: sub-makes turned away to keep
+ * this make's descriptors, which ran on the classic FIFO). For tests and
+ * benchmarks.
  */
 
 #include "makeint.h"
@@ -154,12 +156,12 @@ report (const herdless_broker_report *r)
     return;
   fprintf (f, "jobs %u native_grants %llu classic_offered %llu "
            "max_in_use %u reclaimed %llu lost %lld woken %llu "
-           "broker_vcsw %lld moved %llu\n", r->jobs,
+           "broker_vcsw %lld moved %llu no_room %llu\n", r->jobs,
            (unsigned long long) r->native_grants,
            (unsigned long long) r->classic_offered, r->max_in_use,
            (unsigned long long) r->reclaimed, (long long) r->lost,
            (unsigned long long) r->woken, (long long) r->broker_vcsw,
-           (unsigned long long) r->moved);
+           (unsigned long long) r->moved, (unsigned long long) r->no_room);
   fclose (f);
 }
 
@@ -216,6 +218,15 @@ end_at_exit (void)
     end_herdless ();
 }
 
+/* The descriptors this make may still open with SLOTS more jobs than its
+   own: one per job (an --output-sync temporary file) and a few of its
+   own. A broker in its process leaves them free. */
+static unsigned int
+keep_fds (int slots)
+{
+  return (unsigned int) slots + 1 + 8;
+}
+
 unsigned int
 __wrap_jobserver_setup (int slots, const char *style)
 {
@@ -223,7 +234,10 @@ __wrap_jobserver_setup (int slots, const char *style)
   sigset_t all, before;
   int start_errno;
 
-  if (!mode_is ("auto") || (style && strcmp (style, "fifo") != 0))
+  /* The broker's descriptors come out of this make's table, which must
+     keep room for its own: short of that, the stock jobserver. */
+  if (!mode_is ("auto") || (style && strcmp (style, "fifo") != 0)
+      || !herdless_fds_free (keep_fds (slots) + HERDLESS_BROKER_FDS))
     return __real_jobserver_setup (slots, style);
 
   /* In make's own temporary directory (MAKE_TMPDIR, TMPDIR), where the
@@ -248,6 +262,8 @@ __wrap_jobserver_setup (int slots, const char *style)
       return __real_jobserver_setup (slots, style);
     }
   broker_slots = (unsigned int) slots;
+  /* A sub-make turned away for them uses the classic FIFO. */
+  (void) herdless_broker_keep_fds (broker, keep_fds (slots));
   c = herdless_client_native_from_env ();
   if (!c)
     {

@@ -140,9 +140,9 @@ fn classic_side(
     // a native client (`Stopper::command_started`).
     let program = &args.command[0];
     let flavor = args.flavor.unwrap_or_else(|| Flavor::for_command(program));
-    let bridge = Bridge::create(dir.dir(), args.style, flavor, args.jobs)
+    let mut bridge = Bridge::create(dir.dir(), args.style, flavor, args.jobs)
         .context("cannot set up the classic jobserver")?;
-    let fds = bridge.inheritable_fds()?;
+    let fds = bridge.take_inheritable_fds()?;
     let raw = fds.as_ref().map(|(r, w)| (r.as_raw_fd(), w.as_raw_fd()));
     let env = bridge.env(raw, std::env::var_os("MAKEFLAGS").as_deref());
     inherit.extend(fds.into_iter().flat_map(|(r, w)| [r, w]));

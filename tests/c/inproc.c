@@ -397,5 +397,45 @@ int main(void) {
     CHECK_EQ(herdless_broker_stop(b, NULL), 0);
     CHECK(fcntl(r, F_GETFD) < 0 && errno == EBADF);
 
+    /* Descriptors kept for the caller: a new client of another process is
+     * turned away at once, once (no retry, with the table or without),
+     * with EMFILE, by either connect; the caller's own connection is not.
+     * With nothing kept, the same child connects. */
+    CHECK_EQ(herdless_broker_keep_fds(NULL, 1), -EINVAL);
+    CHECK(HERDLESS_BROKER_FDS >= 8);
+    b = herdless_broker_start(4, HERDLESS_BROKER_CLASSIC_PIPE | HERDLESS_BROKER_BMAKE, NULL);
+    REQUIRE(b != NULL);
+    CHECK_EQ(herdless_broker_keep_fds(b, 1u << 30), 0);
+    c = herdless_client_native_from_env();
+    REQUIRE(c != NULL);
+    CHECK_EQ(herdless_take_grant(c), 0);
+    for (int kept = 1; kept >= 0; kept--) {
+        if (!kept)
+            CHECK_EQ(herdless_broker_keep_fds(b, 0), 0);
+        int st = 0;
+        pid_t child = fork();
+        REQUIRE(child >= 0);
+        if (child == 0) {
+            errno = 0;
+            herdless_client *x = herdless_client_native_from_env();
+            int e1 = errno;
+            herdless_connecting *p = herdless_connect_begin();
+            herdless_client *y = p ? herdless_connect_finish(p) : NULL;
+            int e2 = errno;
+            if (kept)
+                _exit(x == NULL && e1 == EMFILE && p != NULL && y == NULL && e2 == EMFILE ? 0 : 1);
+            _exit(x != NULL && y != NULL ? 0 : 2);
+        }
+        CHECK_EQ(waitpid(child, &st, 0), child);
+        CHECK(WIFEXITED(st));
+        CHECK_EQ(WEXITSTATUS(st), 0);
+    }
+    CHECK_EQ(herdless_release(c), 0);
+    herdless_client_free(c);
+    memset(&rep, 0xff, sizeof rep);
+    CHECK_EQ(herdless_broker_stop(b, &rep), 0);
+    CHECK_EQ(rep.no_room, 2);
+    CHECK_EQ(rep.lost, 0);
+
     return check_done("inproc");
 }

@@ -75,6 +75,14 @@
 #define HERDLESS_BROKER_BMAKE 4
 
 /**
+ * The most descriptors a broker started by `herdless_broker_start` takes
+ * of its own, with its classic bridge and the caller's own connection
+ * (13 in a bmake and 10 in a GNU make on Linux): a make that has fewer
+ * free than this beyond what it needs itself keeps its stock jobserver.
+ */
+#define HERDLESS_BROKER_FDS 16
+
+/**
  * A broker running on a thread of the calling process, with its socket in
  * a private directory (mode 0700). Opaque: made by
  * `herdless_broker_start`, ended by `herdless_broker_stop`.
@@ -159,6 +167,11 @@ typedef struct {
    * counted in `woken`.
    */
   uint64_t moved;
+  /**
+   * Clients turned away to keep this process's descriptors free
+   * (`herdless_broker_keep_fds`); each ran on the classic jobserver.
+   */
+  uint64_t no_room;
 } herdless_broker_report;
 
 #ifdef __cplusplus
@@ -602,6 +615,26 @@ const char *herdless_strerror(int code);
  * `parent_dir` is NULL or a NUL-terminated string valid for the call.
  */
 herdless_broker *herdless_broker_start(unsigned int jobs, unsigned int flags, const char *parent_dir);
+
+/**
+ * Keeps `n` of this process's file descriptors free for the caller: the
+ * broker runs in the caller's process and shares its descriptor table,
+ * and each client costs it a socket, and a process descriptor while it
+ * holds tokens (Linux). From the call on, a new client is accepted only
+ * while `n` descriptors stay free beyond those two; one turned away is
+ * told so and does not try again (`herdless_client_native_from_env` and
+ * `herdless_connect_finish` fail with `EMFILE` there), and a make runs on
+ * the classic jobserver, which the broker's bridge serves from the same
+ * pool. The caller's own connection is never turned away. Pass the most
+ * descriptors the caller may hold at once (a bmake: a pipe per job, and
+ * a few more); 0, the default, keeps none. Returns 0, or `-EINVAL` when
+ * `b` is NULL.
+ *
+ * # Safety
+ *
+ * `b` is NULL or a live broker handle.
+ */
+int herdless_broker_keep_fds(const herdless_broker *b, unsigned int n);
 
 /**
  * The broker's socket path (what `HERDLESS_SOCKET` was set to), or NULL

@@ -202,35 +202,11 @@ pub const HERDLESS_FD_HEADROOM: usize = 8;
 /// `Err(EMFILE)` when fewer than `HERDLESS_FD_HEADROOM` descriptors are
 /// free (`herdless_fds_free`).
 fn fd_headroom() -> Result<(), i32> {
-    if fds_free(HERDLESS_FD_HEADROOM) {
+    if herdless_platform::descriptors_free(HERDLESS_FD_HEADROOM) {
         Ok(())
     } else {
         Err(libc::EMFILE)
     }
-}
-
-/// Whether `n` descriptors are free: opens `/dev/null` once and
-/// duplicates it until `n` are open (closing them all again; a duplicate
-/// costs a fraction of an `open`), and counts a full table (`EMFILE`, or
-/// the system's, `ENFILE`) before the last as too few. Any other failure
-/// says nothing of the table, and counts as enough.
-fn fds_free(n: usize) -> bool {
-    if n == 0 {
-        return true;
-    }
-    let full = |e: std::io::Error| !matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE));
-    let first = match std::fs::File::open("/dev/null") {
-        Ok(f) => f,
-        Err(e) => return full(e),
-    };
-    let mut open = Vec::with_capacity(n.min(4096));
-    while open.len() + 1 < n {
-        match first.try_clone() {
-            Ok(f) => open.push(f),
-            Err(e) => return full(e),
-        }
-    }
-    true
 }
 
 /// Whether at least `n` file descriptors are free in this process: 1 if
@@ -243,7 +219,7 @@ fn fds_free(n: usize) -> bool {
 /// say) counts as room.
 #[no_mangle]
 pub extern "C" fn herdless_fds_free(n: c_uint) -> c_int {
-    catch_unwind(|| c_int::from(fds_free(n as usize))).unwrap_or(1)
+    catch_unwind(|| c_int::from(herdless_platform::descriptors_free(n as usize))).unwrap_or(1)
 }
 
 /// A connection to a broker begun by `herdless_connect_begin`: the hello
@@ -948,6 +924,9 @@ pub struct herdless_broker_report {
     /// the table closed: each woke its client once more, before the grant
     /// counted in `woken`.
     pub moved: u64,
+    /// Clients turned away to keep this process's descriptors free
+    /// (`herdless_broker_keep_fds`); each ran on the classic jobserver.
+    pub no_room: u64,
 }
 
 /// Starts a broker for `-j jobs` on a new thread of this process: the pool
@@ -1045,8 +1024,9 @@ fn start_broker(
     let mut auth = None;
     let mut fds = None;
     if let Some((style, flavor)) = classic {
-        let bridge = Bridge::create(dir.dir(), style, flavor, jobs).map_err(|e| io_errno(&e))?;
-        fds = bridge.inheritable_fds().map_err(|e| io_errno(&e))?;
+        let mut bridge =
+            Bridge::create(dir.dir(), style, flavor, jobs).map_err(|e| io_errno(&e))?;
+        fds = bridge.take_inheritable_fds().map_err(|e| io_errno(&e))?;
         let raw = fds.as_ref().map(|(r, w)| (r.as_raw_fd(), w.as_raw_fd()));
         let text = match bridge.auth(raw) {
             Auth::Fifo(path) => {
@@ -1099,6 +1079,41 @@ fn start_broker(
         fds,
         previous,
     })
+}
+
+/// The most descriptors a broker started by `herdless_broker_start` takes
+/// of its own, with its classic bridge and the caller's own connection
+/// (13 in a bmake and 10 in a GNU make on Linux): a make that has fewer
+/// free than this beyond what it needs itself keeps its stock jobserver.
+pub const HERDLESS_BROKER_FDS: c_uint = 16;
+
+/// Keeps `n` of this process's file descriptors free for the caller: the
+/// broker runs in the caller's process and shares its descriptor table,
+/// and each client costs it a socket, and a process descriptor while it
+/// holds tokens (Linux). From the call on, a new client is accepted only
+/// while `n` descriptors stay free beyond those two; one turned away is
+/// told so and does not try again (`herdless_client_native_from_env` and
+/// `herdless_connect_finish` fail with `EMFILE` there), and a make runs on
+/// the classic jobserver, which the broker's bridge serves from the same
+/// pool. The caller's own connection is never turned away. Pass the most
+/// descriptors the caller may hold at once (a bmake: a pipe per job, and
+/// a few more); 0, the default, keeps none. Returns 0, or `-EINVAL` when
+/// `b` is NULL.
+///
+/// # Safety
+///
+/// `b` is NULL or a live broker handle.
+#[no_mangle]
+pub unsafe extern "C" fn herdless_broker_keep_fds(b: *const herdless_broker, n: c_uint) -> c_int {
+    // SAFETY: by this function's contract `b` is NULL or a live handle made
+    // by `Box::into_raw`, only read here.
+    match unsafe { b.as_ref() } {
+        Some(b) => {
+            b.stopper.keep_fds_free(n as usize);
+            0
+        }
+        None => -libc::EINVAL,
+    }
 }
 
 /// The broker's socket path (what `HERDLESS_SOCKET` was set to), or NULL
@@ -1260,6 +1275,7 @@ pub unsafe extern "C" fn herdless_broker_stop(
                 .broker_vcsw
                 .map_or(-1, |n| i64::try_from(n).unwrap_or(i64::MAX)),
             moved: status.fast.as_ref().map_or(0, |f| f.moved),
+            no_room: status.refused_no_room,
         };
         // SAFETY: not NULL, and by this function's contract writable.
         unsafe { report.write(r) };

@@ -379,22 +379,29 @@ impl Bridge {
         })
     }
 
-    /// The descriptors the command must inherit (pipe style), as
-    /// duplicates without close-on-exec; `None` for the fifo style. Drop
-    /// them once the command is spawned.
-    pub fn inheritable_fds(&self) -> io::Result<Option<(OwnedFd, OwnedFd)>> {
-        let Some((r, w)) = &self.child_ends else {
+    /// The descriptors the command must inherit (pipe style), without
+    /// close-on-exec; `None` for the fifo style, and once taken. The
+    /// bridge keeps no copy (its own descriptions of the FIFOs are
+    /// read-write), so a broker inside a make spends two descriptors on
+    /// them, not four. Drop them once the command is spawned.
+    pub fn take_inheritable_fds(&mut self) -> io::Result<Option<(OwnedFd, OwnedFd)>> {
+        let Some((r, w)) = self.child_ends.take() else {
             return Ok(None);
         };
-        // dup(2) never sets FD_CLOEXEC on the new descriptor.
-        let r = nix::unistd::dup(r.as_fd()).map_err(io::Error::from)?;
-        let w = nix::unistd::dup(w.as_fd()).map_err(io::Error::from)?;
+        let (r, w) = (OwnedFd::from(r), OwnedFd::from(w));
+        for fd in [&r, &w] {
+            nix::fcntl::fcntl(
+                fd,
+                nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::empty()),
+            )
+            .map_err(io::Error::from)?;
+        }
         Ok(Some((r, w)))
     }
 
     /// Where classic clients find the tokens: the FIFO's path (fifo style),
     /// or the descriptors `fds` the command inherits (pipe style, from
-    /// [`Bridge::inheritable_fds`]).
+    /// [`Bridge::take_inheritable_fds`]).
     ///
     /// # Panics
     ///

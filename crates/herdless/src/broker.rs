@@ -46,7 +46,7 @@ use std::fs::File;
 use std::io::{self, Read, Write};
 use std::os::fd::AsFd;
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -60,7 +60,7 @@ use crate::log::Level;
 use crate::pool::{ClientId, ClientInfo, Effect, Pool, SlotKey};
 use crate::protocol::{
     FrameBuffer, HelloFlags, ProtocolError, Reply, Request, BUSY_PREFIX, CONTROL_VERSION,
-    FAST_VERSION, PROTOCOL_VERSION,
+    FAST_VERSION, NO_ROOM_PREFIX, PROTOCOL_VERSION,
 };
 use crate::status::{ClientStatus, Status};
 
@@ -149,14 +149,16 @@ impl Config {
     }
 }
 
-/// A handle on a running broker from another thread: stops it, and names
-/// the command at the top.
+/// A handle on a running broker from another thread: stops it, names
+/// the command at the top, and sets how many descriptors it leaves free
+/// for the process it runs in.
 #[derive(Clone, Debug)]
 pub struct Stopper {
     waker: Arc<Waker>,
     flag: Arc<AtomicBool>,
     halt: Arc<AtomicBool>,
     command: Arc<AtomicU32>,
+    keep_free: Arc<AtomicUsize>,
 }
 
 impl Stopper {
@@ -185,6 +187,19 @@ impl Stopper {
     pub fn command_started(&self, pid: u32) {
         self.command.store(pid, Ordering::SeqCst);
         self.wake();
+    }
+
+    /// A broker that runs in another program's process (a make that
+    /// started it) shares that process's descriptor table, and the
+    /// program needs its own share: a new client is accepted only while
+    /// `n` descriptors stay free beyond the two it may cost (its socket and
+    /// the process-exit descriptor of a holder). One turned away is told
+    /// so ([`crate::protocol::NO_ROOM_PREFIX`]) and does not try again; a
+    /// make then runs on the classic jobserver, which the bridge serves
+    /// from the same pool. The command at the top is never turned away.
+    /// 0 (the default) keeps none back.
+    pub fn keep_fds_free(&self, n: usize) {
+        self.keep_free.store(n, Ordering::SeqCst);
     }
 
     fn wake(&self) {
@@ -256,6 +271,11 @@ pub struct Broker {
     halt: Arc<AtomicBool>,
     /// The process id of the command at the top, once known (0 before).
     command: Arc<AtomicU32>,
+    /// Descriptors left free for the process the broker runs in
+    /// ([`Stopper::keep_fds_free`]).
+    keep_free: Arc<AtomicUsize>,
+    /// Clients turned away to keep them free.
+    refused_no_room: u64,
     /// The command connected as a native client, and the bridge was told.
     command_native: bool,
     /// The command pid the connections were last searched for.
@@ -406,6 +426,8 @@ impl Broker {
             stop: Arc::new(AtomicBool::new(false)),
             halt: Arc::new(AtomicBool::new(false)),
             command: Arc::new(AtomicU32::new(0)),
+            keep_free: Arc::new(AtomicUsize::new(0)),
+            refused_no_room: 0,
             command_native: false,
             command_looked: 0,
             top_slot,
@@ -609,6 +631,7 @@ impl Broker {
             flag: self.stop.clone(),
             halt: self.halt.clone(),
             command: self.command.clone(),
+            keep_free: self.keep_free.clone(),
         }
     }
 
@@ -913,6 +936,31 @@ impl Broker {
                 return;
             }
         };
+        if !self.room_for(pid) {
+            self.refused_no_room += 1;
+            let keep = self.keep_free.load(Ordering::SeqCst);
+            log!(
+                Level::Debug,
+                "client of pid {pid:?} turned away: fewer than {keep} descriptors free"
+            );
+            if self.refused_no_room.is_power_of_two() {
+                log!(
+                    Level::Info,
+                    "{} client(s) turned away to keep {keep} descriptors free for this process",
+                    self.refused_no_room
+                );
+            }
+            let mut frame = Vec::new();
+            Reply::Error {
+                message: format!(
+                    "{NO_ROOM_PREFIX}the broker keeps {keep} descriptors free for the \
+                     process it runs in; use the classic jobserver"
+                ),
+            }
+            .encode(&mut frame);
+            let _ = stream.write(&frame);
+            return;
+        }
         let token = Token(self.next_token);
         self.next_token += 1;
         if let Err(e) = self
@@ -954,6 +1002,18 @@ impl Broker {
         if self.handshakes.live() > MAX_HANDSHAKING {
             self.evict_oldest_handshake();
         }
+    }
+
+    /// Whether a new client of process `pid`, its socket accepted, leaves
+    /// the descriptors [`Stopper::keep_fds_free`] asks for free, with one
+    /// more for the process-exit descriptor it may cost. The command at
+    /// the top (the process the broker runs in, for a make) always has
+    /// room.
+    fn room_for(&self, pid: Option<u32>) -> bool {
+        let keep = self.keep_free.load(Ordering::SeqCst);
+        keep == 0
+            || pid.is_some_and(|p| self.is_command(p))
+            || herdless_platform::descriptors_free(keep + 1)
     }
 
     /// Closes the oldest connection still in its handshake, to make room.
@@ -1020,6 +1080,11 @@ impl Broker {
         let (None, Some(pid)) = (&conn.exit_fd, conn.pid) else {
             return;
         };
+        if pid == std::process::id() {
+            // The process the broker runs in (a make that started it):
+            // its exit ends the broker too.
+            return;
+        }
         match herdless_platform::process_exit_fd(pid) {
             Ok(fd) => {
                 let registered = self.poll.registry().register(
@@ -1823,6 +1888,7 @@ impl Broker {
             connections: stats.connections - u64::from(self.table_made),
             stopped: self.pool.stopped(),
             refused_after_stop: stats.refused_after_stop,
+            refused_no_room: self.refused_no_room,
             held_at_shutdown: stats.held_at_shutdown
                 + self.fast.as_ref().map_or(0, |f| f.held_at_shutdown),
             slots: self.pool.slot_count() as u32,

@@ -84,7 +84,11 @@ impl Error {
                 .as_ref()
                 .and_then(io::Error::raw_os_error)
                 .unwrap_or(libc::ECONNREFUSED),
-            ErrorKind::Refused => libc::ECONNREFUSED,
+            ErrorKind::Refused => self
+                .source
+                .as_ref()
+                .and_then(io::Error::raw_os_error)
+                .unwrap_or(libc::ECONNREFUSED),
             ErrorKind::BrokerGone => libc::ECONNRESET,
             ErrorKind::Protocol => libc::EPROTO,
             ErrorKind::Aborted(_) => libc::ECANCELED,

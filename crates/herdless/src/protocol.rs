@@ -68,6 +68,14 @@ pub const MAX_ERROR_MESSAGE: usize = 1024;
 /// wait a little and connect again.
 pub const BUSY_PREFIX: &str = "busy: ";
 
+/// How an `Error` frame sent before the `Welcome` begins when the broker
+/// runs inside another program's process and turns the client away to
+/// leave that program the descriptors it asked to keep free
+/// ([`crate::broker::Stopper::keep_fds_free`]): the client should not try
+/// again, but use the classic jobserver if it has one (`errno` `EMFILE`
+/// in the C ABI).
+pub const NO_ROOM_PREFIX: &str = "no room: ";
+
 /// The `kind` byte of each frame.
 ///
 /// Requests use `0x01..=0x09`, replies `0x81..=0x89` (`0x08` and `0x88`

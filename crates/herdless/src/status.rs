@@ -113,6 +113,11 @@ pub struct Status {
     /// Acquires refused because the broker had stopped.
     #[cfg_attr(feature = "serde", serde(default))]
     pub refused_after_stop: u64,
+    /// Clients turned away to leave the process the broker runs in the
+    /// descriptors it keeps free
+    /// ([`crate::broker::Stopper::keep_fds_free`]).
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub refused_no_room: u64,
     /// Tokens clients still held when the broker closed them at shutdown.
     #[cfg_attr(feature = "serde", serde(default))]
     pub held_at_shutdown: u64,
@@ -299,6 +304,7 @@ impl Status {
         o.num("connections", self.connections);
         o.raw("stopped", if self.stopped { "true" } else { "false" });
         o.num("refused_after_stop", self.refused_after_stop);
+        o.num("refused_no_room", self.refused_no_room);
         o.num("held_at_shutdown", self.held_at_shutdown);
         o.num("slots", self.slots);
         o.num("max_in_use", self.max_in_use);
@@ -555,6 +561,7 @@ mod tests {
             connections: 7,
             stopped: true,
             refused_after_stop: 3,
+            refused_no_room: 2,
             held_at_shutdown: 1,
             slots: 2,
             max_in_use: 4,

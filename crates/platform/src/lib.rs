@@ -86,7 +86,7 @@ pub use caps::{capabilities, Capabilities};
 pub use clock::monotonic;
 pub use cred::{peer_cred, PeerCred};
 pub use kernel::{kernel, parse_release, Kernel};
-pub use nofile::{child_nofile_limit, raise_nofile_limit, NofileLimit};
+pub use nofile::{child_nofile_limit, descriptors_free, raise_nofile_limit, NofileLimit};
 pub use pipe::{
     access_mode, bytes_readable, fd_path, is_nonblocking, pipe_cloexec, pipe_one_buffer,
 };

@@ -183,6 +183,29 @@ fn is_busy(e: &Error) -> bool {
     }
 }
 
+/// The broker at `path` turned this client away, saying `message`. One
+/// turned away to keep descriptors free for the process the broker runs
+/// in ([`crate::protocol::NO_ROOM_PREFIX`]) carries `EMFILE` for the C ABI.
+fn refusal(path: &Path, message: &str) -> Error {
+    let text = format!(
+        "the broker at {} refused this client: {message}",
+        path.display()
+    );
+    if message.starts_with(crate::protocol::NO_ROOM_PREFIX) {
+        let why = io::Error::from_raw_os_error(libc::EMFILE);
+        Error::io(ErrorKind::Refused, text, why)
+    } else {
+        Error::new(ErrorKind::Refused, text)
+    }
+}
+
+/// Whether the broker turned this client away to keep descriptors free
+/// for the process it runs in: asking again, with or without the table,
+/// gets the same answer.
+fn is_no_room(e: &Error) -> bool {
+    e.kind() == ErrorKind::Refused && e.errno() == libc::EMFILE
+}
+
 /// A connection whose hello is sent and whose welcome is not read yet
 /// ([`Native::start`]).
 pub(crate) struct Started {
@@ -215,7 +238,7 @@ impl Started {
         let path = native.path.clone();
         match native.handshake(fast) {
             Ok(native) => Ok(native),
-            Err(e) if fast && e.kind() == ErrorKind::Refused && !is_busy(&e) => {
+            Err(e) if fast && e.kind() == ErrorKind::Refused && !is_busy(&e) && !is_no_room(&e) => {
                 Native::connect_version(&path, flags, slot, PROTOCOL_VERSION)
             }
             Err(e) if is_busy(&e) => Native::connect(&path, flags, slot),
@@ -237,7 +260,7 @@ impl Native {
             // version, or by the flag `FAST`, which its decoder does not
             // know): ask again as a client of the socket alone. A refusal
             // for any other reason comes again, and is reported then.
-            Err(e) if e.kind() == ErrorKind::Refused => {
+            Err(e) if e.kind() == ErrorKind::Refused && !is_no_room(&e) => {
                 Native::connect_version(path, flags, slot, PROTOCOL_VERSION)
             }
             other => other,
@@ -386,13 +409,23 @@ impl Native {
             version,
             fast: None,
         };
-        native.send(&Request::Hello {
+        let sent = native.send(&Request::Hello {
             version,
             flags,
             pid: std::process::id(),
             slot,
-        })?;
-        Ok(native)
+        });
+        match sent {
+            Ok(()) => Ok(native),
+            // A broker that turned the connection away before the hello
+            // came has closed it (EPIPE here): its reason is still there
+            // to be read, and says whether to try again.
+            Err(e) if e.kind() == ErrorKind::BrokerGone => match native.handshake(false) {
+                Err(why) if why.kind() == ErrorKind::Refused => Err(why),
+                _ => Err(e),
+            },
+            Err(e) => Err(e),
+        }
     }
 
     /// Reads the `Welcome`, and with `fast` the `Segment` after it, whose
@@ -456,15 +489,7 @@ impl Native {
                     }
                     return Ok(self);
                 }
-                Some(Reply::Error { message }) => {
-                    return Err(Error::new(
-                        ErrorKind::Refused,
-                        format!(
-                            "the broker at {} refused this client: {message}",
-                            self.path.display()
-                        ),
-                    ))
-                }
+                Some(Reply::Error { message }) => return Err(refusal(&self.path, &message)),
                 Some(other) => {
                     return Err(Error::new(
                         ErrorKind::Protocol,
@@ -1463,13 +1488,7 @@ fn welcome(reply: Reply, want: u16, path: &Path) -> Result<(u32, u64, u64)> {
             ErrorKind::Protocol,
             format!("broker speaks protocol {version}, this client {want}"),
         )),
-        Reply::Error { message } => Err(Error::new(
-            ErrorKind::Refused,
-            format!(
-                "the broker at {} refused this client: {message}",
-                path.display()
-            ),
-        )),
+        Reply::Error { message } => Err(refusal(path, &message)),
         other => Err(Error::new(
             ErrorKind::Protocol,
             format!("expected a welcome from the broker, got {other}"),

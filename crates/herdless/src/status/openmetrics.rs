@@ -264,6 +264,7 @@ mod tests {
             connections: 2,
             stopped: false,
             refused_after_stop: 0,
+            refused_no_room: 0,
             held_at_shutdown: 0,
             slots: 1,
             max_in_use: 3,
