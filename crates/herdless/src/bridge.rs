@@ -44,12 +44,12 @@
 //!   left unread for [`OFFER_WAIT`] (50 ms) counts as ignored too, however
 //!   few grants came, since a holder may keep its tokens for long (a top
 //!   make's sub-makes run on them) while the waiters have nothing else to
-//!   free one; the broker then wakes once, at that deadline. Likewise the
-//!   next offer is due after its rounds of grants or as many
-//!   [`OFFER_WAIT`]s, whichever comes first: with the shared table open
-//!   the broker sees no grants, and a top make with nothing left to start
-//!   makes none, so a count alone could keep a free token from a classic
-//!   reader for good.
+//!   free one; the broker then wakes once, at that deadline. Likewise,
+//!   while no native waits, the next offer is due after its rounds of
+//!   grants or as many [`OFFER_WAIT`]s, whichever comes first: a top make
+//!   with nothing left to start makes no grants, so a count alone could
+//!   keep a free token from a classic reader for good. Natives that wait
+//!   get grants as tokens are released, and those count.
 //!
 //! # Who reads the pipe
 //!
@@ -258,6 +258,9 @@ pub struct Bridge {
     /// Natives waiting in the shared table at the last
     /// [`Bridge::balance`].
     table_waiting: usize,
+    /// Natives waiting, in the pool's queue or the table, at the last
+    /// [`Bridge::balance`] that counted them.
+    natives_waiting_seen: usize,
 
     /// The command at the top connected to the broker as a native client.
     command_native: bool,
@@ -366,6 +369,7 @@ impl Bridge {
             balanced_at: std::time::Duration::ZERO,
             grants_seen: 0,
             table_waiting: 0,
+            natives_waiting_seen: 0,
 
             aborted: None,
             offered: 0,
@@ -462,8 +466,9 @@ impl Bridge {
     /// ([`OFFER_WAIT`]): the broker balances again then, with no other
     /// event to wake it.
     ///
-    /// In [`table_mode`](Self::table_mode) with nothing in the pipe, also
-    /// when the next offer is due by time ([`Bridge::back_off`]): the
+    /// In [`table_mode`](Self::table_mode) with nothing in the pipe and no
+    /// native waiting, also when the next offer is due by time
+    /// ([`Bridge::back_off`]): the
     /// broker sees no grant or release in the open table that would
     /// otherwise bring it there. Only a time still ahead of the last
     /// [`Bridge::balance`] counts, which acted on any before it.
@@ -474,7 +479,11 @@ impl Bridge {
             .filter(|_| self.expected_in_pipe > 0)
             .map(|o| o.made_at + OFFER_WAIT);
         let due = Some(self.next_offer_time).filter(|&t| {
-            t > self.balanced_at && self.table_mode() && !self.queued && self.expected_in_pipe == 0
+            t > self.balanced_at
+                && self.table_mode()
+                && !self.queued
+                && self.expected_in_pipe == 0
+                && self.natives_waiting_seen == 0
         });
         match (unread, due) {
             (Some(a), Some(b)) => Some(a.min(b)),
@@ -554,11 +563,18 @@ impl Bridge {
     /// (`native_grants` counted as there): the broker first closes the
     /// table, so that the natives waiting in it, who asked first, queue
     /// first.
-    pub fn offer_due(&self, native_grants: u64, now: std::time::Duration) -> bool {
+    /// `natives_waiting`: natives waiting in the pool's queue and in the
+    /// table.
+    pub fn offer_due(
+        &self,
+        native_grants: u64,
+        natives_waiting: usize,
+        now: std::time::Duration,
+    ) -> bool {
         self.table_mode()
             && !self.queued
             && self.expected_in_pipe == 0
-            && self.offer_allowed(native_grants, now)
+            && self.offer_allowed(native_grants, natives_waiting == 0, now)
     }
 
     /// When the broker should hear of takes and waits in the open shared
@@ -822,8 +838,8 @@ impl Bridge {
     }
 
     /// An offer nobody read: the next one waits for more rounds of
-    /// native grants (doubling up to [`MAX_BACKOFF`]), or as many
-    /// [`OFFER_WAIT`]s, whichever comes first.
+    /// native grants (doubling up to [`MAX_BACKOFF`]), or, while no native
+    /// waits, as many [`OFFER_WAIT`]s, whichever comes first.
     fn back_off(
         &mut self,
         pool: &Pool,
@@ -839,9 +855,13 @@ impl Bridge {
     }
 
     /// Whether the next offer is due: after its rounds of native grants,
-    /// or its time, whichever comes first (see [`Bridge::back_off`]).
-    fn offer_allowed(&self, native_grants: u64, now: std::time::Duration) -> bool {
-        native_grants >= self.next_offer_at || now >= self.next_offer_time
+    /// or, when no native waits (`idle`), its time, whichever comes first
+    /// (see [`Bridge::back_off`]). Natives that wait are granted tokens as
+    /// others are released, in the table too, and those grants count; an
+    /// offer made by the clock while they contend would close the table
+    /// and move their waits for nothing more.
+    fn offer_allowed(&self, native_grants: u64, idle: bool, now: std::time::Duration) -> bool {
+        native_grants >= self.next_offer_at || (idle && now >= self.next_offer_time)
     }
 
     /// The broker saw the command at the top connect as a native client
@@ -899,6 +919,7 @@ impl Bridge {
         let natives_waiting =
             pool.waiting().saturating_sub(usize::from(self.queued)) + table.waiting;
         self.table_waiting = table.waiting;
+        self.natives_waiting_seen = natives_waiting;
         self.grants_seen = native_grants;
         let table_mode = self.table_mode();
         if natives_waiting == 0 && table_mode {
@@ -907,7 +928,7 @@ impl Bridge {
             // pool's queue (which closes the table and takes its free
             // words back).
             self.offer = None;
-            let keep = u32::from(in_pipe > 0 || self.offer_allowed(native_grants, now));
+            let keep = u32::from(in_pipe > 0 || self.offer_allowed(native_grants, true, now));
             self.keep_in_pipe(pool, in_pipe, keep, now);
             return;
         }
@@ -982,7 +1003,7 @@ impl Bridge {
         }
         if in_pipe == 0 {
             self.offer = None;
-            if !self.queued && self.offer_allowed(native_grants, now) {
+            if !self.queued && self.offer_allowed(native_grants, false, now) {
                 if pool.free() > 0 {
                     // Taken-back tokens went to natives; any left is ours.
                     let _ = pool.try_acquire(id);

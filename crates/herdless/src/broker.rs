@@ -573,10 +573,12 @@ impl Broker {
             let now = self.now();
             let table_grants = self.fast.as_ref().map_or(0, |f| f.table.grant_count());
             let grants = self.native_grants.saturating_add(table_grants);
+            let natives_waiting =
+                self.pool.waiting() + self.fast.as_ref().map_or(0, |f| f.table.waiting_count());
             if self
                 .bridge
                 .as_ref()
-                .is_some_and(|b| b.offer_due(grants, now))
+                .is_some_and(|b| b.offer_due(grants, natives_waiting, now))
             {
                 // The table's waiters asked before the bridge's offer.
                 self.fast_take_back_for_socket();
