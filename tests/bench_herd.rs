@@ -42,6 +42,7 @@ fn json_rows_have_exactly_the_documented_keys() {
         "cpu_us_per_grant",
         "handoff_p50_us",
         "handoff_p99_us",
+        "handoff_deciles_us",
         "grants_per_s",
         "idle_while_free_us",
         "kernel",
@@ -51,6 +52,16 @@ fn json_rows_have_exactly_the_documented_keys() {
         let keys: BTreeSet<&str> = row.keys().map(String::as_str).collect();
         assert_eq!(keys, want);
         assert!(row["grants"].as_u64().unwrap() >= 20);
+        let deciles: Vec<f64> = row["handoff_deciles_us"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|d| d.as_f64().unwrap())
+            .collect();
+        assert_eq!(deciles.len(), 9, "{row:?}");
+        assert!(deciles.windows(2).all(|w| w[0] <= w[1]), "{row:?}");
+        let p50 = row["handoff_p50_us"].as_f64().unwrap();
+        assert!((deciles[4] - p50).abs() < 0.01, "{row:?}");
         assert!(row["kernel"].as_str().unwrap().contains(' '));
     }
     let modes: Vec<(&str, u64)> = rows

@@ -146,6 +146,17 @@ impl CellResult {
         quantile(&self.handoffs_ns, 0.99) as f64 / 1000.0
     }
 
+    /// The hand-off time at the 10th, 20th … 90th percentiles, in
+    /// microseconds. On 2 vCPUs a hand-off takes a few microseconds when
+    /// the heir wakes on the other processor and tens when it waits for
+    /// the releaser's, in about equal shares, so the median alone can
+    /// fall in either mode from one run to the next.
+    pub fn handoff_deciles_us(&self) -> Vec<f64> {
+        (1..10)
+            .map(|i| quantile(&self.handoffs_ns, f64::from(i) / 10.0) as f64 / 1000.0)
+            .collect()
+    }
+
     /// Tokens claimed per second of the grant phase.
     pub fn grants_per_s(&self) -> f64 {
         ratio(self.grants as f64, self.elapsed.as_secs_f64())
@@ -166,6 +177,11 @@ impl CellResult {
             cpu_us_per_grant: round(self.cpu_us_per_grant(), 2),
             handoff_p50_us: round(self.handoff_p50_us(), 2),
             handoff_p99_us: round(self.handoff_p99_us(), 2),
+            handoff_deciles_us: self
+                .handoff_deciles_us()
+                .into_iter()
+                .map(|d| round(d, 2))
+                .collect(),
             grants_per_s: round(self.grants_per_s(), 1),
             idle_while_free_us: round(self.idle_while_free.as_secs_f64() * 1e6, 1),
             kernel: self.kernel.clone(),
@@ -190,6 +206,8 @@ pub struct HerdRow {
     pub handoff_p50_us: f64,
     /// See [`CellResult::handoff_p99_us`].
     pub handoff_p99_us: f64,
+    /// See [`CellResult::handoff_deciles_us`].
+    pub handoff_deciles_us: Vec<f64>,
     /// See [`CellResult::grants_per_s`].
     pub grants_per_s: f64,
     /// Total over the run, in µs.
