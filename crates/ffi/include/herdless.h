@@ -625,10 +625,10 @@ herdless_broker *herdless_broker_start(unsigned int jobs, unsigned int flags, co
  * told so and does not try again (`herdless_client_native_from_env` and
  * `herdless_connect_finish` fail with `EMFILE` there), and a make runs on
  * the classic jobserver, which the broker's bridge serves from the same
- * pool. The caller's own connection is never turned away. Pass the most
- * descriptors the caller may hold at once (a bmake: a pipe per job, and
- * a few more); 0, the default, keeps none. Returns 0, or `-EINVAL` when
- * `b` is NULL.
+ * pool. The caller's own connection is never turned away. Pass how many
+ * the caller may still open beside those it holds (a bmake: a pipe per
+ * job, and a few more); 0, the default, keeps none. Returns 0, or
+ * `-EINVAL` when `b` is NULL.
  *
  * # Safety
  *

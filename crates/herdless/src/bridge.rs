@@ -246,10 +246,10 @@ pub struct Bridge {
     /// The native grants after which the next offer is due
     /// ([`Bridge::offer_allowed`]).
     next_offer_at: u64,
-    /// The time after which the next offer is due however few native
-    /// grants came: grants hidden in the shared table, or none at all (a
-    /// make that holds its tokens, or has nothing left to start), must
-    /// not keep a free token from a classic reader for good.
+    /// The time after which, while no native waits, the next offer is due
+    /// however few native grants came: a make with nothing left to start
+    /// makes none, and must not keep a free token from a classic reader
+    /// for good.
     next_offer_time: std::time::Duration,
     /// When [`Bridge::balance`] last ran.
     balanced_at: std::time::Duration,
@@ -485,10 +485,7 @@ impl Bridge {
                 && self.expected_in_pipe == 0
                 && self.natives_waiting_seen == 0
         });
-        match (unread, due) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        }
+        unread.into_iter().chain(due).min()
     }
 
     /// The descriptor to watch, edge-triggered, for writability: the pipe

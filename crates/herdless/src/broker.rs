@@ -820,10 +820,7 @@ impl Broker {
             .handshakes
             .next_deadline(|t| conns.get(&t).is_some_and(|c| c.client.is_none()));
         let offer = self.bridge.as_ref().and_then(Bridge::offer_deadline);
-        let deadline = match (handshake, offer) {
-            (Some(a), Some(b)) => a.min(b),
-            (a, b) => a.or(b)?,
-        };
+        let deadline = handshake.into_iter().chain(offer).min()?;
         // Round up so the loop does not wake just before the deadline.
         Some(deadline.saturating_sub(self.now()) + Duration::from_millis(1))
     }
