@@ -32,6 +32,26 @@ fn probe_reports_every_mode_and_herdless_wakes_one_in_order() {
     assert!(table.contains("capabilities"), "{table}");
     assert!(table.contains("herdless"), "{table}");
 
+    // The relay: every hop after the first lap measured, for each
+    // primitive this OS has (the pipe everywhere).
+    let names: Vec<&str> = r.relay.iter().map(|x| x.wake.as_str()).collect();
+    assert_eq!(names, ["futex", "pipe"], "{r:#?}");
+    for x in &r.relay {
+        if !x.available {
+            assert!(x.wake != "pipe" && x.reason.is_some(), "{x:?}");
+            continue;
+        }
+        assert_eq!(x.processes, herdless_bench::relay::RELAY_PROCESSES, "{x:?}");
+        assert_eq!(x.hops, herdless_bench::relay::RELAY_HOPS, "{x:?}");
+        assert_eq!(x.deciles_us.len(), 9, "{x:?}");
+        assert!(
+            x.deciles_us.windows(2).all(|w| w[0] <= w[1]) && x.deciles_us[8] <= x.p99_us,
+            "{x:?}"
+        );
+        assert!(x.deciles_us[0] > 0.0, "{x:?}");
+    }
+    assert!(table.contains("relay of 64 processes"), "{table}");
+
     #[cfg(target_os = "linux")]
     {
         assert_eq!(mode("poll").woken, Some(32));
@@ -41,6 +61,7 @@ fn probe_reports_every_mode_and_herdless_wakes_one_in_order() {
             assert_eq!(mode("blocking-read").order.as_deref(), Some("FIFO"));
         }
         assert_eq!(mode("futex").order.as_deref(), Some("FIFO"));
+        assert!(r.relay.iter().all(|x| x.available), "{r:#?}");
         let kq = mode("kqueue");
         assert!(!kq.available && kq.reason.is_some(), "{kq:?}");
         assert!(r.capabilities.epoll_exclusive && !r.capabilities.kqueue);

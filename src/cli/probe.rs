@@ -15,7 +15,8 @@ pub struct ProbeArgs {
 
 pub fn probe(args: ProbeArgs) -> Result<u8> {
     let exe = std::env::current_exe().context("cannot find the herdless binary")?;
-    let modes = herdless_bench::BenchMode::available_modes().len();
+    let modes =
+        herdless_bench::BenchMode::available_modes().len() + herdless_bench::relay::Wake::ALL.len();
     let mut progress = Progress::new(modes);
     let report = probe::probe(exe, &mut |mode| {
         progress.update(&format!("probing {mode}"));

@@ -30,6 +30,7 @@ pub mod probe;
 mod procs;
 pub mod progress;
 pub mod realmake;
+pub mod relay;
 pub mod report;
 mod shared;
 mod waiter;
@@ -120,7 +121,8 @@ impl FromStr for BenchMode {
 }
 
 /// The body of the hidden `herdless bench worker ROLE ARGS…` command: a
-/// herd waiter (`waiter`) or a make of the build model (`make`). The
+/// herd waiter (`waiter`), a make of the build model (`make`) or a process
+/// of the probe's relay (`relay`). The
 /// arguments are written by this module's coordinators and are not a
 /// user interface.
 ///
@@ -136,6 +138,7 @@ pub fn worker_main(args: Vec<OsString>) -> io::Result<()> {
     match role.as_deref() {
         Some("waiter") => waiter::main(&rest),
         Some("make") => make::main(&rest),
+        Some("relay") => relay::main(&rest),
         other => Err(io::Error::new(
             io::ErrorKind::InvalidInput,
             format!("unknown bench worker role {other:?}"),

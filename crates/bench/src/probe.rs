@@ -9,6 +9,10 @@
 //!   longest (FIFO), the one that began waiting last (LIFO), or neither,
 //!   with the count each got.
 //!
+//! - how long a hand-off takes when each of 64 processes in a ring wakes
+//!   the next one directly with a futex or a pipe of its own, as a giver
+//!   hands a token to its heir in herdless's table ([`relay`](super::relay)).
+//!
 //! The pause before each write shows the kernel's own choice among
 //! sleepers. Without it (as in `bench herd`), a waiter still running from
 //! its last token can take the next byte before the sleeper the kernel
@@ -22,6 +26,7 @@ use serde::{Deserialize, Serialize};
 
 use super::herd::{run_cell, CellConfig};
 use super::metrics::{classify, Order};
+use super::relay::{run_relay, RelayResult, Wake, RELAY_HOPS, RELAY_PROCESSES};
 use super::BenchMode;
 
 /// Waiters in the wake-up count.
@@ -42,6 +47,9 @@ pub struct ProbeReport {
     pub capabilities: Capabilities,
     /// Each wait mode's behaviour.
     pub modes: Vec<ProbeMode>,
+    /// The relay, for each of the kernel's primitives.
+    #[serde(default)]
+    pub relay: Vec<RelayResult>,
 }
 
 /// The wake-up primitives the kernel offers (see
@@ -82,8 +90,8 @@ pub struct ProbeMode {
     pub served: Option<Vec<u64>>,
 }
 
-/// Probes every mode, herdless last. `progress` hears which mode is being
-/// probed.
+/// Probes every mode, herdless last, then runs the relay with each
+/// primitive. `progress` hears which mode or relay is being probed.
 ///
 /// # Errors
 ///
@@ -139,6 +147,11 @@ pub fn probe(exe: PathBuf, progress: &mut dyn FnMut(&str)) -> io::Result<ProbeRe
             }),
         });
     }
+    let mut relay = Vec::new();
+    for wake in Wake::ALL {
+        progress(&format!("{} relay", wake.name()));
+        relay.push(run_relay(&exe, wake, RELAY_PROCESSES, RELAY_HOPS)?);
+    }
     Ok(ProbeReport {
         os: caps.kernel.sysname.clone(),
         release: caps.kernel.release.clone(),
@@ -159,6 +172,7 @@ pub fn probe(exe: PathBuf, progress: &mut dyn FnMut(&str)) -> io::Result<ProbeRe
             },
         },
         modes,
+        relay,
     })
 }
 
@@ -212,6 +226,36 @@ pub fn table(r: &ProbeReport) -> String {
             m.mode,
             m.reason.as_deref().unwrap_or("")
         );
+    }
+    if let Some(first) = r.relay.iter().find(|x| x.available) {
+        let _ = writeln!(out);
+        let _ = writeln!(
+            out,
+            "relay of {} processes, each waking the next, {} hops: hand-off in µs",
+            first.processes, first.hops
+        );
+        let _ = writeln!(
+            out,
+            "{:<16} {}  {:>6}",
+            "wake",
+            (1..10)
+                .map(|d| format!("{:>6}", format!("p{d}0")))
+                .collect::<String>(),
+            "p99"
+        );
+    }
+    for x in &r.relay {
+        if x.available {
+            let deciles: String = x.deciles_us.iter().map(|v| format!("{v:>6.1}")).collect();
+            let _ = writeln!(out, "{:<16} {deciles}  {:>6.1}", x.wake, x.p99_us);
+        } else {
+            let _ = writeln!(
+                out,
+                "{:<16} unavailable: {}",
+                format!("{} relay", x.wake),
+                x.reason.as_deref().unwrap_or("")
+            );
+        }
     }
     out
 }

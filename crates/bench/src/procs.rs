@@ -40,6 +40,11 @@ impl Workers {
         Ok(())
     }
 
+    /// The workers' process ids, in the order they were started.
+    pub(crate) fn pids(&self) -> Vec<u32> {
+        self.children.iter().map(Child::id).collect()
+    }
+
     /// An error naming the first worker that has exited, if one has.
     pub(crate) fn check_alive(&mut self) -> io::Result<()> {
         for (i, child) in self.children.iter_mut().enumerate() {
