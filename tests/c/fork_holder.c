@@ -37,6 +37,11 @@ int main(int argc, char **argv) {
         CHECK_EQ(herdless_acquire(c, 0), -EPERM);
         CHECK_EQ(herdless_try_acquire(c), -EPERM);
         CHECK_EQ(herdless_take_grant(c), -EPERM);
+        CHECK_EQ(herdless_request_grant(c), -EPERM);
+        CHECK_EQ(herdless_pending(c), -EPERM);
+        CHECK_EQ(herdless_cancel_nowait(c), -EPERM);
+        CHECK_EQ(herdless_cancel(c), -EPERM);
+        CHECK_EQ(herdless_poll_handoff(c), -EPERM);
         /* Nothing held through the handle: -EINVAL before anything else. */
         CHECK_EQ(herdless_release(c), queue ? -EINVAL : -EPERM);
         CHECK_EQ(herdless_abort(c, 'E'), -EPERM);

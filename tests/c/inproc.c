@@ -193,7 +193,7 @@ int main(void) {
     CHECK(getenv("HERDLESS_SOCKET") == NULL);
 
     /* herdless_broker_unlink, as a fatal-signal handler calls it: a forked
-     * child removes nothing; the started process's handler removes the
+     * child removes nothing (nor does its herdless_broker_stop); the started process's handler removes the
      * socket, both FIFOs of a bmake bridge and the directory; the broker
      * still serves the connection it has, and stops as before. */
     CHECK_EQ(herdless_broker_unlink(NULL), -EINVAL);
@@ -206,12 +206,25 @@ int main(void) {
         int st = 0;
         pid_t child = fork();
         REQUIRE(child >= 0);
-        if (child == 0)
-            _exit(herdless_broker_unlink(doomed) == -EPERM ? 0 : 1);
+        if (child == 0) {
+            /* Neither call acts for the parent: its socket stays. */
+            int ok = herdless_broker_unlink(doomed) == -EPERM &&
+                     herdless_broker_stop(doomed, &rep) == -EPERM;
+            _exit(ok ? 0 : 1);
+        }
         CHECK_EQ(waitpid(child, &st, 0), child);
         CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0);
     }
     CHECK_EQ(access(dir, F_OK), 0);
+    {
+        /* The broker still serves new connections after the fork's calls. */
+        herdless_client *d = herdless_client_native_from_env();
+        CHECK(d != NULL);
+        if (d != NULL) {
+            CHECK_EQ(herdless_capacity(d), 3);
+            herdless_client_free(d);
+        }
+    }
     {
         struct sigaction act;
         memset(&act, 0, sizeof act);

@@ -703,7 +703,10 @@ int herdless_broker_unlink(const herdless_broker *b);
  * see `-ECONNRESET`. NULL is ignored (returns `-EINVAL`).
  *
  * Returns the number of tokens lost (0 when every token came home), or
- * a negative `errno` value when the broker failed.
+ * a negative `errno` value when the broker failed. In another process
+ * than the one that started the broker (a fork of it) it returns `-EPERM`
+ * and changes nothing: the broker, its thread and its socket are the
+ * starting process's, and the fork's copy of the handle is left as it is.
  *
  * # Safety
  *

@@ -1219,7 +1219,10 @@ pub unsafe extern "C" fn herdless_broker_unlink(b: *const herdless_broker) -> c_
 /// see `-ECONNRESET`. NULL is ignored (returns `-EINVAL`).
 ///
 /// Returns the number of tokens lost (0 when every token came home), or
-/// a negative `errno` value when the broker failed.
+/// a negative `errno` value when the broker failed. In another process
+/// than the one that started the broker (a fork of it) it returns `-EPERM`
+/// and changes nothing: the broker, its thread and its socket are the
+/// starting process's, and the fork's copy of the handle is left as it is.
 ///
 /// # Safety
 ///
@@ -1230,8 +1233,14 @@ pub unsafe extern "C" fn herdless_broker_stop(
     b: *mut herdless_broker,
     report: *mut herdless_broker_report,
 ) -> c_int {
-    if b.is_null() {
+    // SAFETY: NULL or, by this function's contract, a live handle: only
+    // read here.
+    let Some(pid) = (unsafe { b.as_ref() }).map(|b| b.pid) else {
         return -libc::EINVAL;
+    };
+    // SAFETY: getpid(2) takes nothing and always succeeds.
+    if unsafe { libc::getpid() } != pid {
+        return -libc::EPERM;
     }
     // SAFETY: not NULL, and by this function's contract made by
     // `Box::into_raw` in `herdless_broker_start` and not used after this.

@@ -640,6 +640,7 @@ impl Client {
     /// broker wake-up per token instead of two), at the price of one more
     /// pass through the caller's poll loop when it is not.
     pub fn request_grant(&self) -> Result<Option<Token>> {
+        self.same_process()?;
         match &self.inner.backend {
             Backend::Native(n) => Ok(self.shared(n.take_grant(false)?)),
             Backend::Classic(c) => Ok(self.got(c.try_acquire()?)),
@@ -664,6 +665,7 @@ impl Client {
     /// `Io` when the program handles `SIGURG` itself, or the descriptors
     /// cannot be made; nothing changes then.
     pub fn enable_poll_handoff(&self) -> Result<bool> {
+        self.same_process()?;
         match &self.inner.backend {
             Backend::Native(n) => n.enable_poll_handoff(),
             Backend::Classic(_) => Ok(false),
@@ -711,6 +713,7 @@ impl Client {
     /// back to the broker when it arrives. On a classic jobserver there is
     /// nothing to withdraw.
     pub fn cancel_pending_nowait(&self) -> Result<()> {
+        self.same_process()?;
         match &self.inner.backend {
             Backend::Native(n) => n.cancel_nowait(),
             Backend::Classic(_) => Ok(()),
@@ -721,6 +724,7 @@ impl Client {
     /// acquire is still queued, or its grant has arrived and is not taken
     /// yet. Never on a classic jobserver.
     pub fn has_pending(&self) -> Result<bool> {
+        self.same_process()?;
         match &self.inner.backend {
             Backend::Native(n) => n.pending(),
             Backend::Classic(_) => Ok(false),
