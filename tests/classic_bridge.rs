@@ -108,6 +108,46 @@ fn gnu_make_44_fifo_style() {
     assert!(stat(&stderr, "classic").starts_with("gnu fifo"), "{stderr}");
 }
 
+/// GNU make 4.4's FIFO protocol, one byte read and written back into the
+/// same FIFO per job, by a client that leaves the other free tokens in it:
+/// thousands of turns while the FIFO never empties. On Linux the broker
+/// shrinks its pipe to one buffer while no classic client is at work; a
+/// buffer that never empties fills up after a page's worth of turns, and
+/// the client's blocking write back would wait for good.
+#[test]
+fn a_fifo_client_that_keeps_tokens_waiting_in_it_never_finds_it_full() {
+    let tree = Tree::new("fifo-turns");
+    let client = tree.path("client.sh");
+    fs::write(
+        &client,
+        r#"fifo=$(printf '%s\n' "$MAKEFLAGS" | sed -n 's/.*--jobserver-auth=fifo:\([^ ]*\).*/\1/p')
+exec 3<>"$fifo"
+for ((i = 0; i < $1; i++)); do
+  IFS= read -r -d '' -n 1 -u 3 b || exit 3
+  printf '%s' "$b" >&3 || exit 4
+done
+echo "done $1"
+"#,
+    )
+    .unwrap();
+    let script = client.to_str().unwrap();
+    let out = run(
+        &tree.dir,
+        &[
+            "-j", "8", "--style", "fifo", "--stats", "--", "timeout", "60", "bash", script, "6000",
+        ],
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        "done 6000",
+        "{stderr}"
+    );
+    assert_eq!(stat(&stderr, "tokens lost"), "0", "{stderr}");
+    assert!(stat(&stderr, "classic").ends_with(" 0 lost"), "{stderr}");
+}
+
 #[test]
 fn gnu_make_44_fifo_style_recursive() {
     let make = gnu_make_44();

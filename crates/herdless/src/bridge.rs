@@ -283,6 +283,9 @@ pub struct Bridge {
     /// A write-only description of `offers`, on a pipe of one buffer:
     /// writable again, edge-triggered, when a reader takes the last byte.
     drained: Option<File>,
+    /// The pipe is of one buffer for the table's sake alone (not a backed
+    /// pool's): its size comes back once classic clients are at work.
+    shrunk_for_table: bool,
 }
 
 fn mkfifo(path: &Path) -> io::Result<()> {
@@ -380,6 +383,7 @@ impl Bridge {
             backed: false,
             table: false,
             drained: None,
+            shrunk_for_table: false,
         })
     }
 
@@ -444,6 +448,7 @@ impl Bridge {
     /// reads the offer, so the next one follows at once.
     pub fn set_backed(&mut self) -> io::Result<()> {
         self.backed = true;
+        self.shrunk_for_table = false;
         self.watch_drain()
     }
 
@@ -516,6 +521,7 @@ impl Bridge {
         self.table = yes;
         if yes && self.jobs < ONE_BUFFER_TOKENS {
             self.watch_drain()?;
+            self.shrunk_for_table = self.drained.is_some() && !self.backed;
         }
         Ok(())
     }
@@ -832,6 +838,21 @@ impl Bridge {
         self.backoff = 0;
         self.next_offer_at = 0;
         self.next_offer_time = std::time::Duration::ZERO;
+        // The table will not take the free pool again: the pipe holds it,
+        // and classic clients take and give back tokens while others stay
+        // in it. On one buffer that never empties, a page's worth of such
+        // turns would leave it full with a few bytes in it, and a client
+        // blocked writing its token back (GNU make's FIFO) would wait for
+        // good (herdless_platform::pipe_one_buffer).
+        if std::mem::take(&mut self.shrunk_for_table) {
+            if let Err(e) = herdless_platform::pipe_default_size(self.offers.as_fd()) {
+                log!(
+                    Level::Warn,
+                    "classic: cannot give the jobserver's pipe its size back ({e}); \
+                     a client that keeps tokens in it may find it full"
+                );
+            }
+        }
     }
 
     /// An offer nobody read: the next one waits for more rounds of

@@ -105,16 +105,37 @@ pub fn access_mode(fd: RawFd) -> Option<OFlag> {
 ///
 /// Linux only (`F_SETPIPE_SZ`); elsewhere it returns `Ok(false)` and the
 /// pipe keeps its size.
+///
+/// A pipe of one buffer that never empties fills up with far fewer bytes
+/// than a page: Linux appends to the buffer's page after the bytes read
+/// from it, and frees the page only when the pipe is empty, so once a
+/// page's worth has been written since it last was, a write finds it full
+/// (blocking, or `EAGAIN`) with only the bytes still unread in it. Give
+/// such a pipe its default size back ([`pipe_default_size`]) before
+/// readers and writers that keep bytes in it take turns on it.
 pub fn pipe_one_buffer(fd: BorrowedFd<'_>) -> io::Result<bool> {
+    pipe_resize(fd, 4096)
+}
+
+/// Gives a pipe or FIFO shrunk by [`pipe_one_buffer`] the size Linux gives
+/// a new pipe (16 pages). Returns whether the size was set.
+///
+/// # Portability
+///
+/// Linux only (`F_SETPIPE_SZ`); elsewhere it returns `Ok(false)`.
+pub fn pipe_default_size(fd: BorrowedFd<'_>) -> io::Result<bool> {
+    pipe_resize(fd, 16 * 4096)
+}
+
+fn pipe_resize(fd: BorrowedFd<'_>, bytes: i32) -> io::Result<bool> {
     #[cfg(any(target_os = "linux", target_os = "android"))]
     {
-        let page = 4096;
-        fcntl(fd, FcntlArg::F_SETPIPE_SZ(page))?;
+        fcntl(fd, FcntlArg::F_SETPIPE_SZ(bytes))?;
         Ok(true)
     }
     #[cfg(not(any(target_os = "linux", target_os = "android")))]
     {
-        let _ = fd;
+        let _ = (fd, bytes);
         Ok(false)
     }
 }
