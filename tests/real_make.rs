@@ -366,6 +366,69 @@ fn herdless_makes_are_native_clients_of_herdless_run() {
     }
 }
 
+/// A make that starts a group of its own (GNU make given `-j 4` under
+/// `herdless run -j 16`, "-jN forced in submake"; a bmake with `-j 4` and
+/// no job pipe in `MAKEFLAGS`, as from a shell where `herdless serve`
+/// exported its socket) while a broker is named in `HERDLESS_SOCKET`.
+/// Where that group runs on the stock pipe or FIFO (`HERDLESS_MAKE=client`,
+/// or GNU make's `--jobserver-style=pipe`), the outer broker's socket must
+/// not reach its jobs: its herdless sub-makes take their tokens from the
+/// group's pipe, and the tree keeps to 4 jobs at once.
+#[test]
+fn a_new_group_on_the_stock_jobserver_keeps_its_own_limit() {
+    let gnu = herdless_make();
+    let bmake = herdless_bmake();
+    let cases: [(&str, Vec<&std::ffi::OsStr>, TreeBuilder, Option<&str>); 3] = [
+        ("gnu-client", vec![gnu.as_os_str()], tree_of, Some("client")),
+        (
+            "gnu-pipe",
+            vec![gnu.as_os_str(), "--jobserver-style=pipe".as_ref()],
+            tree_of,
+            None,
+        ),
+        (
+            "bmake-client",
+            vec![
+                "env".as_ref(),
+                "-u".as_ref(),
+                "MAKEFLAGS".as_ref(),
+                bmake.as_os_str(),
+            ],
+            bmake_tree_of,
+            Some("client"),
+        ),
+    ];
+    for (name, command, build, mode) in cases {
+        let t = Tree::new(&format!("real-make-new-group-{name}"));
+        let total = build(&t, 6);
+        let mut cmd = make_cmd(&t, Path::new(BIN));
+        cmd.args(["run", "-j", "16", "--stats", "--"])
+            .args(command)
+            .arg("-j4")
+            .env("JOB_SLEEP", "0.3");
+        if let Some(mode) = mode {
+            cmd.env("HERDLESS_MAKE", mode);
+        }
+        let out = run(cmd);
+        let report = text(&out);
+        assert!(out.status.success(), "{name}: {report}");
+        let (done, most) = t.counts();
+        assert_eq!(done, total, "{name}: {report}");
+        assert!(most <= 4, "{name}: {most} jobs at once\n{report}");
+        assert_eq!(most, 4, "{name}: never 4 jobs at once\n{report}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(stat(&stderr, "tokens lost"), "0", "{name}: {report}");
+        // No make started a broker, and none took a token from run's.
+        assert!(broker_lines(&t).is_empty(), "{name}: {report}");
+        let grants = stat(&stderr, "grants");
+        assert!(
+            grants.starts_with("0 to native"),
+            "{name}: {grants}\n{report}"
+        );
+        assert_no_leftovers(&t);
+    }
+}
+
 /// Stock GNU make and Debian's bmake as `herdless run`'s command, with
 /// stock sub-makes throughout: classic clients only, seen at work.
 #[test]
@@ -1169,6 +1232,57 @@ fn a_top_make_short_of_descriptors_runs_where_a_stock_one_does() {
             mixed,
             "{name}: the broker never both served and turned away sub-makes"
         );
+    }
+}
+
+/// A herdless bmake sub-make that runs in compat mode (`-B` on its command
+/// line; or, in a recipe not marked `.MAKE`, a job pipe whose descriptors
+/// did not reach it) never calls `Job_ServerStart`, where a connection
+/// begun before `main()` is finished or dropped: it begins none, so the
+/// top make's broker keeps no idle connection for it while it runs.
+#[test]
+fn a_compat_mode_bmake_sub_make_keeps_no_connection() {
+    let bmake = herdless_bmake();
+    let recipes = [
+        ("dash-b", "compat: .MAKE\n\t@${MAKE} -B".to_owned()),
+        ("no-pipe", format!("compat:\n\t@{}", bmake.display())),
+    ];
+    for (name, recipe) in recipes {
+        let t = Tree::new(&format!("real-bmake-compat-{name}"));
+        let d = t.dir.display();
+        fs::write(
+            t.path("sub.mk"),
+            format!("all:\n\t@echo $$PPID > {d}/sub.pid; {BIN} status --json > {d}/status.json\n"),
+        )
+        .unwrap();
+        fs::write(
+            t.path("Makefile"),
+            format!("all: compat\n{recipe} -f {d}/sub.mk\n"),
+        )
+        .unwrap();
+        let mut cmd = make_cmd(&t, &bmake);
+        cmd.arg("-j4");
+        let out = run(cmd);
+        let report = text(&out);
+        assert!(out.status.success(), "{name}: {report}");
+        let pid: u64 = fs::read_to_string(t.path("sub.pid"))
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        let status: serde_json::Value =
+            serde_json::from_str(&fs::read_to_string(t.path("status.json")).unwrap()).unwrap();
+        let clients = status["clients"].as_array().expect("clients");
+        // The top make is connected; the compat sub-make is not.
+        assert!(!clients.is_empty(), "{name}: {status}");
+        assert!(
+            clients.iter().all(|c| c["pid"].as_u64() != Some(pid)),
+            "{name}: the compat-mode sub-make {pid} holds a connection: {status}"
+        );
+        assert_eq!(status["handshaking"].as_u64(), Some(0), "{name}: {status}");
+        let b = &broker_lines(&t)[0];
+        assert_eq!(figure(b, "lost"), 0, "{name}: {b:?}");
+        assert_no_leftovers(&t);
     }
 }
 

@@ -165,6 +165,24 @@ report (const herdless_broker_report *r)
   fclose (f);
 }
 
+/* Stops the broker while no fatal signal can reach its handle: the
+   fatal-signal handler (jobserver_clear) removes the broker's files
+   through `broker`, which must not name a handle being freed. A signal
+   that comes meanwhile is handled once the broker has removed them. */
+static int
+stop_quietly (herdless_broker_report *r)
+{
+  herdless_broker *b = broker;
+  sigset_t all, before;
+  int lost;
+  sigfillset (&all);
+  sigprocmask (SIG_BLOCK, &all, &before);
+  broker = NULL;
+  lost = herdless_broker_stop (b, r);
+  sigprocmask (SIG_SETMASK, &before, NULL);
+  return lost;
+}
+
 /* Stops the broker this make started; returns the tokens it lost. */
 static int
 stop_broker (void)
@@ -179,8 +197,7 @@ stop_broker (void)
       hl = NULL;
     }
   memset (&r, 0, sizeof r);
-  lost = herdless_broker_stop (broker, &r);
-  broker = NULL;
+  lost = stop_quietly (&r);
   if (lost < 0)
     {
       OS (error, NILF, "herdless: the jobserver's broker failed: %s",
@@ -227,6 +244,25 @@ keep_fds (int slots)
   return (unsigned int) slots + 1 + 8;
 }
 
+/* The stock jobserver for the group this make starts with -jN. A broker
+   named in HERDLESS_SOCKET belongs to an outer group (`herdless run`, a
+   make above): this group's herdless sub-makes and `herdless exec`s must
+   not take their tokens there, past this make's -j, so its jobs do not
+   learn of it. HERDLESS_MAKE=stock keeps the environment as stock make
+   does. */
+static unsigned int
+stock_setup (int slots, const char *style)
+{
+  if (!mode_is ("stock"))
+    {
+      struct variable *v = lookup_variable ("HERDLESS_SOCKET", 15);
+      if (v)
+        v->export = v_noexport;
+      unsetenv ("HERDLESS_SOCKET");
+    }
+  return __real_jobserver_setup (slots, style);
+}
+
 unsigned int
 __wrap_jobserver_setup (int slots, const char *style)
 {
@@ -238,7 +274,7 @@ __wrap_jobserver_setup (int slots, const char *style)
      keep room for its own: short of that, the stock jobserver. */
   if (!mode_is ("auto") || (style && strcmp (style, "fifo") != 0)
       || !herdless_fds_free (keep_fds (slots) + HERDLESS_BROKER_FDS))
-    return __real_jobserver_setup (slots, style);
+    return stock_setup (slots, style);
 
   /* In make's own temporary directory (MAKE_TMPDIR, TMPDIR), where the
      stock jobserver would put its FIFO. A fatal signal waits until the
@@ -259,7 +295,7 @@ __wrap_jobserver_setup (int slots, const char *style)
          its own words, and copes as it does. */
       DB (DB_JOBS, ("herdless: cannot start a broker (%s): stock jobserver\n",
                     herdless_strerror (-errno)));
-      return __real_jobserver_setup (slots, style);
+      return stock_setup (slots, style);
     }
   broker_slots = (unsigned int) slots;
   /* A sub-make turned away for them uses the classic FIFO. */
@@ -269,9 +305,9 @@ __wrap_jobserver_setup (int slots, const char *style)
     {
       OS (error, NILF, "herdless: cannot connect to this make's broker (%s): "
           "using the stock jobserver", herdless_strerror (-errno));
-      herdless_broker_stop (broker, NULL);
-      broker = NULL;
-      return __real_jobserver_setup (slots, style);
+      stop_broker ();
+      /* The broker put HERDLESS_SOCKET back as it was. */
+      return stock_setup (slots, style);
     }
   connected (c);
   export_variable ("HERDLESS_SOCKET", herdless_broker_socket (broker));
