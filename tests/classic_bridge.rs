@@ -148,6 +148,63 @@ echo "done $1"
     assert!(stat(&stderr, "classic").ends_with(" 0 lost"), "{stderr}");
 }
 
+/// After the stop no classic client starts a job: in fifo style a token
+/// given back after it (a job that was running ends) lands in the FIFO the
+/// other clients read, and is taken back before one of them can read it.
+#[test]
+fn a_token_given_back_into_the_fifo_after_the_stop_is_not_read_again() {
+    let tree = Tree::new("fifo-after-stop");
+    let client = tree.path("client.sh");
+    fs::write(
+        &client,
+        r#"fifo=$(printf '%s\n' "$MAKEFLAGS" | sed -n 's/.*--jobserver-auth=fifo:\([^ ]*\).*/\1/p')
+exec 3<>"$fifo"
+trap 'stopped=1' TERM
+for i in 1 2 3; do IFS= read -r -d '' -n 1 -u 3 b || exit 3; done
+echo holding > holding
+while [ -z "$stopped" ]; do sleep 0.05; done
+sleep 0.3
+printf '+' >&3
+sleep 0.5
+if IFS= read -r -d '' -n 1 -t 1 -u 3 b; then echo "read a token after the stop"; else echo "no token after the stop"; fi
+printf '++' >&3
+"#,
+    )
+    .unwrap();
+    let mut child = Command::new(BIN)
+        .args(["run", "-j", "4", "--style", "fifo", "--stats", "--", "bash"])
+        .arg(&client)
+        .current_dir(&tree.dir)
+        .env("PATH", path_with_bin())
+        .env_remove("MAKEFLAGS")
+        .env_remove("MFLAGS")
+        .env_remove("MAKELEVEL")
+        .env_remove("HERDLESS_SOCKET")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let start = std::time::Instant::now();
+    while !tree.path("holding").exists() {
+        assert!(start.elapsed() < PATIENCE, "the client never held its tokens");
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    if common::wait_timeout(&mut child, PATIENCE).is_none() {
+        let _ = child.kill();
+        panic!("run did not end after its command");
+    }
+    let out = child.wait_with_output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(stdout.trim(), "no token after the stop", "{stderr}");
+    assert_eq!(stat(&stderr, "tokens lost"), "0", "{stderr}");
+}
+
 #[test]
 fn gnu_make_44_fifo_style_recursive() {
     let make = gnu_make_44();

@@ -922,7 +922,18 @@ impl Bridge {
         let Some(id) = self.client else {
             return;
         };
-        if self.aborted.is_some() || pool.aborted().is_some() || pool.stopped() {
+        if self.aborted.is_some() || pool.aborted().is_some() {
+            return;
+        }
+        if pool.stopped() {
+            // In fifo style a classic client gives its token back into the
+            // FIFO the others read: taken back at once, so that none of
+            // them starts a job on it after the stop.
+            self.refresh();
+            let n = self.in_pipe();
+            if n > 0 {
+                self.take_back(pool, n, now);
+            }
             return;
         }
         // Fewer tokens in the pipe than put there: classic clients took some.
