@@ -186,7 +186,10 @@ printf '++' >&3
         .unwrap();
     let start = std::time::Instant::now();
     while !tree.path("holding").exists() {
-        assert!(start.elapsed() < PATIENCE, "the client never held its tokens");
+        assert!(
+            start.elapsed() < PATIENCE,
+            "the client never held its tokens"
+        );
         std::thread::sleep(std::time::Duration::from_millis(10));
     }
     nix::sys::signal::kill(
