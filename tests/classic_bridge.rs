@@ -148,6 +148,31 @@ echo "done $1"
     assert!(stat(&stderr, "classic").ends_with(" 0 lost"), "{stderr}");
 }
 
+/// A classic client that exits holding a token: the token is lost (the
+/// classic protocol cannot take it back), and counted once, as lost, not
+/// also as taken back from a client that died.
+#[test]
+fn a_token_a_classic_client_kept_counts_once_as_lost() {
+    let tree = Tree::new("classic-kept");
+    let out = run(
+        &tree.dir,
+        &[
+            "-j",
+            "4",
+            "--stats",
+            "--",
+            "bash",
+            "-c",
+            r#"r=$(printf '%s\n' "$MAKEFLAGS" | sed -n 's/.*--jobserver-auth=\([0-9]*\),.*/\1/p'); IFS= read -r -d '' -n 1 -u "$r" b"#,
+        ],
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert_eq!(stat(&stderr, "tokens lost"), "1", "{stderr}");
+    assert!(stat(&stderr, "classic").ends_with(" 1 lost"), "{stderr}");
+    assert!(stat(&stderr, "taken back").starts_with("0 "), "{stderr}");
+}
+
 /// After the stop no classic client starts a job: in fifo style a token
 /// given back after it (a job that was running ends) lands in the FIFO the
 /// other clients read, and is taken back before one of them can read it.

@@ -1115,7 +1115,9 @@ impl Bridge {
                 self.lost
             );
         }
-        pool.disconnect(id, now);
+        // Counted once, as lost (the report adds them), not also as taken
+        // back from a client that died.
+        pool.close_lost(id, now);
         self.client = None;
     }
 

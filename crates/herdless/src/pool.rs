@@ -728,6 +728,13 @@ impl Pool {
         held
     }
 
+    /// Removes a client whose tokens the pool's owner counts as lost at
+    /// shutdown (the classic side's, which never came back): they leave
+    /// the pool's books without also counting as taken back or held.
+    pub fn close_lost(&mut self, id: ClientId, now: Duration) -> u32 {
+        self.remove_client(id, now)
+    }
+
     fn remove_client(&mut self, id: ClientId, now: Duration) -> u32 {
         let Some(client) = self.clients.remove(&id) else {
             return 0;
