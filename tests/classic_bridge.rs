@@ -148,6 +148,45 @@ echo "done $1"
     assert!(stat(&stderr, "classic").ends_with(" 0 lost"), "{stderr}");
 }
 
+/// Natives that their subtree's cap holds back do not keep free tokens
+/// from a classic reader outside that subtree: no grant comes to them
+/// while the capped holder runs, so none would ever count an offer as
+/// ignored. The reader gets its token while the capped holder still holds.
+#[test]
+fn capped_natives_do_not_keep_free_tokens_from_a_classic_reader() {
+    let tree = Tree::new("capped-natives-classic");
+    let script = tree.path("capped.sh");
+    fs::write(
+        &script,
+        r#"H=$HERDLESS
+( sleep 0.3; $H exec sleep 20 & sleep 0.3; $H exec true & $H exec true & wait ) &
+sub=$!
+$H ctl cap $sub 1 || exit 2
+sleep 1.2
+r=$(printf '%s\n' "$MAKEFLAGS" | sed -n 's/.*--jobserver-auth=\([0-9]*\),\([0-9]*\).*/\1/p')
+w=$(printf '%s\n' "$MAKEFLAGS" | sed -n 's/.*--jobserver-auth=\([0-9]*\),\([0-9]*\).*/\2/p')
+if IFS= read -r -d '' -n 1 -t 8 -u "$r" b; then
+  echo "got a token"
+  printf '%s' "$b" >&"$w"
+else
+  echo "no token"
+fi
+pkill -P "$sub" -f 'sleep 20' 2>/dev/null
+kill $(jobs -p) 2>/dev/null
+wait
+"#,
+    )
+    .unwrap();
+    let out = run(
+        &tree.dir,
+        &["-j", "4", "--stats", "--", "bash", script.to_str().unwrap()],
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stdout.contains("got a token"), "{stdout}\n{stderr}");
+    assert_eq!(stat(&stderr, "tokens lost"), "0", "{stderr}");
+}
+
 /// A classic client that exits holding a token: the token is lost (the
 /// classic protocol cannot take it back), and counted once, as lost, not
 /// also as taken back from a client that died.

@@ -699,8 +699,7 @@ impl Bridge {
                 // With natives waiting this token is the classic side's
                 // offer; otherwise it is just the pipe filling up, which the
                 // natives may take back as soon as they wait.
-                let waiting = (pool.waiting() as u64 + self.table_waiting as u64)
-                    .saturating_sub(u64::from(self.queued));
+                let waiting = pool.waiting_grantable(Some(id)) as u64 + self.table_waiting as u64;
                 // A grant the bridge waited for in the queue is an offer
                 // too: the natives that queued ahead of it may all hold a
                 // token by now, and wait again at once.
@@ -945,8 +944,10 @@ impl Bridge {
             // took, fifo style): read the surplus out so it cannot run jobs.
             in_pipe -= self.discard(in_pipe - tokens);
         }
-        let natives_waiting =
-            pool.waiting().saturating_sub(usize::from(self.queued)) + table.waiting;
+        // Natives that a cap or an admission limit holds back do not
+        // count: no grant comes to them meanwhile, and a classic reader
+        // must not wait for one with tokens free.
+        let natives_waiting = pool.waiting_grantable(Some(id)) + table.waiting;
         self.table_waiting = table.waiting;
         self.natives_waiting_seen = natives_waiting;
         self.grants_seen = native_grants;

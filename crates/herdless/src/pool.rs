@@ -314,6 +314,18 @@ impl Pool {
         self.queue.len()
     }
 
+    /// Acquires waiting in the queue, other than `except`'s, that a free
+    /// shared token would go to now: those that no cap and no admission
+    /// limit holds back.
+    pub fn waiting_grantable(&self, except: Option<ClientId>) -> usize {
+        let others = self.queue.iter().filter(|w| Some(w.client) != except);
+        if !self.has_caps() {
+            // Admission holds back every client alike, `except` too.
+            return others.count();
+        }
+        others.filter(|w| self.may_take_shared(w.client)).count()
+    }
+
     /// Slots lent now whose token counts as one more in use (the top's
     /// implicit token).
     pub fn slots_in_use(&self) -> usize {
