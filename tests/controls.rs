@@ -259,6 +259,102 @@ fn a_shrink_takes_no_token_from_a_holder_and_a_grow_grants_at_once() {
     assert!(code.success());
 }
 
+/// `herdless run -j 4` under a classic jobserver of 5 bytes borrows its
+/// shared tokens from it. Two jobs hold borrowed tokens; `ctl jobs 1`
+/// retires both, `ctl jobs 4` calls that off. One job ends (its byte goes
+/// back), and a third is served at once from a byte of the outer pipe,
+/// though the other still holds its token.
+#[test]
+fn a_grow_in_a_borrowing_pool_calls_off_a_pending_shrink() {
+    use std::io::Read;
+    use std::os::fd::{AsFd, AsRawFd};
+    use std::os::unix::process::CommandExt;
+    let tree = Tree::new("borrow-regrow");
+    let (read, write) = nix::unistd::pipe().unwrap();
+    nix::unistd::write(&write, b"+++++").unwrap();
+    let in_pipe = || herdless_platform::bytes_readable(read.as_fd()).unwrap();
+    // Waits until the outer pipe holds `n` bytes; the status read after.
+    let pipe_at = |socket: &Path, n: usize, what: &str| {
+        let start = Instant::now();
+        while in_pipe() != n {
+            assert!(
+                start.elapsed() < PATIENCE,
+                "timed out waiting for {what}: {} bytes in the outer pipe; last status: {:#?}",
+                in_pipe(),
+                status_of(socket)
+            );
+            thread::sleep(Duration::from_millis(10));
+        }
+        status_of(socket)
+    };
+    let mut run = Command::new(BIN)
+        .args(["run", "-j", "4", "--", "sh", "-c"])
+        .arg(format!(
+            "echo \"$HERDLESS_SOCKET\" > {}/socket; read x; exit 0",
+            tree.dir.display()
+        ))
+        .env(
+            "MAKEFLAGS",
+            format!(
+                " -j6 --jobserver-auth={},{}",
+                read.as_raw_fd(),
+                write.as_raw_fd()
+            ),
+        )
+        .env_remove("MFLAGS")
+        .env_remove("CARGO_MAKEFLAGS")
+        .env_remove("MAKELEVEL")
+        .env_remove("HERDLESS_SOCKET")
+        .env_remove("HERDLESS_SLOT")
+        .process_group(0)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // The whole group goes when the test ends, whatever it asserted.
+    struct Group(i32);
+    impl Drop for Group {
+        fn drop(&mut self) {
+            let _ = nix::sys::signal::killpg(
+                nix::unistd::Pid::from_raw(self.0),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+        }
+    }
+    let _group = Group(run.id() as i32);
+    let socket = PathBuf::from(tree.wait_file("socket"));
+    let mut a = Helper::spawn(&socket, "hold", 1);
+    assert_eq!(a.line(), "held 1");
+    let mut b = Helper::spawn(&socket, "hold", 1);
+    assert_eq!(b.line(), "held 1");
+    let s = pipe_at(&socket, 3, "two bytes borrowed");
+    assert_eq!((s.capacity, s.waiting), (2, 0), "{s:#?}");
+    ctl_ok(&socket, &["jobs", "1"]);
+    let s = status_of(&socket);
+    assert_eq!((s.capacity, controls(&s).retiring), (0, 2), "{s:#?}");
+    ctl_ok(&socket, &["jobs", "4"]);
+    assert!(a.finish().success());
+    pipe_at(&socket, 4, "a's byte back");
+    let mut c = Helper::spawn(&socket, "acquire", 1);
+    assert_eq!(c.line(), "waiting");
+    let s = pipe_at(&socket, 3, "a byte borrowed for the third job");
+    assert_eq!(
+        (s.jobs, s.capacity, controls(&s).retiring, s.waiting),
+        (4, 2, 0, 0),
+        "{s:#?}"
+    );
+    assert_eq!(c.line(), "got");
+    assert!(b.finish().success());
+    assert!(c.finish().success());
+    drop(run.stdin.take());
+    let status = common::wait_timeout(&mut run, PATIENCE).expect("herdless run ended");
+    let mut stderr = String::new();
+    let _ = run.stderr.take().unwrap().read_to_string(&mut stderr);
+    assert!(status.success(), "{stderr}");
+    assert_eq!(in_pipe(), 5, "every borrowed byte is back\n{stderr}");
+}
+
 #[test]
 fn ctl_rejects_a_jobs_figure_of_zero_and_an_unknown_broker() {
     let serve = Serve::start(3);

@@ -263,11 +263,23 @@ impl Ledger {
         self.limit
     }
 
-    /// A new `-j`: at most `jobs - 1` bytes borrowed from now on. The
-    /// caller shrinks the pool if it is larger; the bytes come back as
-    /// the pool lets go of its tokens.
+    /// A new `-j`: at most `jobs - 1` bytes borrowed from now on. The pool
+    /// is left as it is: while it runs, [`Ledger::resize`] also bounds it.
     pub fn set_jobs(&mut self, jobs: u32) {
         self.limit = jobs.saturating_sub(1);
+    }
+
+    /// A new `-j` while the pool runs: sets the limit ([`Ledger::set_jobs`])
+    /// and bounds the pool by it ([`Pool::bound_backed`]). A pool above
+    /// the new limit shrinks, and its bytes go back as it lets go of its
+    /// tokens; a grow first keeps what an earlier shrink still waits for,
+    /// as many as the new limit allows, so that the next step borrows at
+    /// once for the waiters the new limit lets run. No byte is borrowed or
+    /// given back here: the bytes held stay the pool's capacity plus its
+    /// retiring tokens.
+    pub fn resize(&mut self, pool: &mut Pool, jobs: u32, now: Duration) {
+        self.set_jobs(jobs);
+        pool.bound_backed(self.limit, now);
     }
 
     /// The abort token read from an outer bmake, if one was.
@@ -439,6 +451,11 @@ impl Backing {
         self.ledger.set_jobs(jobs);
     }
 
+    /// See [`Ledger::resize`].
+    pub fn resize(&mut self, pool: &mut Pool, jobs: u32, now: Duration) {
+        self.ledger.resize(pool, jobs, now);
+    }
+
     /// See [`Ledger::balance`].
     pub fn balance(&mut self, pool: &mut Pool, now: Duration) {
         self.ledger.balance(pool, &mut *self.outer, now);
@@ -450,5 +467,121 @@ impl Backing {
     }
 }
 
+/// The last resort of "every byte back, exactly once": a broker that ends
+/// without [`Backing::give_back_all`] (its loop returned an error, or its
+/// thread panicked and unwinds) drops its backing, and every byte still
+/// borrowed goes back then. After `give_back_all` none is held, so none
+/// goes back twice.
+impl Drop for Backing {
+    fn drop(&mut self) {
+        let held = self.ledger.held();
+        if held != 0 {
+            log!(
+                Level::Warn,
+                "the pool ended without giving its {held} borrowed token(s) back; giving them \
+                 back to the {} now",
+                self.outer.what()
+            );
+            self.give_back_all();
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests;
+
+/// [`Backing`]'s drop, on an in-memory outer jobserver the test keeps a
+/// hold of.
+#[cfg(test)]
+mod drop_tests {
+    use super::*;
+    use crate::pool::test_support::{native, t};
+    use crate::pool::SlotKey;
+    use std::sync::Mutex;
+
+    #[derive(Clone, Debug)]
+    struct Shared(Arc<Mutex<Vec<u8>>>);
+
+    impl Shared {
+        fn in_pipe(&self) -> usize {
+            self.0.lock().unwrap().len()
+        }
+    }
+
+    impl Outer for Shared {
+        fn take(&mut self) -> Taken {
+            match self.0.lock().unwrap().pop() {
+                Some(b) => Taken::Byte(b),
+                None => Taken::Empty,
+            }
+        }
+        fn put(&mut self, byte: u8) -> io::Result<()> {
+            self.0.lock().unwrap().push(byte);
+            Ok(())
+        }
+    }
+
+    impl Source for Shared {
+        fn fd(&self) -> RawFd {
+            -1
+        }
+        fn what(&self) -> String {
+            "test's pipe".into()
+        }
+    }
+
+    /// A backing of `-j4` on 5 outer bytes that has borrowed 3 for its
+    /// waiters.
+    fn borrowing() -> (Backing, Pool, Shared) {
+        let outer = Shared(Arc::new(Mutex::new(vec![b'+'; 5])));
+        let mut backing = Backing {
+            ledger: Ledger::new(Flavor::Gnu, 4),
+            outer: Box::new(outer.clone()),
+        };
+        let mut pool = Pool::new(0);
+        pool.add_slot(SlotKey::Minted(0x70b), None, true);
+        for i in 0..4 {
+            let id = pool.connect(native(10 + i));
+            pool.acquire(id, t(0)).unwrap();
+        }
+        backing.balance(&mut pool, t(0));
+        assert_eq!((backing.ledger().held(), outer.in_pipe()), (3, 2));
+        (backing, pool, outer)
+    }
+
+    #[test]
+    fn a_backing_dropped_holding_bytes_gives_them_back() {
+        let (backing, _pool, outer) = borrowing();
+        drop(backing);
+        assert_eq!(outer.in_pipe(), 5);
+    }
+
+    #[test]
+    fn a_backing_dropped_after_giving_back_gives_nothing_twice() {
+        let (mut backing, _pool, outer) = borrowing();
+        assert_eq!(backing.give_back_all(), 3);
+        drop(backing);
+        assert_eq!(outer.in_pipe(), 5);
+        assert_eq!(
+            outer
+                .0
+                .lock()
+                .unwrap()
+                .iter()
+                .filter(|&&b| b == b'+')
+                .count(),
+            5
+        );
+    }
+
+    #[test]
+    fn a_panicking_owner_gives_the_bytes_back() {
+        let (backing, _pool, outer) = borrowing();
+        let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
+            let _owned = backing;
+            panic!("the broker's thread panics");
+        }));
+        assert!(unwound.is_err());
+        assert_eq!(outer.in_pipe(), 5);
+    }
+}

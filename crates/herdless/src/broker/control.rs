@@ -187,15 +187,12 @@ impl Broker {
                 );
                 self.config.jobs = jobs;
                 match self.backing.as_mut() {
-                    // Borrowed on demand: only the limit changes, and a
-                    // pool above it shrinks (its tokens go back to the
-                    // outer jobserver as they come back).
-                    Some(backing) => {
-                        backing.set_jobs(jobs);
-                        if self.pool.capacity() > jobs - 1 {
-                            self.pool.resize(jobs - 1, now);
-                        }
-                    }
+                    // Borrowed on demand: the limit changes, a pool above
+                    // it shrinks (its tokens go back to the outer
+                    // jobserver as they come back), and a grow cancels a
+                    // pending shrink first; what more the new limit allows
+                    // is borrowed by the next step, as waiters need it.
+                    Some(backing) => backing.resize(&mut self.pool, jobs, now),
                     None => self.pool.resize(jobs - 1, now),
                 }
             }

@@ -105,6 +105,22 @@ impl Pool {
         }
     }
 
+    /// Bounds a pool whose tokens are backed on demand (see
+    /// `crate::backing`) by a new `limit`. Such a pool holds only the
+    /// tokens it was given, so none is added here: above `limit` it shrinks
+    /// as [`Pool::resize`] does; at or below it, the tokens an earlier
+    /// shrink still waits for are kept again, as many as `limit` allows.
+    /// Their holders keep them either way; what changes is that, once none
+    /// is retiring, a waiter the new limit lets run is short of a shared
+    /// token again ([`Pool::short_of_shared`]) and the backing adds one.
+    /// Capacity plus retiring tokens never grows.
+    pub fn bound_backed(&mut self, limit: u32, now: Duration) {
+        let capacity = limit.min(self.capacity + self.controls.retiring);
+        if capacity != self.capacity {
+            self.resize(capacity, now);
+        }
+    }
+
     /// Whether a waiter that may take a shared token waits because none is
     /// free: the demand a pool whose tokens are backed on demand (see
     /// `crate::backing`) answers by adding one. False after a stop or an

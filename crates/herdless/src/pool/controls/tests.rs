@@ -64,6 +64,37 @@ fn a_grow_cancels_a_pending_shrink_first_then_grants() {
 }
 
 #[test]
+fn a_backed_grow_cancels_a_pending_shrink_and_adds_no_token() {
+    // A backed pool of three tokens, all held by a.
+    let mut p = Pool::new(3);
+    let a = p.connect(native(10));
+    for _ in 0..3 {
+        p.acquire(a, NOW).unwrap();
+    }
+    p.bound_backed(0, NOW);
+    assert_eq!((p.capacity(), p.retiring()), (0, 3));
+    p.release(a, NOW).unwrap();
+    assert_eq!((p.capacity(), p.retiring(), p.free()), (0, 2, 0));
+    let b = p.connect(native(11));
+    p.acquire(b, NOW).unwrap();
+    p.take_effects();
+    assert!(!p.short_of_shared(), "a shrink still waits for tokens");
+    // Up to one token: one of a's stays in the pool, one still retires.
+    p.bound_backed(1, NOW);
+    assert_eq!((p.capacity(), p.retiring(), p.free()), (1, 1, 0));
+    // Up to three: the shrink is off, and b waits for a token the
+    // backing adds, not one the pool makes up.
+    p.bound_backed(3, NOW);
+    assert_eq!((p.capacity(), p.retiring(), p.free()), (2, 0, 0));
+    assert!(grants(&p.take_effects()).is_empty());
+    assert!(p.short_of_shared(), "b may be served by a new token");
+    // Down again, below what is held: a shrink as `resize` makes it.
+    p.bound_backed(1, NOW);
+    assert_eq!((p.capacity(), p.retiring(), p.free()), (1, 1, 0));
+    p.check_invariants().unwrap();
+}
+
+#[test]
 fn a_cap_holds_for_a_subtree_and_passes_capped_waiters_over() {
     let mut p = Pool::new(4);
     // 20 is the capped process; 21 its child, 22 its grandchild; 30 apart.
