@@ -349,13 +349,14 @@ enum Ending {
 
 /// Starts `herdless run -j 4` under a pipe of 5 outer tokens, with eight
 /// long jobs, waits until it has borrowed its 3, ends it, and counts the
-/// pipe: all 5 are back.
-fn ending_gives_every_token_back(ending: Ending) {
+/// pipe: all 5 are back. Returns how the run ended (None: the signal is
+/// ignored here, nothing was checked).
+fn ending_gives_every_token_back(ending: Ending) -> Option<std::process::ExitStatus> {
     use std::os::unix::process::CommandExt;
     if let Ending::Signal(sig) = ending {
         if common::ignored_here(sig) {
             eprintln!("signal {sig} is ignored here (nohup, a background job?): run leaves it so; not checked");
-            return;
+            return None;
         }
     }
     let _serial = serial();
@@ -364,18 +365,26 @@ fn ending_gives_every_token_back(ending: Ending) {
     let in_pipe =
         || herdless_platform::bytes_readable(std::os::fd::AsFd::as_fd(&pipe.read)).unwrap();
     let marker = tree.path().join("sh.pid");
-    let mut cmd = clean(herdless());
-    cmd.args(["run", "-j", "4", "--", "sh", "-c"])
-        .arg(format!(
-            "echo $$ > {}; for i in 1 2 3 4 5 6 7 8; do {} exec -- sleep 60 & done; wait",
-            marker.display(),
-            herdless()
-        ))
-        .env("MAKEFLAGS", format!("-j6 --jobserver-auth={}", pipe.auth()))
-        .process_group(0)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null());
+    // Through a shell that execs it, so that the run and its command dump
+    // no core when SIGQUIT ends them.
+    let mut cmd = clean("sh");
+    cmd.args([
+        "-c",
+        "ulimit -c 0 2>/dev/null; exec \"$@\"",
+        "sh",
+        herdless(),
+    ])
+    .args(["run", "-j", "4", "--", "sh", "-c"])
+    .arg(format!(
+        "echo $$ > {}; for i in 1 2 3 4 5 6 7 8; do {} exec -- sleep 60 & done; wait",
+        marker.display(),
+        herdless()
+    ))
+    .env("MAKEFLAGS", format!("-j6 --jobserver-auth={}", pipe.auth()))
+    .process_group(0)
+    .stdin(Stdio::null())
+    .stdout(Stdio::null())
+    .stderr(Stdio::null());
     let mut child = cmd.spawn().unwrap();
     let pid = child.id() as i32;
     // Its whole process group (the jobs a killed command leaves behind
@@ -422,6 +431,7 @@ fn ending_gives_every_token_back(ending: Ending) {
         5,
         "{ending:?}: every borrowed token is back, exactly once: {left:?} ({status})"
     );
+    Some(status)
 }
 
 fn send(pid: i32, sig: i32) {
@@ -447,6 +457,24 @@ fn sighup_gives_borrowed_tokens_back() {
 #[test]
 fn a_killed_command_gives_borrowed_tokens_back() {
     ending_gives_every_token_back(Ending::CommandKilled);
+}
+
+/// Every other signal whose default action ends a process, and that can
+/// be caught, ends the run as SIGTERM does: passed on to its command, the
+/// borrowed tokens given back, then the run dies of it as its command did.
+/// (Uncaught, it killed the run holding 3 of the 5 outer tokens.)
+#[test]
+fn other_terminating_signals_give_borrowed_tokens_back() {
+    use std::os::unix::process::ExitStatusExt;
+    for sig in [libc::SIGQUIT, libc::SIGUSR1, libc::SIGUSR2, libc::SIGALRM] {
+        if let Some(status) = ending_gives_every_token_back(Ending::Signal(sig)) {
+            assert_eq!(
+                status.signal(),
+                Some(sig),
+                "the run dies of the signal its command died of: {status}"
+            );
+        }
+    }
 }
 
 /// An outer bmake that aborted leaves its abort token in the pipe: the

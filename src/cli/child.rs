@@ -20,12 +20,36 @@ use std::sync::Arc;
 use anyhow::{anyhow, Result};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
-use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
 use signal_hook::iterator::exfiltrator::WithRawSiginfo;
 use signal_hook::iterator::SignalsInfo;
 
-/// The signals `run` and `exec` pass on to their command.
-const FORWARDED: [i32; 3] = [SIGINT, SIGTERM, SIGHUP];
+/// The signals `run` and `exec` pass on to their command: every signal
+/// whose default action ends a process and that can be caught, so that
+/// herdless, ended by one, still cleans up (`run`'s broker stops granting
+/// at once and gives back every byte borrowed from an outer jobserver)
+/// before it dies of it.
+///
+/// Not caught: SIGKILL and SIGSTOP, which cannot be; SIGPIPE, ignored in
+/// this process as in every Rust program (so a broken stdout kills
+/// nothing; the command gets the default back); the signals of a fault of
+/// this process itself (SIGABRT, SIGBUS, SIGFPE, SIGILL, SIGSEGV, SIGSYS,
+/// SIGTRAP), which a handler would hide; and on Linux SIGIO, SIGPWR,
+/// SIGSTKFLT and the real-time signals, which herdless could not die of
+/// in turn (`nix::sys::signal::Signal` and signal-hook's default-handler
+/// emulation do not know all of them).
+const FORWARDED: [i32; 11] = [
+    libc::SIGINT,
+    libc::SIGTERM,
+    libc::SIGHUP,
+    libc::SIGQUIT,
+    libc::SIGUSR1,
+    libc::SIGUSR2,
+    libc::SIGALRM,
+    libc::SIGVTALRM,
+    libc::SIGPROF,
+    libc::SIGXCPU,
+    libc::SIGXFSZ,
+];
 
 /// How the command ended, or why it never started.
 pub enum Outcome {
@@ -73,8 +97,8 @@ impl Outcome {
     }
 }
 
-/// Spawns `argv` with `env` added, passes SIGINT, SIGTERM and SIGHUP on
-/// to it while it runs, and waits for it.
+/// Spawns `argv` with `env` added, passes the [`FORWARDED`] signals on to
+/// it while it runs, and waits for it.
 pub fn run(argv: &[OsString], env: &[(&str, OsString)]) -> Result<Outcome> {
     run_inheriting(argv, env, Vec::new(), |_| {}, || {})
 }
