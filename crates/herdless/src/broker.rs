@@ -735,14 +735,18 @@ impl Broker {
             // its hello, while an offer in the classic pipe waits for a
             // reader (`bridge::OFFER_WAIT`), or while waiters are held back
             // only by a load or memory limit (see control.rs).
-            let timeout = match (self.poll_timeout(), self.admission_timeout()) {
-                (Some(a), Some(b)) => Some(a.min(b)),
-                (a, b) => a.or(b),
-            };
+            let timeout = self
+                .poll_timeout()
+                .into_iter()
+                .chain(self.admission_timeout())
+                .min();
             if let Err(e) = self.poll.poll(&mut events, timeout) {
                 if e.kind() == io::ErrorKind::Interrupted {
                     continue;
                 }
+                // Ends as a stop does: the classic pipe drained, borrowed
+                // bytes given back, before the error is reported.
+                let _ = self.shut_down();
                 return Err(e);
             }
             // Before this batch's requests: the command's pid may have
