@@ -8,7 +8,7 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 
-use common::{path_with_bin, stat, JobTree as Tree, BIN, PATIENCE};
+use common::{path_with_bin, run_command, run_in as run, stat, JobTree as Tree, BIN, PATIENCE};
 
 fn gnu_make_44() -> PathBuf {
     let path = std::env::var_os("HERDLESS_GNU_MAKE_44")
@@ -35,23 +35,6 @@ fn require(tool: &str) {
         ok,
         "{tool} is not installed: `bash ci/install-tools.sh` installs it (CI does)"
     );
-}
-
-/// `herdless run ARGS…` in `dir`, bounded in time.
-fn run(dir: &Path, args: &[&str]) -> Output {
-    common::output_within(
-        Command::new(BIN)
-            .arg("run")
-            .args(args)
-            .current_dir(dir)
-            .env("PATH", path_with_bin())
-            .env_remove("MAKEFLAGS")
-            .env_remove("MFLAGS")
-            .env_remove("CARGO_MAKEFLAGS")
-            .env_remove("MAKELEVEL")
-            .env_remove("HERDLESS_SOCKET"),
-        PATIENCE * 4,
-    )
 }
 
 fn check(tree: &Tree, out: &Output, jobs: usize, limit: u32) {
@@ -235,19 +218,17 @@ printf '++' >&3
 "#,
     )
     .unwrap();
-    let mut child = Command::new(BIN)
-        .args(["run", "-j", "4", "--style", "fifo", "--stats", "--", "bash"])
-        .arg(&client)
-        .current_dir(&tree.dir)
-        .env("PATH", path_with_bin())
-        .env_remove("MAKEFLAGS")
-        .env_remove("MFLAGS")
-        .env_remove("MAKELEVEL")
-        .env_remove("HERDLESS_SOCKET")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let script = client.to_str().unwrap();
+    let mut child = run_command(
+        &tree.dir,
+        &[
+            "-j", "4", "--style", "fifo", "--stats", "--", "bash", script,
+        ],
+    )
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
     let start = std::time::Instant::now();
     while !tree.path("holding").exists() {
         assert!(

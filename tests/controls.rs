@@ -313,16 +313,7 @@ fn a_grow_in_a_borrowing_pool_calls_off_a_pending_shrink() {
         .spawn()
         .unwrap();
     // The whole group goes when the test ends, whatever it asserted.
-    struct Group(i32);
-    impl Drop for Group {
-        fn drop(&mut self) {
-            let _ = nix::sys::signal::killpg(
-                nix::unistd::Pid::from_raw(self.0),
-                nix::sys::signal::Signal::SIGKILL,
-            );
-        }
-    }
-    let _group = Group(run.id() as i32);
+    let _group = common::KillGroupOnDrop(run.id() as i32);
     let socket = PathBuf::from(tree.wait_file("socket"));
     let mut a = Helper::spawn(&socket, "hold", 1);
     assert_eq!(a.line(), "held 1");

@@ -389,16 +389,7 @@ fn ending_gives_every_token_back(ending: Ending) -> Option<std::process::ExitSta
     let pid = child.id() as i32;
     // Its whole process group (the jobs a killed command leaves behind
     // too) goes when the test ends, whatever it asserted.
-    struct Group(i32);
-    impl Drop for Group {
-        fn drop(&mut self) {
-            let _ = nix::sys::signal::killpg(
-                nix::unistd::Pid::from_raw(self.0),
-                nix::sys::signal::Signal::SIGKILL,
-            );
-        }
-    }
-    let _group = Group(pid);
+    let _group = common::KillGroupOnDrop(pid);
     // Borrowed: 3 of the 5 outer tokens are out of the pipe.
     let start = Instant::now();
     while start.elapsed() < Duration::from_secs(30) && !(in_pipe() == 2 && marker.exists()) {

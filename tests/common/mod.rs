@@ -581,21 +581,26 @@ pub fn venv_bin(name: &str) -> PathBuf {
     path
 }
 
+/// `herdless run ARGS…` in `dir` with no outer jobserver in its
+/// environment.
+#[allow(dead_code)]
+pub fn run_command(dir: &Path, args: &[&str]) -> Command {
+    let mut cmd = Command::new(BIN);
+    cmd.arg("run")
+        .args(args)
+        .current_dir(dir)
+        .env("PATH", path_with_bin())
+        .env_remove("MAKEFLAGS")
+        .env_remove("MFLAGS")
+        .env_remove("CARGO_MAKEFLAGS")
+        .env_remove("MAKELEVEL")
+        .env_remove("HERDLESS_SOCKET");
+    cmd
+}
+
 /// `herdless run ARGS…` in `dir` with no outer jobserver, bounded in time.
 pub fn run_in(dir: &Path, args: &[&str]) -> std::process::Output {
-    output_within(
-        Command::new(BIN)
-            .arg("run")
-            .args(args)
-            .current_dir(dir)
-            .env("PATH", path_with_bin())
-            .env_remove("MAKEFLAGS")
-            .env_remove("MFLAGS")
-            .env_remove("CARGO_MAKEFLAGS")
-            .env_remove("MAKELEVEL")
-            .env_remove("HERDLESS_SOCKET"),
-        PATIENCE * 4,
-    )
+    output_within(&mut run_command(dir, args), PATIENCE * 4)
 }
 
 /// A plain client's `Hello` frame (no flags, no slot), for tests that speak
@@ -640,5 +645,20 @@ pub fn cargo_workspace(ws: &Path, crates: usize) {
             })
             .collect();
         std::fs::write(ws.join(m).join("src/lib.rs"), body).unwrap();
+    }
+}
+
+/// Kills a whole process group with SIGKILL when dropped: a test that
+/// starts a tree in a group of its own (`process_group(0)`) leaves none of
+/// it behind, whatever it asserted.
+#[allow(dead_code)]
+pub struct KillGroupOnDrop(pub i32);
+
+impl Drop for KillGroupOnDrop {
+    fn drop(&mut self) {
+        let _ = nix::sys::signal::killpg(
+            nix::unistd::Pid::from_raw(self.0),
+            nix::sys::signal::Signal::SIGKILL,
+        );
     }
 }
