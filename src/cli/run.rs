@@ -27,7 +27,8 @@ use super::RunArgs;
 /// however many processes lie between. Either way, at most N jobs run at
 /// once.
 ///
-/// A stop signal (SIGINT, SIGTERM, SIGHUP) stops the granting at once,
+/// A stop signal (SIGINT, SIGTERM, SIGHUP, or another that would end this
+/// process and can be caught: `child::FORWARDED`) stops the granting at once,
 /// before it is passed on: waiting jobs are refused (`exec` exits 125), so
 /// none starts after it. When the command ends, the broker stops for good.
 ///
