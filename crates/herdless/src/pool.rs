@@ -318,12 +318,16 @@ impl Pool {
     /// shared token would go to now: those that no cap and no admission
     /// limit holds back.
     pub fn waiting_grantable(&self, except: Option<ClientId>) -> usize {
-        let others = self.queue.iter().filter(|w| Some(w.client) != except);
+        let others = self
+            .queue
+            .iter()
+            .filter(|w| Some(w.client) != except)
+            .map(|w| w.client);
         if !self.has_caps() {
             // Admission holds back every client alike, `except` too.
             return others.count();
         }
-        others.filter(|w| self.may_take_shared(w.client)).count()
+        self.count_may_take_shared(others)
     }
 
     /// Slots lent now whose token counts as one more in use (the top's

@@ -249,6 +249,25 @@ impl Pool {
             .all(|(&pid, &max)| !self.in_subtree(id, pid) || self.subtree_held(pid) < max)
     }
 
+    /// How many of `waiters` a shared token may go to now, as
+    /// [`Pool::may_take_shared`] says for each: each cap's subtree is
+    /// counted once, not once per waiter.
+    pub(super) fn count_may_take_shared(&self, waiters: impl Iterator<Item = ClientId>) -> usize {
+        if !self.controls.admission_open && self.shared_in_use() >= self.controls.floor {
+            return 0;
+        }
+        let full: Vec<u32> = self
+            .controls
+            .caps
+            .iter()
+            .filter(|(&pid, &max)| self.subtree_held(pid) >= max)
+            .map(|(&pid, _)| pid)
+            .collect();
+        waiters
+            .filter(|&id| !full.iter().any(|&pid| self.in_subtree(id, pid)))
+            .count()
+    }
+
     /// Whether any cap is in force.
     pub(super) fn has_caps(&self) -> bool {
         !self.controls.caps.is_empty()

@@ -127,6 +127,34 @@ fn a_cap_holds_for_a_subtree_and_passes_capped_waiters_over() {
 }
 
 #[test]
+fn waiters_a_cap_holds_back_are_not_counted_as_grantable() {
+    let mut p = Pool::new(2);
+    let a = p.connect(native(21));
+    p.set_ancestry(a, vec![20, 1]);
+    let b = p.connect(native(22));
+    p.set_ancestry(b, vec![20, 1]);
+    let c = p.connect(native(30));
+    p.set_ancestry(c, vec![1]);
+    let d = p.connect(native(31));
+    p.set_ancestry(d, vec![1]);
+    p.set_cap(20, Some(1), NOW);
+    p.acquire(a, NOW).unwrap();
+    p.acquire(b, NOW).unwrap(); // capped: waits
+    p.acquire(c, NOW).unwrap();
+    p.acquire(d, NOW).unwrap(); // no token left: waits
+    assert_eq!(grants(&p.take_effects()), vec![a, c]);
+    assert_eq!(p.waiting(), 2);
+    assert_eq!(p.waiting_grantable(None), 1, "d only");
+    assert_eq!(p.waiting_grantable(Some(d)), 0);
+    p.release(a, NOW).unwrap(); // the subtree drops to 0: b's waiter goes
+    assert_eq!(grants(&p.take_effects()), vec![b]);
+    assert_eq!(p.waiting_grantable(None), 1);
+    p.set_cap(20, None, NOW);
+    assert_eq!(p.waiting_grantable(None), 1);
+    p.check_invariants().unwrap();
+}
+
+#[test]
 fn lifting_a_cap_grants_to_the_waiters_it_held_back() {
     let mut p = Pool::new(3);
     let a = p.connect(native(20));
