@@ -386,6 +386,95 @@ fn make_recipes_that_exec_through_timeout_and_subshells() {
     }
 }
 
+/// Jobs of a make recipe whose tree no longer leads to the make: put in
+/// the background so that they outlive their shell (reparented to init
+/// or a subreaper), or started as the recipe's last, backgrounded command.
+/// No recipe is left whose slot they could share: each waits for a shared
+/// token. Under `herdless run -j 2 -- make` the orphans run at most 2 at
+/// once (a slot per orphaned parent ran all six at once), and every job
+/// runs (an `exec` reparented before it read the process table named
+/// recipe root 1 and was refused, its job never run, while make exited 0).
+/// A backgrounded job that reads the table while its shell still lives
+/// runs on the recipe's slot and may outlive the recipe, as a stock make's
+/// backgrounded commands do: no bound on those.
+#[test]
+fn orphaned_recipe_jobs_keep_the_limit_and_all_run() {
+    require("make");
+    for (name, recipe_jobs, bounded) in [("orphans", true, true), ("background", false, false)] {
+        let tree = JobTree::new(&format!("orphaned-recipe-jobs-{name}"));
+        let d = tree.dir.display();
+        let job = format!("herdless exec sh {d}/job.sh {d}");
+        let wait6 = format!(
+            "i=0; while [ $$(cat {d}/done 2>/dev/null | wc -l) -lt 6 ] && [ $$i -lt 300 ]; do sleep 0.1; i=$$((i+1)); done"
+        );
+        let mk = if recipe_jobs {
+            format!(
+                "all:\n\t@+for i in 1 2 3 4 5 6; do ( ( sleep 0.2; exec {job} ) & ); done; {wait6}\n"
+            )
+        } else {
+            let mut mk = format!("all: bg1 bg2 bg3 bg4 bg5 bg6\n\t@{wait6}\n");
+            for i in 1..=6 {
+                mk += &format!("bg{i}:\n\t@+{job} &\n");
+            }
+            mk
+        };
+        std::fs::write(tree.path("Makefile"), mk).unwrap();
+        let mut cmd = herdless(&["run", "-j", "2", "--stats", "--", "make", "-s"]);
+        cmd.current_dir(&tree.dir).env("JOB_SLEEP", "0.2");
+        let out = common::output_within(&mut cmd, PATIENCE * 2);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{name}: {stderr}");
+        let (done, max) = tree.counts();
+        assert_eq!(done, 6, "{name}: every job ran\n{stderr}");
+        if bounded {
+            assert!(max <= 2, "{name}: {max} jobs at once under -j 2\n{stderr}");
+        }
+        assert!(!stderr.contains("refused this client"), "{name}: {stderr}");
+        assert_eq!(stat(&stderr, "tokens lost"), "0", "{name}: {stderr}");
+    }
+}
+
+/// A program whose name only ends in "make" (automake, cmake, qmake) is no
+/// job runner: the `herdless exec` jobs it starts are jobs of the recipe
+/// that started it and share its slot, not each a token of their own
+/// (four ran at once under `-j 1` when every such name counted as a make).
+#[test]
+fn a_program_named_like_a_make_is_no_job_runner() {
+    require("make");
+    let tree = JobTree::new("named-like-make");
+    let d = tree.dir.display();
+    let bin = tree.path("bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    let automake = bin.join("automake");
+    std::fs::write(
+        &automake,
+        format!("#!/bin/sh\nfor i in 1 2 3 4; do herdless exec sh {d}/job.sh {d} & done; wait\n"),
+    )
+    .unwrap();
+    std::os::unix::fs::PermissionsExt::set_mode(
+        &mut std::fs::metadata(&automake).unwrap().permissions(),
+        0o755,
+    );
+    std::fs::set_permissions(
+        &automake,
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
+    std::fs::write(
+        tree.path("Makefile"),
+        format!("all:\n\t@+{}\n", automake.display()),
+    )
+    .unwrap();
+    let mut cmd = herdless(&["run", "-j", "1", "--stats", "--", "make", "-s"]);
+    cmd.current_dir(&tree.dir);
+    let out = common::output_within(&mut cmd, PATIENCE * 2);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let (done, max) = tree.counts();
+    assert_eq!(done, 4, "{stderr}");
+    assert_eq!(max, 1, "-j 1\n{stderr}");
+}
+
 /// `herdless run -j OUTER -- sh -c SCRIPT` where SCRIPT starts the inner
 /// runs; returns (jobs done, most at once, stderr).
 fn nested(tree: &JobTree, outer: u32, script: &str) -> (usize, u32, String) {

@@ -158,7 +158,15 @@ impl Program {
             "cargo" => Program::Cargo,
             "rustc" => Program::Rustc,
             "herdless" => Program::Herdless,
-            n if n.ends_with("make") || n.starts_with("make-") => Program::GnuMake,
+            // GNU make by its usual names, a target prefix
+            // (`x86_64-linux-gnu-make`) or a version (`make-4.4`); not
+            // programs whose name only ends in "make" (automake, cmake,
+            // qmake, imake), which neither read the jobserver nor run
+            // their jobs one slot each.
+            "make" | "gmake" | "gnumake" | "remake" => Program::GnuMake,
+            n if n.ends_with("-make") || n.starts_with("make-") || n.starts_with("gmake-") => {
+                Program::GnuMake
+            }
             _ => return None,
         })
     }
@@ -797,6 +805,7 @@ mod tests {
             "remake",
             "make-4.4",
             "GMAKE",
+            "x86_64-linux-gnu-make",
         ] {
             assert_eq!(of(n), Some(Program::GnuMake), "{n}");
         }
@@ -807,7 +816,18 @@ mod tests {
         assert_eq!(of("cargo"), Some(Program::Cargo));
         assert_eq!(of("rustc"), Some(Program::Rustc));
         assert_eq!(of("herdless"), Some(Program::Herdless));
-        for n in ["sh", "makefile.sh", "cc", "xargs", "timeout", ""] {
+        for n in [
+            "sh",
+            "makefile.sh",
+            "cc",
+            "xargs",
+            "timeout",
+            "",
+            "automake",
+            "cmake",
+            "qmake",
+            "imake",
+        ] {
             assert_eq!(of(n), None, "{n}");
         }
         assert!(!Program::Herdless.reads_jobserver());

@@ -51,13 +51,21 @@ pub(crate) enum Owner {
     /// The slot of this process (the recipe's root, below the make that
     /// started it), shared by all its descendants that are jobs.
     Shared(u32),
+    /// No job runner above, though a make started this job's tree: the
+    /// tree was orphaned (its recipe ended, or it was put in the
+    /// background and reparented to init or a subreaper), or a recipe's
+    /// process was started under another parent (`setsid -f`). No slot is
+    /// left to share: the job waits for a shared token. A slot per
+    /// orphaned parent would let each run one job more than `-j`.
+    Orphaned,
 }
 
 /// Finds the slot owner from the parent `parent` up, given `ps(pid) ->
 /// (ppid, command name)`: `Own` when the parent is a job runner; else the
 /// highest ancestor whose own parent is one (the recipe's shell, however
-/// many subshells lie between); else, with no job runner above, the
-/// parent.
+/// many subshells lie between); else, with no job runner above,
+/// `Orphaned`; and a parent the table does not show, that parent (a
+/// table that cannot be read leaves each recipe's jobs to their shell).
 pub(crate) fn slot_owner(parent: u32, ps: impl Fn(u32) -> Option<(u32, String)>) -> Owner {
     match ps(parent) {
         Some((_, name)) if runs_each_job_in_a_slot(&name) => return Owner::Own,
@@ -77,7 +85,7 @@ pub(crate) fn slot_owner(parent: u32, ps: impl Fn(u32) -> Option<(u32, String)>)
         }
         pid = ppid;
     }
-    Owner::Shared(parent)
+    Owner::Orphaned
 }
 
 /// The slot owner for this process, read from the process table (see
@@ -434,9 +442,11 @@ mod tests {
         // holds (which would wait for ever for the job it is part of).
         assert_eq!(slot_owner(80, &t), Owner::Own);
         assert_eq!(slot_owner(90, &t), Owner::Shared(90));
-        // No job runner above: the parent's.
-        assert_eq!(slot_owner(70, &t), Owner::Shared(70));
-        assert_eq!(slot_owner(10, &t), Owner::Shared(10));
+        // No job runner above (orphaned, or under another parent): none.
+        assert_eq!(slot_owner(70, &t), Owner::Orphaned);
+        assert_eq!(slot_owner(10, &t), Owner::Orphaned);
+        // A job reparented to init itself.
+        assert_eq!(slot_owner(1, &t), Owner::Orphaned);
         // An unknown parent: its pid all the same.
         assert_eq!(slot_owner(99, &t), Owner::Shared(99));
     }

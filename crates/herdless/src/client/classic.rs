@@ -45,18 +45,20 @@ impl Classic {
     pub(crate) fn open(server: Jobserver, job_of_runner_above: bool) -> Result<Classic> {
         let pipe = Pipe::open(&server)?;
         let slot = if job_of_runner_above {
-            Some(match slot::this_slot_owner() {
-                Owner::Own => ParentSlot::Own(Default::default()),
-                Owner::Shared(owner) => {
-                    ParentSlot::Shared(SharedSlot::new(owner, pipe.id()).map_err(|e| {
+            match slot::this_slot_owner() {
+                Owner::Own => Some(ParentSlot::Own(Default::default())),
+                Owner::Shared(owner) => Some(ParentSlot::Shared(
+                    SharedSlot::new(owner, pipe.id()).map_err(|e| {
                         Error::io(
                             ErrorKind::Io,
                             "cannot prepare the parent's job slot for this classic jobserver",
                             e,
                         )
-                    })?)
-                }
-            })
+                    })?,
+                )),
+                // No recipe left to share a slot with: tokens only.
+                Owner::Orphaned => None,
+            }
         } else {
             None
         };

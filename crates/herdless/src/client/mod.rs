@@ -143,6 +143,7 @@ pub(crate) fn borrow_from_env() -> Borrow {
     match crate::classic::slot::this_slot_owner() {
         crate::classic::slot::Owner::Own => Borrow::Own,
         crate::classic::slot::Owner::Shared(root) => Borrow::Recipe(root),
+        crate::classic::slot::Owner::Orphaned => Borrow::Unnamed,
     }
 }
 
