@@ -1417,6 +1417,48 @@ fn bmake_abort(failing_branch: u32) {
     assert_no_leftovers(&t);
 }
 
+/// A failure in one branch stops a branch that runs one job at a time:
+/// every job of its chain runs on the sub-make's implicit token, which
+/// asks the broker for nothing, and the herdless bmake used to run the
+/// whole chain where Debian's bmake, which reads its pipe at every
+/// withdrawal and finds the abort token there, stops at its next job.
+#[test]
+fn a_failure_stops_a_herdless_bmake_branch_that_runs_one_job_at_a_time() {
+    let t = Tree::new("real-bmake-fail-serial");
+    let d = t.dir.display();
+    let mut chain = String::from("all: c10\n");
+    for i in 2..=10 {
+        chain += &format!("c{i}: c{}\n", i - 1);
+    }
+    chain += &format!(
+        "{}:\n\t@sh {d}/job.sh {d}\n",
+        (1..=10)
+            .map(|i| format!("c{i}"))
+            .collect::<Vec<_>>()
+            .join(" ")
+    );
+    fs::write(t.path("chain.mk"), chain).unwrap();
+    fs::write(
+        t.path("Makefile"),
+        format!("all: chain fail\nchain: .MAKE\n\t@${{MAKE}} -f {d}/chain.mk\nfail:\n\t@sleep 0.5; false\n"),
+    )
+    .unwrap();
+    let mut cmd = make_cmd(&t, &herdless_bmake());
+    cmd.arg("-j2").env("JOB_SLEEP", "0.3");
+    let out = run(cmd);
+    let report = text(&out);
+    assert!(!out.status.success(), "{report}");
+    let (done, most) = t.counts();
+    assert!(
+        done < 10,
+        "the chain ran to its end despite the failure\n{report}"
+    );
+    assert_eq!(most, 1, "{report}");
+    let brokers = broker_lines(&t);
+    assert_eq!(figure(&brokers[0], "lost"), 0, "{brokers:?}");
+    assert_no_leftovers(&t);
+}
+
 #[test]
 fn a_failing_job_in_a_herdless_bmake_stops_the_tree() {
     bmake_abort(2);
