@@ -283,9 +283,6 @@ pub struct Bridge {
     /// A write-only description of `offers`, on a pipe of one buffer:
     /// writable again, edge-triggered, when a reader takes the last byte.
     drained: Option<File>,
-    /// The pipe is of one buffer for the table's sake alone (not a backed
-    /// pool's): its size comes back once classic clients are at work.
-    shrunk_for_table: bool,
 }
 
 fn mkfifo(path: &Path) -> io::Result<()> {
@@ -383,7 +380,6 @@ impl Bridge {
             backed: false,
             table: false,
             drained: None,
-            shrunk_for_table: false,
         })
     }
 
@@ -448,7 +444,6 @@ impl Bridge {
     /// reads the offer, so the next one follows at once.
     pub fn set_backed(&mut self) -> io::Result<()> {
         self.backed = true;
-        self.shrunk_for_table = false;
         self.watch_drain()
     }
 
@@ -521,7 +516,6 @@ impl Bridge {
         self.table = yes;
         if yes && self.jobs < ONE_BUFFER_TOKENS {
             self.watch_drain()?;
-            self.shrunk_for_table = self.drained.is_some() && !self.backed;
         }
         Ok(())
     }
@@ -827,7 +821,8 @@ impl Bridge {
 
     /// Classic clients were seen at work: offer again at every turn.
     fn classic_active(&mut self) {
-        if !self.classic_seen {
+        let first = !self.classic_seen;
+        if first {
             log!(
                 Level::Debug,
                 "classic: a classic client read or returned a token"
@@ -843,7 +838,9 @@ impl Bridge {
         // turns would leave it full with a few bytes in it, and a client
         // blocked writing its token back (GNU make's FIFO) would wait for
         // good (herdless_platform::pipe_one_buffer).
-        if std::mem::take(&mut self.shrunk_for_table) {
+        // (A pipe shrunk for a backed pool keeps its one buffer: its one
+        // offer is read or taken back, so it empties.)
+        if first && self.drained.is_some() && !self.backed {
             if let Err(e) = herdless_platform::pipe_default_size(self.offers.as_fd()) {
                 log!(
                     Level::Warn,
@@ -928,11 +925,7 @@ impl Bridge {
             // In fifo style a classic client gives its token back into the
             // FIFO the others read: taken back at once, so that none of
             // them starts a job on it after the stop.
-            self.refresh();
-            let n = self.in_pipe();
-            if n > 0 {
-                self.take_back(pool, n, now);
-            }
+            self.take_back_unread(pool, now);
             return;
         }
         // Fewer tokens in the pipe than put there: classic clients took some.
@@ -1068,9 +1061,16 @@ impl Bridge {
     pub fn on_stop(&mut self, pool: &mut Pool, now: std::time::Duration) {
         self.queued = false;
         self.offer = None;
+        self.take_back_unread(pool, now);
+    }
+
+    /// Takes every token unread in the pipe back into the pool.
+    fn take_back_unread(&mut self, pool: &mut Pool, now: std::time::Duration) {
         self.refresh();
-        let n = self.in_pipe();
-        self.take_back(pool, n, now);
+        let n = self.expected_in_pipe;
+        if n > 0 {
+            self.take_back(pool, n, now);
+        }
     }
 
     fn write_stopper(&self, reason: AbortReason) {

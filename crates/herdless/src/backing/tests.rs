@@ -7,6 +7,7 @@ use crate::pool::{ClientId, Effect, SlotKey, Source};
 use proptest::prelude::*;
 
 /// An outer jobserver: `total` bytes, in its pipe or held by siblings.
+#[derive(Debug)]
 struct Memory {
     pipe: Vec<u8>,
     total: usize,
@@ -356,4 +357,77 @@ fn a_request_nobody_wants_any_more_is_withdrawn() {
     p.release(a, t(5)).unwrap();
     ledger.balance(&mut p, &mut outer, t(5));
     assert_eq!(ledger.held(), 0, "given back after the abort too");
+}
+
+/// [`Memory`] shared between the test and the [`Backing`] that owns it,
+/// so that the test can count its pipe after the backing is dropped.
+#[derive(Clone, Debug)]
+struct Shared(std::sync::Arc<std::sync::Mutex<Memory>>);
+
+impl Shared {
+    fn pipe(&self) -> Vec<u8> {
+        self.0.lock().unwrap().pipe.clone()
+    }
+}
+
+impl Outer for Shared {
+    fn take(&mut self) -> Taken {
+        self.0.lock().unwrap().take()
+    }
+    fn put(&mut self, byte: u8) -> io::Result<()> {
+        self.0.lock().unwrap().put(byte)
+    }
+}
+
+impl crate::backing::Source for Shared {
+    fn fd(&self) -> std::os::fd::RawFd {
+        -1
+    }
+    fn what(&self) -> String {
+        "test's pipe".into()
+    }
+}
+
+/// A backing of `-j4` on 5 outer bytes that has borrowed 3 for its
+/// waiters.
+fn borrowing() -> (Backing, Pool, Shared) {
+    let outer = Shared(std::sync::Arc::new(std::sync::Mutex::new(Memory::new(5))));
+    let mut backing = Backing {
+        ledger: Ledger::new(Flavor::Gnu, 4),
+        outer: Box::new(outer.clone()),
+    };
+    let mut pool = backed_pool();
+    for i in 0..4 {
+        let id = pool.connect(native(10 + i));
+        pool.acquire(id, t(0)).unwrap();
+    }
+    backing.balance(&mut pool, t(0));
+    assert_eq!((backing.ledger().held(), outer.pipe().len()), (3, 2));
+    (backing, pool, outer)
+}
+
+#[test]
+fn a_backing_dropped_holding_bytes_gives_them_back() {
+    let (backing, _pool, outer) = borrowing();
+    drop(backing);
+    assert_eq!(outer.pipe().len(), 5);
+}
+
+#[test]
+fn a_backing_dropped_after_giving_back_gives_nothing_twice() {
+    let (mut backing, _pool, outer) = borrowing();
+    assert_eq!(backing.give_back_all(), 3);
+    drop(backing);
+    assert_eq!(outer.pipe(), vec![b'+'; 5]);
+}
+
+#[test]
+fn a_panicking_owner_gives_the_bytes_back() {
+    let (backing, _pool, outer) = borrowing();
+    let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
+        let _owned = backing;
+        panic!("the broker's thread panics");
+    }));
+    assert!(unwound.is_err());
+    assert_eq!(outer.pipe().len(), 5);
 }

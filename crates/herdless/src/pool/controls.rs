@@ -237,10 +237,16 @@ impl Pool {
             .sum()
     }
 
+    /// Whether admission holds every shared token back now: closed, with
+    /// at least its floor in use.
+    fn admission_holds(&self) -> bool {
+        !self.controls.admission_open && self.shared_in_use() >= self.controls.floor
+    }
+
     /// Whether a shared token may go to `id` now, as far as admission and
     /// caps are concerned (a free token is the caller's business).
     pub(super) fn may_take_shared(&self, id: ClientId) -> bool {
-        if !self.controls.admission_open && self.shared_in_use() >= self.controls.floor {
+        if self.admission_holds() {
             return false;
         }
         self.controls
@@ -253,7 +259,7 @@ impl Pool {
     /// [`Pool::may_take_shared`] says for each: each cap's subtree is
     /// counted once, not once per waiter.
     pub(super) fn count_may_take_shared(&self, waiters: impl Iterator<Item = ClientId>) -> usize {
-        if !self.controls.admission_open && self.shared_in_use() >= self.controls.floor {
+        if self.admission_holds() {
             return 0;
         }
         let full: Vec<u32> = self
