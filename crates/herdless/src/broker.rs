@@ -157,6 +157,7 @@ pub struct Stopper {
     waker: Arc<Waker>,
     flag: Arc<AtomicBool>,
     halt: Arc<AtomicBool>,
+    drain: Arc<AtomicBool>,
     command: Arc<AtomicU32>,
     keep_free: Arc<AtomicUsize>,
 }
@@ -167,6 +168,20 @@ impl Stopper {
     pub fn stop(&self) {
         self.halt.store(true, Ordering::SeqCst);
         self.flag.store(true, Ordering::SeqCst);
+        self.wake();
+    }
+
+    /// Asks the broker to shut down once no job runner is connected: it
+    /// serves as before until every connection that said hello as one (a
+    /// make, a client with an implicit token of its own: not a job of a
+    /// runner, not an observer) and every connection still in its
+    /// handshake has closed, then `Broker::run` returns its report. What a
+    /// top-level make does before it exits, as stock GNU make reads its
+    /// jobserver back until every sub-make has closed it: a sub-make in the
+    /// background still has its broker. Jobs (`herdless exec`) are not
+    /// waited for, as stock make does not wait for a job it did not start.
+    pub fn stop_when_idle(&self) {
+        self.drain.store(true, Ordering::SeqCst);
         self.wake();
     }
 
@@ -226,6 +241,9 @@ struct Conn {
     pid: Option<u32>,
     /// Said hello as an observer (takes no tokens).
     observer: bool,
+    /// Said hello as a job runner: a client with an implicit token of its
+    /// own (a make), not a job of a runner, not an observer.
+    runner: bool,
     /// Watched for writability: only while replies wait in `tx`, so a
     /// client reading its grant does not wake the broker again.
     watching_writes: bool,
@@ -269,6 +287,8 @@ pub struct Broker {
     waker: Arc<Waker>,
     stop: Arc<AtomicBool>,
     halt: Arc<AtomicBool>,
+    /// Stop once no job runner is connected ([`Stopper::stop_when_idle`]).
+    drain: Arc<AtomicBool>,
     /// The process id of the command at the top, once known (0 before).
     command: Arc<AtomicU32>,
     /// Descriptors left free for the process the broker runs in
@@ -425,6 +445,7 @@ impl Broker {
             waker,
             stop: Arc::new(AtomicBool::new(false)),
             halt: Arc::new(AtomicBool::new(false)),
+            drain: Arc::new(AtomicBool::new(false)),
             command: Arc::new(AtomicU32::new(0)),
             keep_free: Arc::new(AtomicUsize::new(0)),
             refused_no_room: 0,
@@ -632,6 +653,7 @@ impl Broker {
             waker: self.waker.clone(),
             flag: self.stop.clone(),
             halt: self.halt.clone(),
+            drain: self.drain.clone(),
             command: self.command.clone(),
             keep_free: self.keep_free.clone(),
         }
@@ -727,6 +749,9 @@ impl Broker {
         // The table's tokens are lent before the first client connects.
         self.fast_balance();
         while !self.stop.load(Ordering::SeqCst) {
+            if self.drain.load(Ordering::SeqCst) && !self.runner_connected() {
+                break;
+            }
             if self.halt.load(Ordering::SeqCst) {
                 self.stop_granting();
                 self.flush_dirty();
@@ -811,6 +836,12 @@ impl Broker {
             self.flush_dirty();
         }
         Ok(self.shut_down())
+    }
+
+    /// A job runner is connected, or a connection has not said hello yet
+    /// (it may be one): what [`Stopper::stop_when_idle`] waits for.
+    fn runner_connected(&self) -> bool {
+        self.conns.values().any(|c| c.runner || c.client.is_none())
     }
 
     /// No sleep while a connection waits for a turn; otherwise until the
@@ -983,6 +1014,7 @@ impl Broker {
                 client: None,
                 pid,
                 observer: false,
+                runner: false,
                 watching_writes: false,
                 version: PROTOCOL_VERSION,
                 exit_fd: None,
@@ -1357,6 +1389,7 @@ impl Broker {
         };
         let pid = *conn.pid.get_or_insert(pid);
         conn.observer = observer;
+        conn.runner = !observer && borrows.is_none();
         let info = ClientInfo {
             pid,
             borrows,
