@@ -429,6 +429,197 @@ fn a_new_group_on_the_stock_jobserver_keeps_its_own_limit() {
     }
 }
 
+/// A stock make that starts a `-j2` group of its own between a herdless
+/// top make (`-j16`, its broker inside) and herdless sub-makes: the
+/// sub-makes are handed the stock make's own pipe or FIFO, not the
+/// broker's (`HERDLESS_CLASSIC` says which is the broker's), so they keep
+/// to its `-j2`, as stock makes throughout would, though the broker above
+/// has 15 tokens free. Three sub-makes of six jobs under the stock group.
+#[test]
+fn a_stock_make_group_between_herdless_makes_keeps_its_own_limit() {
+    let gnu = herdless_make();
+    let bmake = herdless_bmake();
+    let gnu_stock = stock_make();
+    // (name, top make, the stock group's recipe line, a sub-make's line,
+    // the dependency line that marks a recursive target)
+    let cases = [
+        (
+            "gnu",
+            gnu.clone(),
+            format!("+@{} -j2", gnu_stock.display()),
+            format!("+@{}", gnu.display()),
+            "",
+        ),
+        (
+            "bmake",
+            bmake.clone(),
+            // A stock bmake given -J would take tokens from the pipe it
+            // was handed; without MAKEFLAGS it makes a pipe of its own.
+            "@env -u MAKEFLAGS /usr/bin/bmake -j2".to_string(),
+            format!("@{}", bmake.display()),
+            " .MAKE",
+        ),
+    ];
+    for (name, top, group, sub, recursive) in cases {
+        let t = Tree::new(&format!("real-make-stock-group-{name}"));
+        let d = t.dir.display();
+        let mut mid = String::from("all: s1 s2 s3\n");
+        for s in 1..=3 {
+            t.flat_makefile(&format!("sub{s}.mk"), &format!("s{s}j"), 6);
+            mid += &format!("s{s}:{recursive}\n\t{sub} -f {d}/sub{s}.mk\n");
+        }
+        fs::write(t.path("mid.mk"), mid).unwrap();
+        fs::write(
+            t.path("Makefile"),
+            format!("all:{recursive}\n\t{group} -f {d}/mid.mk\n"),
+        )
+        .unwrap();
+        let mut cmd = make_cmd(&t, &top);
+        cmd.arg("-j16").env("JOB_SLEEP", "0.3");
+        let out = run(cmd);
+        let report = text(&out);
+        assert!(out.status.success(), "{name}: {report}");
+        let (done, most) = t.counts();
+        assert_eq!(done, 18, "{name}: {report}");
+        assert!(most <= 2, "{name}: {most} jobs at once under -j2\n{report}");
+        assert_eq!(most, 2, "{name}: never 2 jobs at once\n{report}");
+        // The top make's broker served only its own job, and lost nothing.
+        let lines = broker_lines(&t);
+        assert_eq!(lines.len(), 1, "{name}: {lines:?}\n{report}");
+        assert_eq!(figure(&lines[0], "lost"), 0, "{name}: {lines:?}");
+        assert_eq!(figure(&lines[0], "max_in_use"), 0, "{name}: {lines:?}");
+        assert_no_leftovers(&t);
+    }
+}
+
+/// `herdless run -j 16` whose command is a `make -j2` with a group of its
+/// own (a stock GNU make on its own FIFO, or a herdless one with its own
+/// broker): `herdless exec` jobs in its recipes, four at a time from
+/// `xargs -P 4`, and a nested `herdless run -j 8` in one of them, keep to
+/// the make's `-j2`. They are handed the make's FIFO, not `run`'s classic
+/// side, so they take their tokens there (the nested run borrows from it),
+/// not from `run`'s broker with 15 tokens free; `CARGO_MAKEFLAGS`, which
+/// `run` set and the make left as it was, does not mislead them.
+#[test]
+fn herdless_jobs_under_a_make_group_keep_to_its_limit() {
+    for (name, make) in [("stock", stock_make()), ("herdless", herdless_make())] {
+        let t = Tree::new(&format!("real-make-exec-under-group-{name}"));
+        let d = t.dir.display();
+        let jobs =
+            format!("printf '1\\n2\\n3\\n4\\n' | xargs -P 4 -I@ {BIN} exec -- sh {d}/job.sh {d}");
+        fs::write(
+            t.path("Makefile"),
+            format!(
+                "all: a b c\n\
+                 a:\n\t@{jobs}\n\
+                 b:\n\t@{jobs}\n\
+                 c:\n\t@{BIN} run -j 8 -- sh -c \"{jobs}\"\n"
+            ),
+        )
+        .unwrap();
+        let mut cmd = make_cmd(&t, Path::new(BIN));
+        cmd.args(["run", "-j", "16", "--stats", "--"])
+            .arg(&make)
+            .args(["-j2", "-f"])
+            .arg(t.path("Makefile"))
+            .env("JOB_SLEEP", "0.3");
+        let out = run(cmd);
+        let report = text(&out);
+        assert!(out.status.success(), "{name}: {report}");
+        let (done, most) = t.counts();
+        assert_eq!(done, 12, "{name}: {report}");
+        assert!(
+            most <= 2,
+            "{name}: {most} jobs at once under make -j2\n{report}"
+        );
+        assert_eq!(most, 2, "{name}: never 2 jobs at once\n{report}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(stat(&stderr, "tokens lost"), "0", "{name}: {report}");
+        let grants = stat(&stderr, "grants");
+        assert!(
+            grants.starts_with("0 to native"),
+            "{name}: {grants}\n{report}"
+        );
+        for line in broker_lines(&t) {
+            assert_eq!(figure(&line, "lost"), 0, "{name}: {line:?}");
+        }
+        // The classic slot rule's lock directory (herdless-slots-UID) is
+        // the user's, and stays; no broker's directory does.
+        let left: Vec<_> = fs::read_dir(t.path("tmp"))
+            .unwrap()
+            .filter_map(|e| e.ok())
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|f| !f.starts_with("herdless-slots-"))
+            .collect();
+        assert!(left.is_empty(), "{name}: left behind in TMPDIR: {left:?}");
+    }
+}
+
+/// Sub-makes left running in the background (`$(MAKE) … &`) by a herdless
+/// top make at `-j4`: the top make's broker serves until they have
+/// disconnected (as stock GNU make reads its FIFO back until they close
+/// it), so every job of theirs runs and nothing is lost. Before, the
+/// broker ended with the top make and 10 of the 12 jobs ran, each
+/// sub-make stopping with "the herdless broker went away". (A sub-make
+/// that has not connected when the top make ends finds the broker gone:
+/// docs/EMBEDDING.md, "Where the broker inside a make differs from
+/// stock".)
+#[test]
+fn background_sub_makes_keep_the_top_makes_broker_to_the_end() {
+    let cases = [
+        ("gnu", herdless_make(), "+@$(MAKE)", ""),
+        ("bmake", herdless_bmake(), "@${MAKE}", " .MAKE"),
+    ];
+    for (name, make, sub, recursive) in cases {
+        let t = Tree::new(&format!("real-make-background-{name}"));
+        let d = t.dir.display();
+        // The top make's own job outlasts the sub-makes' start, so that
+        // both have connected when it ends, and their jobs outlast it.
+        let mut top = String::from("all: a b c\nc:\n\t@sleep 0.4\n");
+        for (target, file) in [("a", "sub1.mk"), ("b", "sub2.mk")] {
+            t.flat_makefile(file, &format!("{target}j"), 6);
+            // Into a file: a bmake closes a job's output pipe once the
+            // job's shell ends, and a sub-make still writing there would
+            // die of SIGPIPE (stock bmake's too).
+            top +=
+                &format!("{target}:{recursive}\n\t{sub} -f {d}/{file} > {d}/{target}.log 2>&1 &\n");
+        }
+        fs::write(t.path("Makefile"), top).unwrap();
+        let mut cmd = make_cmd(&t, &make);
+        cmd.arg("-j4").env("JOB_SLEEP", "0.5");
+        let out = run(cmd);
+        let report = text(&out);
+        assert!(out.status.success(), "{name}: {report}");
+        // A stock bmake returns before its background sub-makes end: give
+        // them the time either way.
+        let deadline = Instant::now() + PATIENCE;
+        while t.counts().0 < 12 && Instant::now() < deadline {
+            thread::sleep(Duration::from_millis(50));
+        }
+        let (done, most) = t.counts();
+        let logs: String = ["a.log", "b.log"]
+            .iter()
+            .map(|l| fs::read_to_string(t.path(l)).unwrap_or_default())
+            .collect();
+        assert_eq!(done, 12, "{name}: {report}\nthe sub-makes said:\n{logs}");
+        // The top make counts a backgrounded recipe done when its shell
+        // ends, and gives its token back: each sub-make's implicit token
+        // is then one more, with stock make as well.
+        assert!(most <= 4 + 2, "{name}: {most} jobs at once\n{report}");
+        for log in ["a.log", "b.log"] {
+            let said = fs::read_to_string(t.path(log)).unwrap_or_default();
+            assert!(
+                !said.contains("went away"),
+                "{name}: a sub-make lost its broker: {said}\n{report}"
+            );
+        }
+        let lines = broker_lines(&t);
+        assert_eq!(lines.len(), 1, "{name}: {lines:?}\n{report}");
+        assert_eq!(figure(&lines[0], "lost"), 0, "{name}: {lines:?}");
+        assert_no_leftovers(&t);
+    }
+}
+
 /// Stock GNU make and Debian's bmake as `herdless run`'s command, with
 /// stock sub-makes throughout: classic clients only, seen at work.
 #[test]

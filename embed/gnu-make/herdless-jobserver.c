@@ -8,7 +8,10 @@
  *
  * Modes (the environment variable HERDLESS_MAKE):
  *   unset or "auto"  a sub-make whose environment names a broker
- *                    (HERDLESS_SOCKET) takes its tokens from it; a make
+ *                    (HERDLESS_SOCKET) takes its tokens from it, unless
+ *                    the jobserver in its MAKEFLAGS is not the broker's
+ *                    own (HERDLESS_CLASSIC): a stock make's -jN group lies
+ *                    between, whose limit it keeps to; a make
  *                    started with -jN (a new jobserver group, the top of a
  *                    tree) starts a broker inside this process, with a
  *                    classic FIFO for stock sub-makes, cargo and gcc;
@@ -300,7 +303,10 @@ __wrap_jobserver_setup (int slots, const char *style)
   broker_slots = (unsigned int) slots;
   /* A sub-make turned away for them uses the classic FIFO. */
   (void) herdless_broker_keep_fds (broker, keep_fds (slots));
-  c = herdless_client_native_from_env ();
+  /* By its socket: MAKEFLAGS may still name the jobserver of a make
+     above, which a connection through the environment takes for a make
+     between this one and the broker. */
+  c = herdless_client_connect (herdless_broker_socket (broker));
   if (!c)
     {
       OS (error, NILF, "herdless: cannot connect to this make's broker (%s): "
@@ -311,6 +317,10 @@ __wrap_jobserver_setup (int slots, const char *style)
     }
   connected (c);
   export_variable ("HERDLESS_SOCKET", herdless_broker_socket (broker));
+  /* Which jobserver is the broker's own: a sub-make handed another one
+     (a stock make's own -jN group between) keeps to that one. */
+  export_variable ("HERDLESS_CLASSIC", getenv ("HERDLESS_CLASSIC")
+                                       ? getenv ("HERDLESS_CLASSIC") : "");
   DB (DB_JOBS, ("herdless: broker for -j%d at %s\n", slots + 1,
                 herdless_broker_socket (broker)));
   return 1;
@@ -391,6 +401,23 @@ __wrap_jobserver_acquire_all (void)
   int lost;
   if (!broker)
     return __real_jobserver_acquire_all ();
+  /* Stock make reads its jobserver back until every sub-make has closed
+     it, so that a sub-make it left in the background (`$(MAKE) ... &`)
+     has its tokens to the end: the broker serves until no make is
+     connected. This make's own connection goes first. */
+  if (getpid () == broker_pid)
+    {
+      int r;
+      if (hl)
+        {
+          herdless_client_free (hl);
+          hl = NULL;
+        }
+      r = herdless_broker_drain (broker);
+      if (r < 0)
+        DB (DB_JOBS, ("herdless: cannot wait for the sub-makes: %s\n",
+                      herdless_strerror (r)));
+    }
   /* Every job has ended: the broker's own count says whether every token
      came home, which is what make asks here. */
   lost = stop_broker ();

@@ -10,7 +10,10 @@ use herdless::backing::{Backing, Broker as OuterBroker, Figures};
 use herdless::bridge::Bridge;
 use herdless::broker::{Broker, Config};
 use herdless::classic::{Auth, Flavor, Jobserver, Program};
-use herdless::client::{slot_env_value, socket_from_env, Client, Options, SLOT_ENV, SOCKET_ENV};
+use herdless::client::{
+    broker_from_env, jobserver_between, slot_env_value, Client, Options, CLASSIC_ENV, SLOT_ENV,
+    SOCKET_ENV,
+};
 use herdless::rundir::RunDir;
 use herdless::status::Status;
 
@@ -34,14 +37,16 @@ use super::RunArgs;
 ///
 /// Under another herdless broker (`HERDLESS_SOCKET` set) it starts no pool
 /// of its own unless `--new-pool` says so: see [`run_joined`]. Under a
-/// classic jobserver (an outer make's `MAKEFLAGS`) its pool is *backed*
+/// classic jobserver (an outer make's `MAKEFLAGS`, also one between this
+/// process and such a broker: `herdless::client::jobserver_between`) its
+/// pool is *backed*
 /// by the outer one: the command's implicit token is the recipe's, and
 /// each of the N − 1 others is borrowed from the outer jobserver when a
 /// job waits for it and given back as soon as none does (see
 /// `herdless::backing`).
 pub fn run(args: RunArgs) -> Result<u8> {
     let mut backing = None;
-    if let Some(outer) = socket_from_env() {
+    if let Some(outer) = broker_from_env() {
         if !args.new_pool {
             return run_joined(args, &outer);
         }
@@ -76,7 +81,11 @@ pub fn run(args: RunArgs) -> Result<u8> {
         env.push(("HERDLESS", me.into_os_string()));
     }
     let mut inherit = Vec::new();
-    if !args.no_classic {
+    if args.no_classic {
+        // No classic side: no jobserver in the command's MAKEFLAGS is the
+        // broker's, and none shows a make between.
+        env.push((CLASSIC_ENV, "".into()));
+    } else {
         let (bridge, more) = classic_side(&args, &dir, &mut inherit)?;
         env.extend(more);
         broker = broker.with_bridge(bridge)?;
@@ -156,7 +165,11 @@ fn classic_side(
 /// pool on its own, with a warning, as GNU make's "jobserver unavailable:
 /// using -j1" does.
 fn outer_jobserver(args: &RunArgs) -> Option<Backing> {
-    let js = match Jobserver::from_env() {
+    let found = match jobserver_between() {
+        Some(js) => Ok(Some(js)),
+        None => Jobserver::from_env(),
+    };
+    let js = match found {
         Ok(Some(js)) if !matches!(js.auth(), Auth::Disabled) => js,
         Ok(_) => return None,
         Err(e) => {

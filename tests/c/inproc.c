@@ -138,9 +138,21 @@ int main(void) {
     CHECK(strncmp(auth, "fifo:", 5) == 0);
     struct stat st;
     CHECK(stat(auth + 5, &st) == 0 && S_ISFIFO(st.st_mode));
+    /* HERDLESS_CLASSIC names that FIFO, so that a sub-make handed another
+     * jobserver knows a make lies between. */
+    {
+        char id[64];
+        snprintf(id, sizeof id, "%llu:%llu", (unsigned long long)st.st_dev,
+                 (unsigned long long)st.st_ino);
+        REQUIRE(getenv("HERDLESS_CLASSIC") != NULL);
+        CHECK(strcmp(getenv("HERDLESS_CLASSIC"), id) == 0);
+    }
     char dir[4096];
     snprintf(dir, sizeof dir, "%s", herdless_broker_dir(b));
 
+    /* MAKEFLAGS still names the pipe above, not the broker's FIFO: the
+     * process that started the broker connects all the same (a child
+     * handed that pipe would not). */
     herdless_client *c = herdless_client_native_from_env();
     REQUIRE(c != NULL);
     CHECK_EQ(herdless_capacity(c), 3);
@@ -188,9 +200,10 @@ int main(void) {
 #else
     CHECK_EQ(rep.broker_vcsw, -1);
 #endif
-    /* The socket, FIFO and directory are gone; the variable too. */
+    /* The socket, FIFO and directory are gone; the variables too. */
     CHECK(access(dir, F_OK) != 0);
     CHECK(getenv("HERDLESS_SOCKET") == NULL);
+    CHECK(getenv("HERDLESS_CLASSIC") == NULL);
 
     /* herdless_broker_unlink, as a fatal-signal handler calls it: a forked
      * child removes nothing (nor does its herdless_broker_stop); the started process's handler removes the

@@ -181,7 +181,8 @@ extern "C" {
 /**
  * Connects to the jobserver named in the environment: the herdless broker
  * in `HERDLESS_SOCKET` (or, where supported, a classic jobserver named in
- * `MAKEFLAGS`).
+ * `MAKEFLAGS`: when `HERDLESS_SOCKET` is unset, and when that jobserver is
+ * not the broker's own, as `herdless_client_native_from_env` says).
  *
  * Returns a new handle, owned by the caller (free it with
  * `herdless_client_free`), or NULL with `errno` set: `ENOENT` when the
@@ -198,8 +199,19 @@ herdless_client *herdless_client_from_env(void);
  * that manages its classic jobserver itself and uses herdless only when
  * a broker is there.
  *
+ * A broker is not this process's to use when the classic jobserver it
+ * was handed (`--jobserver-auth` or `-J` in `MAKEFLAGS`) is not the
+ * broker's own, as `HERDLESS_CLASSIC` names it: a stock make that
+ * started a `-jN` group of its own lies between, and its `-j` must hold
+ * (see `jobserver_between` in the Rust crate). Then this fails with
+ * `ENOENT`, and the make uses that jobserver as a stock make would. A
+ * process that started the broker itself (`herdless_broker_start`), or
+ * a fork of it, is never turned away so: its `MAKEFLAGS` may name the jobserver of a make
+ * above it, which its children no longer see.
+ *
  * Returns a new handle, or NULL with `errno` set: `ENOENT` when
- * `HERDLESS_SOCKET` is not set (or empty) or its socket does not exist,
+ * `HERDLESS_SOCKET` is not set (or empty), a classic jobserver lies
+ * between (above), or its socket does not exist,
  * `ECONNREFUSED` when nobody listens there or the broker refuses this
  * client, another value when the connection fails otherwise.
  *
@@ -608,7 +620,11 @@ const char *herdless_strerror(int code);
  * settings apply); NULL picks the default above.
  *
  * Call it before starting threads that read the environment: it sets
- * `HERDLESS_SOCKET` with `setenv`.
+ * `HERDLESS_SOCKET` with `setenv`, and `HERDLESS_CLASSIC` (which classic
+ * jobserver is the broker's own: a client handed another one does not
+ * use the broker; empty without a classic side). The stop puts both
+ * back as they were. A make that exports its variables to its children
+ * from a table of its own (GNU make) must put both there.
  *
  * # Safety
  *
@@ -694,6 +710,30 @@ const char *herdless_broker_classic_auth(const herdless_broker *b);
  * the same handle.
  */
 int herdless_broker_unlink(const herdless_broker *b);
+
+/**
+ * Waits until no job runner uses the broker any more, then ends its
+ * thread; `herdless_broker_stop` still frees it and reports. Until then
+ * it serves as before. A job runner is a make (or any client with an
+ * implicit token of its own) connected to it, or a connection not past
+ * its handshake; jobs (`herdless exec`) and observers are not waited for.
+ * A top-level make calls it before it exits, as stock GNU make reads its
+ * jobserver back until every sub-make has closed it: a sub-make it left
+ * running in the background (`$(MAKE) … &`) keeps its broker to the end.
+ * Close the caller's own connection first: it is a job runner too. The
+ * wait has no deadline (stock make's read has none either); a signal
+ * does not end it, so call it with the make's fatal-signal handlers in
+ * place (they remove the broker's files with `herdless_broker_unlink`).
+ *
+ * Returns 0, `-EINVAL` when `b` is NULL, `-EPERM` in a process other
+ * than the one that started it (a fork), `-EALREADY` when it was drained
+ * before.
+ *
+ * # Safety
+ *
+ * `b` is NULL or a live broker handle.
+ */
+int herdless_broker_drain(const herdless_broker *b);
 
 /**
  * Stops the broker, waits for its thread, removes its socket, FIFOs and

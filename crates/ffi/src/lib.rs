@@ -40,7 +40,9 @@ use nix::errno::Errno;
 use herdless_lib::bridge::Bridge;
 use herdless_lib::broker::{Broker, Config, Stopper};
 use herdless_lib::classic::{Auth, Flavor, Style};
-use herdless_lib::client::{self, Client, ErrorKind, Options, Token, SOCKET_ENV};
+use herdless_lib::client::{
+    self, classic_env_value, Client, ErrorKind, Options, Token, CLASSIC_ENV, SOCKET_ENV,
+};
 use herdless_lib::protocol::AbortReason;
 use herdless_lib::rundir::RunDir;
 use herdless_lib::status::Status;
@@ -152,7 +154,8 @@ unsafe fn handle<'a>(c: *const herdless_client) -> Option<&'a herdless_client> {
 
 /// Connects to the jobserver named in the environment: the herdless broker
 /// in `HERDLESS_SOCKET` (or, where supported, a classic jobserver named in
-/// `MAKEFLAGS`).
+/// `MAKEFLAGS`: when `HERDLESS_SOCKET` is unset, and when that jobserver is
+/// not the broker's own, as `herdless_client_native_from_env` says).
 ///
 /// Returns a new handle, owned by the caller (free it with
 /// `herdless_client_free`), or NULL with `errno` set: `ENOENT` when the
@@ -163,7 +166,11 @@ unsafe fn handle<'a>(c: *const herdless_client) -> Option<&'a herdless_client> {
 #[no_mangle]
 pub extern "C" fn herdless_client_from_env() -> *mut herdless_client {
     into_handle(catch_unwind(|| {
-        Client::from_env_with(options()).map_err(|e| e.errno())
+        match own_broker() {
+            Some(path) => Client::connect_with(&path, options()),
+            None => Client::from_env_with(options()),
+        }
+        .map_err(|e| e.errno())
     }))
 }
 
@@ -172,8 +179,19 @@ pub extern "C" fn herdless_client_from_env() -> *mut herdless_client {
 /// that manages its classic jobserver itself and uses herdless only when
 /// a broker is there.
 ///
+/// A broker is not this process's to use when the classic jobserver it
+/// was handed (`--jobserver-auth` or `-J` in `MAKEFLAGS`) is not the
+/// broker's own, as `HERDLESS_CLASSIC` names it: a stock make that
+/// started a `-jN` group of its own lies between, and its `-j` must hold
+/// (see `jobserver_between` in the Rust crate). Then this fails with
+/// `ENOENT`, and the make uses that jobserver as a stock make would. A
+/// process that started the broker itself (`herdless_broker_start`), or
+/// a fork of it, is never turned away so: its `MAKEFLAGS` may name the jobserver of a make
+/// above it, which its children no longer see.
+///
 /// Returns a new handle, or NULL with `errno` set: `ENOENT` when
-/// `HERDLESS_SOCKET` is not set (or empty) or its socket does not exist,
+/// `HERDLESS_SOCKET` is not set (or empty), a classic jobserver lies
+/// between (above), or its socket does not exist,
 /// `ECONNREFUSED` when nobody listens there or the broker refuses this
 /// client, another value when the connection fails otherwise.
 ///
@@ -185,7 +203,7 @@ pub extern "C" fn herdless_client_from_env() -> *mut herdless_client {
 /// descriptors it has for its own work.
 #[no_mangle]
 pub extern "C" fn herdless_client_native_from_env() -> *mut herdless_client {
-    into_handle(catch_unwind(|| match client::socket_from_env() {
+    into_handle(catch_unwind(|| match broker_from_env() {
         Some(path) => {
             fd_headroom()?;
             Client::connect_with(&path, options()).map_err(|e| e.errno())
@@ -198,6 +216,30 @@ pub extern "C" fn herdless_client_native_from_env() -> *mut herdless_client {
 /// or `herdless_connect_begin` to connect: the four a connection may take,
 /// and four left to the program.
 pub const HERDLESS_FD_HEADROOM: usize = 8;
+
+/// The sockets of the brokers this process started
+/// (`herdless_broker_start`) and has not stopped; a fork (not yet an
+/// exec) has its parent's list, and its parent's environment.
+static STARTED_HERE: std::sync::Mutex<Vec<OsString>> = std::sync::Mutex::new(Vec::new());
+
+/// The broker named in `HERDLESS_SOCKET`, unless a classic jobserver lies
+/// between (`client::jobserver_between`): a process that started that
+/// broker itself uses it whatever its own `MAKEFLAGS` names (the jobserver
+/// of a make above it, which its children no longer see).
+fn broker_from_env() -> Option<std::path::PathBuf> {
+    own_broker().or_else(client::broker_from_env)
+}
+
+/// The socket in `HERDLESS_SOCKET`, when this process (or the process it
+/// is a fork of) started that broker.
+fn own_broker() -> Option<std::path::PathBuf> {
+    let socket = client::socket_from_env()?;
+    let here = STARTED_HERE
+        .lock()
+        .map(|l| l.iter().any(|s| *s == socket.as_os_str()))
+        .unwrap_or(false);
+    here.then_some(socket)
+}
 
 /// `Err(EMFILE)` when fewer than `HERDLESS_FD_HEADROOM` descriptors are
 /// free (`herdless_fds_free`).
@@ -245,7 +287,7 @@ pub struct herdless_connecting {
 /// `herdless_connect_finish`. The socket is close-on-exec.
 #[no_mangle]
 pub extern "C" fn herdless_connect_begin() -> *mut herdless_connecting {
-    let made = catch_unwind(|| match client::socket_from_env() {
+    let made = catch_unwind(|| match broker_from_env() {
         Some(path) => {
             fd_headroom()?;
             Client::begin_connect_with(&path, options()).map_err(|e| e.errno())
@@ -292,7 +334,7 @@ pub unsafe extern "C" fn herdless_connect_finish(
     let begun = unsafe { Box::from_raw(p) };
     into_handle(catch_unwind(AssertUnwindSafe(move || {
         let connecting = begun.connecting;
-        match client::socket_from_env() {
+        match broker_from_env() {
             Some(path) if path == connecting.socket() => connecting.finish().map_err(|e| e.errno()),
             Some(path) => {
                 drop(connecting);
@@ -879,7 +921,11 @@ pub const HERDLESS_BROKER_BMAKE: c_uint = 4;
 pub struct herdless_broker {
     dir: Option<RunDir>,
     stopper: Stopper,
-    thread: Option<std::thread::JoinHandle<std::io::Result<Status>>>,
+    /// The broker's thread, until `herdless_broker_drain` or
+    /// `herdless_broker_stop` joins it.
+    thread: std::sync::Mutex<Option<std::thread::JoinHandle<std::io::Result<Status>>>>,
+    /// What the thread returned, when `herdless_broker_drain` joined it.
+    ended: std::sync::Mutex<Option<std::thread::Result<std::io::Result<Status>>>>,
     socket: CString,
     dir_path: CString,
     /// Every entry of the directory once the broker was set up (its
@@ -890,8 +936,9 @@ pub struct herdless_broker {
     auth: Option<CString>,
     /// Pipe style: the descriptors children inherit (no close-on-exec).
     fds: Option<(OwnedFd, OwnedFd)>,
-    /// `HERDLESS_SOCKET` before the start, put back by the stop.
-    previous: Option<OsString>,
+    /// `HERDLESS_SOCKET` and `HERDLESS_CLASSIC` before the start, put
+    /// back by the stop.
+    previous: [Option<OsString>; 2],
 }
 
 /// What a broker did, filled in by `herdless_broker_stop`.
@@ -950,7 +997,11 @@ pub struct herdless_broker_report {
 /// settings apply); NULL picks the default above.
 ///
 /// Call it before starting threads that read the environment: it sets
-/// `HERDLESS_SOCKET` with `setenv`.
+/// `HERDLESS_SOCKET` with `setenv`, and `HERDLESS_CLASSIC` (which classic
+/// jobserver is the broker's own: a client handed another one does not
+/// use the broker; empty without a classic side). The stop puts both
+/// back as they were. A make that exports its variables to its children
+/// from a table of its own (GNU make) must put both there.
 ///
 /// # Safety
 ///
@@ -1023,6 +1074,7 @@ fn start_broker(
     dir.set_bound();
     let mut auth = None;
     let mut fds = None;
+    let mut id = String::new();
     if let Some((style, flavor)) = classic {
         let mut bridge =
             Bridge::create(dir.dir(), style, flavor, jobs).map_err(|e| io_errno(&e))?;
@@ -1038,6 +1090,7 @@ fn start_broker(
             Auth::Disabled => unreachable!("a bridge is never disabled"),
         };
         auth = Some(CString::new(text).map_err(|_| libc::EINVAL)?);
+        id = classic_env_value(bridge.id());
         broker = broker.with_bridge(bridge).map_err(|e| io_errno(&e))?;
     }
     // Children may change directory: the variable names the socket by an
@@ -1065,12 +1118,17 @@ fn start_broker(
         move || broker.run(),
     )
     .map_err(|e| io_errno(&e))?;
-    let previous = std::env::var_os(SOCKET_ENV);
+    if let Ok(mut list) = STARTED_HERE.lock() {
+        list.push(OsStr::from_bytes(socket.as_bytes()).to_owned());
+    }
+    let previous = [SOCKET_ENV, CLASSIC_ENV].map(std::env::var_os);
     std::env::set_var(SOCKET_ENV, OsStr::from_bytes(socket.as_bytes()));
+    std::env::set_var(CLASSIC_ENV, id);
     Ok(herdless_broker {
         dir: Some(dir),
         stopper,
-        thread: Some(thread),
+        thread: std::sync::Mutex::new(Some(thread)),
+        ended: std::sync::Mutex::new(None),
         socket,
         dir_path,
         entries,
@@ -1212,6 +1270,52 @@ pub unsafe extern "C" fn herdless_broker_unlink(b: *const herdless_broker) -> c_
         .unwrap_or(libc::EIO)
 }
 
+/// Waits until no job runner uses the broker any more, then ends its
+/// thread; `herdless_broker_stop` still frees it and reports. Until then
+/// it serves as before. A job runner is a make (or any client with an
+/// implicit token of its own) connected to it, or a connection not past
+/// its handshake; jobs (`herdless exec`) and observers are not waited for.
+/// A top-level make calls it before it exits, as stock GNU make reads its
+/// jobserver back until every sub-make has closed it: a sub-make it left
+/// running in the background (`$(MAKE) … &`) keeps its broker to the end.
+/// Close the caller's own connection first: it is a job runner too. The
+/// wait has no deadline (stock make's read has none either); a signal
+/// does not end it, so call it with the make's fatal-signal handlers in
+/// place (they remove the broker's files with `herdless_broker_unlink`).
+///
+/// Returns 0, `-EINVAL` when `b` is NULL, `-EPERM` in a process other
+/// than the one that started it (a fork), `-EALREADY` when it was drained
+/// before.
+///
+/// # Safety
+///
+/// `b` is NULL or a live broker handle.
+#[no_mangle]
+pub unsafe extern "C" fn herdless_broker_drain(b: *const herdless_broker) -> c_int {
+    // SAFETY: NULL or, by this function's contract, a live handle made by
+    // `Box::into_raw`; only read here (its thread and result sit behind
+    // locks).
+    let Some(b) = (unsafe { b.as_ref() }) else {
+        return -libc::EINVAL;
+    };
+    // SAFETY: getpid(2) takes nothing and always succeeds.
+    if unsafe { libc::getpid() } != b.pid {
+        return -libc::EPERM;
+    }
+    let drained = catch_unwind(AssertUnwindSafe(|| {
+        let Some(thread) = b.thread.lock().ok().and_then(|mut t| t.take()) else {
+            return -libc::EALREADY;
+        };
+        b.stopper.stop_when_idle();
+        let ended = thread.join();
+        if let Ok(mut slot) = b.ended.lock() {
+            *slot = Some(ended);
+        }
+        0
+    }));
+    drained.unwrap_or(PANICKED)
+}
+
 /// Stops the broker, waits for its thread, removes its socket, FIFOs and
 /// directory, closes the classic descriptors, puts `HERDLESS_SOCKET` back
 /// as it was before the start, and frees the handle. When `report` is not
@@ -1246,17 +1350,30 @@ pub unsafe extern "C" fn herdless_broker_stop(
     // `Box::into_raw` in `herdless_broker_start` and not used after this.
     let mut b = unsafe { Box::from_raw(b) };
     let outcome = catch_unwind(AssertUnwindSafe(|| {
-        b.stopper.stop();
-        let status = match b.thread.take().map(|t| t.join()) {
+        let ended = match b.ended.get_mut().ok().and_then(Option::take) {
+            Some(ended) => Some(ended),
+            None => {
+                b.stopper.stop();
+                let thread = b.thread.get_mut().ok().and_then(Option::take);
+                thread.map(|t| t.join())
+            }
+        };
+        let status = match ended {
             Some(Ok(Ok(status))) => Ok(status),
             Some(Ok(Err(e))) => Err(-io_errno(&e)),
             Some(Err(_)) | None => Err(PANICKED),
         };
         b.fds = None;
         b.dir = None;
-        match &b.previous {
-            Some(v) => std::env::set_var(SOCKET_ENV, v),
-            None => std::env::remove_var(SOCKET_ENV),
+        if let Ok(mut list) = STARTED_HERE.lock() {
+            let socket = OsStr::from_bytes(b.socket.as_bytes());
+            list.retain(|s| s.as_os_str() != socket);
+        }
+        for (var, value) in [SOCKET_ENV, CLASSIC_ENV].iter().zip(&b.previous) {
+            match value {
+                Some(v) => std::env::set_var(var, v),
+                None => std::env::remove_var(var),
+            }
         }
         status
     }));

@@ -159,10 +159,11 @@ use std::ffi::{OsStr, OsString};
 use std::fs::{File, OpenOptions};
 use std::io::{self, Read, Write};
 use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
-use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
 use crate::classic::{Auth, Flavor, Jobserver, Style};
+use crate::client::{classic_env_value, CLASSIC_ENV};
 use crate::fast::Notify;
 use crate::log;
 use crate::log::Level;
@@ -229,6 +230,8 @@ pub struct Bridge {
     flavor: Flavor,
     jobs: u32,
     offers_path: PathBuf,
+    /// `(st_dev, st_ino)` of the offers FIFO: which jobserver this is.
+    id: (u64, u64),
     returns_path: Option<PathBuf>,
     /// The broker's own non-blocking read-write description of `offers`.
     offers: File,
@@ -322,6 +325,8 @@ impl Bridge {
         });
         mkfifo(&offers_path)?;
         let offers = open_private(&offers_path)?;
+        let meta = offers.metadata()?;
+        let id = (meta.dev(), meta.ino());
         let (returns_path, returns, child_ends) = match style {
             Style::Fifo => (None, None, None),
             Style::Pipe => {
@@ -353,6 +358,7 @@ impl Bridge {
             flavor,
             jobs,
             offers_path,
+            id,
             returns_path,
             offers,
             returns,
@@ -418,9 +424,18 @@ impl Bridge {
         }
     }
 
+    /// `(st_dev, st_ino)` of the pipe classic clients read: the identity
+    /// [`Jobserver::identity`] finds for what [`Bridge::auth`] names, and
+    /// what [`CLASSIC_ENV`] tells the broker's clients.
+    pub fn id(&self) -> (u64, u64) {
+        self.id
+    }
+
     /// The environment to export, given the inherited descriptors (pipe
     /// style) and the command's current `MAKEFLAGS`, whose content is kept
-    /// (the jobserver flags are appended, and the last ones win).
+    /// (the jobserver flags are appended, and the last ones win), and
+    /// [`CLASSIC_ENV`], which tells the broker's clients that this
+    /// jobserver is the broker's own.
     pub fn env(
         &self,
         fds: Option<(RawFd, RawFd)>,
@@ -428,7 +443,10 @@ impl Bridge {
     ) -> Vec<(&'static str, OsString)> {
         let flags =
             Jobserver::new(self.auth(fds), self.flavor, Some(self.jobs)).makeflags(makeflags);
-        let mut env = vec![("MAKEFLAGS", flags.clone())];
+        let mut env = vec![
+            ("MAKEFLAGS", flags.clone()),
+            (CLASSIC_ENV, classic_env_value(self.id).into()),
+        ];
         if self.flavor == Flavor::Gnu {
             env.push(("CARGO_MAKEFLAGS", flags));
         }

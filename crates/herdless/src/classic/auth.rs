@@ -364,6 +364,22 @@ impl Jobserver {
         }
     }
 
+    /// Which pipe or FIFO this names, as `(st_dev, st_ino)`, found without
+    /// opening it: of the read descriptor, or of the FIFO's path. `None`
+    /// when that is not there to see: a disabled jobserver, a descriptor
+    /// not open, a path that does not exist, or either of them not a pipe
+    /// or FIFO. Both ends of a pipe, a FIFO and every description of it
+    /// opened through its path have the one identity.
+    pub fn identity(&self) -> Option<(u64, u64)> {
+        use std::os::unix::fs::{FileTypeExt, MetadataExt};
+        let meta = match &self.auth {
+            Auth::Disabled => return None,
+            Auth::Fifo(path) => std::fs::metadata(path).ok()?,
+            Auth::Fds { read, .. } => std::fs::metadata(herdless_platform::fd_path(*read)).ok()?,
+        };
+        meta.file_type().is_fifo().then(|| (meta.dev(), meta.ino()))
+    }
+
     /// Where the description came from, for messages: `MAKEFLAGS` or "the
     /// jobserver description".
     pub(crate) fn source(&self) -> &'static str {

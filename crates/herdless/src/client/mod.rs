@@ -37,7 +37,9 @@
 //! # Backends
 //!
 //! [`Client::from_env`] connects to the broker named by `HERDLESS_SOCKET`
-//! when it is set. Otherwise it uses the classic jobserver named in
+//! when it is set, unless a classic jobserver lies between
+//! ([`jobserver_between`]: a stock make's own `-jN` group). Otherwise it
+//! uses the classic jobserver named in
 //! `CARGO_MAKEFLAGS`, `MAKEFLAGS` or `MFLAGS` ([`crate::classic`]). Every
 //! call below works on both, except the status report, which only a broker
 //! gives.
@@ -247,10 +249,61 @@ pub fn socket_from_env() -> Option<PathBuf> {
         .map(PathBuf::from)
 }
 
+/// The environment variable that says which classic jobserver belongs to
+/// the broker in [`SOCKET_ENV`]: [`classic_env_value`] of its pipe or FIFO,
+/// or empty for a broker with no classic side. Whoever sets
+/// `HERDLESS_SOCKET` for a tree sets it too (`herdless run`, a make with
+/// the broker inside).
+pub const CLASSIC_ENV: &str = "HERDLESS_CLASSIC";
+
+/// The value of [`CLASSIC_ENV`] for the pipe or FIFO whose `(st_dev,
+/// st_ino)` is `id` (see [`Jobserver::identity`]).
+pub fn classic_env_value(id: (u64, u64)) -> String {
+    format!("{}:{}", id.0, id.1)
+}
+
+/// A classic jobserver that lies between this process and the broker
+/// named in `HERDLESS_SOCKET`: the first of `MAKEFLAGS`, `CARGO_MAKEFLAGS`
+/// and `MFLAGS` that names a pipe or FIFO there to see, when that is not
+/// the broker's own classic side ([`CLASSIC_ENV`]).
+///
+/// Every make passes `HERDLESS_SOCKET` on, but a stock make that starts a
+/// group of its own (`make -j2` in a recipe) names its own pipe or FIFO in
+/// `MAKEFLAGS`: the jobs below it must take their tokens there, within its
+/// `-j`, not from the broker above. `MAKEFLAGS` comes first because every
+/// make writes it: `CARGO_MAKEFLAGS`, which a make leaves as it found it,
+/// may still name the jobserver of a runner above that make (cargo's own
+/// group counts where `MAKEFLAGS` names none there to see). `None` when
+/// the broker's side is not known (no or an empty `HERDLESS_CLASSIC`: a
+/// broker with no classic side, or one that does not say), and when no
+/// variable names a pipe or FIFO that exists (a disabled jobserver, a
+/// descriptor not open): then nothing shows a make between.
+pub fn jobserver_between() -> Option<Jobserver> {
+    let own = std::env::var_os(CLASSIC_ENV).filter(|v| !v.is_empty())?;
+    ["MAKEFLAGS", "CARGO_MAKEFLAGS", "MFLAGS"]
+        .into_iter()
+        .find_map(|var| {
+            let value = std::env::var_os(var)?;
+            let js = Jobserver::parse(var, &value).ok()??;
+            let id = js.identity()?;
+            Some((own.as_encoded_bytes() != classic_env_value(id).as_bytes()).then_some(js))
+        })
+        .flatten()
+}
+
+/// The broker this process takes its tokens from: the one named in
+/// `HERDLESS_SOCKET`, unless a classic jobserver lies between
+/// ([`jobserver_between`]).
+pub fn broker_from_env() -> Option<PathBuf> {
+    socket_from_env().filter(|_| jobserver_between().is_none())
+}
+
 impl Client {
     /// Connects to the broker named by `HERDLESS_SOCKET`, or when it is not
     /// set, to the classic jobserver named in `CARGO_MAKEFLAGS`,
     /// `MAKEFLAGS` or `MFLAGS` (see [`crate::classic`]); default options.
+    /// A classic jobserver that lies between this process and the broker
+    /// ([`jobserver_between`]) is used instead of the broker.
     ///
     /// # Errors
     ///
@@ -268,7 +321,10 @@ impl Client {
     /// [`Client::from_env`] with the given options.
     pub fn from_env_with(options: Options) -> Result<Client> {
         if let Some(path) = socket_from_env() {
-            return Client::connect_with(&path, options);
+            return match jobserver_between() {
+                Some(js) => Client::from_jobserver(js, options),
+                None => Client::connect_with(&path, options),
+            };
         }
         match Jobserver::from_env()? {
             Some(js) => Client::from_jobserver(js, options),
