@@ -2,8 +2,9 @@
  * make's poll loop leans on: capacity, status, take_grant handing over a
  * free token at once, pending, the non-blocking cancel (with a grant
  * racing it), nothing handed out after an abort, and a connect that never
- * falls back to a classic jobserver, and the broker's files removed from
- * a signal handler. Runs with no jobserver in its environment. */
+ * falls back to a classic jobserver, the broker's files removed from a
+ * signal handler, and a drain that serves until no make is connected.
+ * Runs with no jobserver in its environment. */
 #define _POSIX_C_SOURCE 200809L
 #include <errno.h>
 #include <fcntl.h>
@@ -462,6 +463,48 @@ int main(void) {
     CHECK_EQ(herdless_broker_stop(b, &rep), 0);
     CHECK_EQ(rep.no_room, 2);
     CHECK_EQ(rep.lost, 0);
+
+    /* herdless_broker_drain: the broker serves until no job runner is
+     * connected. A child connects, asks for a token only after the drain
+     * has begun, holds it a while and exits; the drain returns only after
+     * that, and the child got its token. */
+    CHECK_EQ(herdless_broker_drain(NULL), -EINVAL);
+    b = herdless_broker_start(4, 0, NULL);
+    REQUIRE(b != NULL);
+    {
+        int ready[2];
+        REQUIRE(pipe(ready) == 0);
+        pid_t child = fork();
+        REQUIRE(child >= 0);
+        if (child == 0) {
+            herdless_client *x = herdless_client_native_from_env();
+            char one = 1;
+            if (x == NULL || write(ready[1], &one, 1) != 1)
+                _exit(1);
+            (void)poll(NULL, 0, 200);
+            int r = herdless_acquire(x, 5000);
+            (void)poll(NULL, 0, 200);
+            if (r == 0)
+                r = herdless_release(x);
+            herdless_client_free(x);
+            _exit(r == 0 ? 0 : 2);
+        }
+        char one;
+        REQUIRE(read(ready[0], &one, 1) == 1);
+        close(ready[0]);
+        close(ready[1]);
+        CHECK_EQ(herdless_broker_drain(b), 0);
+        int st = 0;
+        /* Already ended: the drain waited for it. */
+        CHECK_EQ(waitpid(child, &st, WNOHANG), child);
+        CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+        CHECK_EQ(herdless_broker_drain(b), -EALREADY);
+    }
+    memset(&rep, 0xff, sizeof rep);
+    CHECK_EQ(herdless_broker_stop(b, &rep), 0);
+    CHECK_EQ(rep.lost, 0);
+    CHECK_EQ(rep.native_grants, 1);
+    CHECK(getenv("HERDLESS_SOCKET") == NULL);
 
     return check_done("inproc");
 }
