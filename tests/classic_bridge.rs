@@ -850,3 +850,44 @@ fn a_run_nested_in_a_make_recipe_replaces_the_outer_jobserver() {
     assert_eq!(max, 2, "the inner -j 2 rules, not the outer -j8\n{stderr}");
     assert_eq!(stat(&stderr, "tokens lost"), "0", "{stderr}");
 }
+
+/// A script under `herdless run --style pipe` that reuses the number of
+/// the bridge's read descriptor for a pipe of its own (`R>&1 | cat`
+/// around each job): the `herdless exec` jobs there find `MAKEFLAGS`
+/// naming a pipe that is not the broker's, but no jobserver either (the
+/// two numbers are not one pipe's ends), so nothing shows a make between
+/// and they take their tokens from the broker as before, rather than fail
+/// on, or read from, the script's pipe.
+#[test]
+fn a_reused_jobserver_descriptor_does_not_count_as_a_make_between() {
+    let t = Tree::new("bridge-reused-fd");
+    let script = t.path("jobs.sh");
+    fs::write(
+        &script,
+        r#"d=$1
+r=$(printf '%s' "$MAKEFLAGS" | sed -n 's/.*--jobserver-auth=\([0-9]*\),.*/\1/p')
+[ -n "$r" ] || exit 3
+[ -p "/proc/self/fd/$r" ] || exit 4
+for i in 1 2 3 4 5 6 7 8; do
+  eval '"$HERDLESS" exec -- sh "$d/job.sh" "$d"' "$r>&1" | cat &
+done
+wait
+"#,
+    )
+    .unwrap();
+    let mut cmd = run_command(&t.dir, &["-j", "4", "--style", "pipe", "--stats", "--"]);
+    // bash: dash takes one-digit descriptors only in a redirection.
+    cmd.arg("bash")
+        .arg(&script)
+        .arg(&t.dir)
+        .env("JOB_SLEEP", "0.3");
+    let out = common::output_within(&mut cmd, PATIENCE * 4);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let (done, most) = t.counts();
+    assert_eq!(done, 8, "{stderr}");
+    assert!(most <= 4, "{most} jobs at once under -j4\n{stderr}");
+    assert_eq!(stat(&stderr, "tokens lost"), "0", "{stderr}");
+    let grants = stat(&stderr, "grants");
+    assert!(!grants.starts_with("0 to native"), "{grants}\n{stderr}");
+}

@@ -364,20 +364,27 @@ impl Jobserver {
         }
     }
 
-    /// Which pipe or FIFO this names, as `(st_dev, st_ino)`, found without
-    /// opening it: of the read descriptor, or of the FIFO's path. `None`
-    /// when that is not there to see: a disabled jobserver, a descriptor
-    /// not open, a path that does not exist, or either of them not a pipe
-    /// or FIFO. Both ends of a pipe, a FIFO and every description of it
-    /// opened through its path have the one identity.
+    /// Which jobserver this names, as `(st_dev, st_ino)` of its pipe or
+    /// FIFO, found without opening anything: of the FIFO's path, or of a
+    /// pipe whose two ends the two descriptors are, as every make makes
+    /// one. `None` when that is not there to see: a disabled jobserver, a
+    /// descriptor not open, a path that does not exist, anything not a
+    /// pipe or FIFO, or two descriptors that are not one pipe's ends (a
+    /// number reused for something else, or the two FIFOs of a herdless
+    /// bridge in pipe style).
     pub fn identity(&self) -> Option<(u64, u64)> {
         use std::os::unix::fs::{FileTypeExt, MetadataExt};
-        let meta = match &self.auth {
-            Auth::Disabled => return None,
-            Auth::Fifo(path) => std::fs::metadata(path).ok()?,
-            Auth::Fds { read, .. } => std::fs::metadata(herdless_platform::fd_path(*read)).ok()?,
-        };
-        meta.file_type().is_fifo().then(|| (meta.dev(), meta.ino()))
+        let fifo =
+            |meta: std::fs::Metadata| meta.file_type().is_fifo().then(|| (meta.dev(), meta.ino()));
+        match &self.auth {
+            Auth::Disabled => None,
+            Auth::Fifo(path) => fifo(std::fs::metadata(path).ok()?),
+            Auth::Fds { read, write } => {
+                let id = |fd| fifo(std::fs::metadata(herdless_platform::fd_path(fd)).ok()?);
+                let read = id(*read)?;
+                (id(*write)? == read).then_some(read)
+            }
+        }
     }
 
     /// Where the description came from, for messages: `MAKEFLAGS` or "the

@@ -64,7 +64,7 @@ mod native;
 
 use classic::{Classic, Got};
 
-use crate::classic::Jobserver;
+use crate::classic::{Auth, Jobserver};
 
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
 use std::path::{Path, PathBuf};
@@ -263,32 +263,37 @@ pub fn classic_env_value(id: (u64, u64)) -> String {
 }
 
 /// A classic jobserver that lies between this process and the broker
-/// named in `HERDLESS_SOCKET`: the first of `MAKEFLAGS`, `CARGO_MAKEFLAGS`
-/// and `MFLAGS` that names a pipe or FIFO there to see, when that is not
-/// the broker's own classic side ([`CLASSIC_ENV`]).
+/// named in `HERDLESS_SOCKET`: the one `MAKEFLAGS` names (or, where it
+/// names none or a disabled one, `CARGO_MAKEFLAGS`, then `MFLAGS`), when
+/// it is there to see ([`Jobserver::identity`]) and is not the broker's
+/// own classic side ([`CLASSIC_ENV`]).
 ///
 /// Every make passes `HERDLESS_SOCKET` on, but a stock make that starts a
 /// group of its own (`make -j2` in a recipe) names its own pipe or FIFO in
 /// `MAKEFLAGS`: the jobs below it must take their tokens there, within its
-/// `-j`, not from the broker above. `MAKEFLAGS` comes first because every
-/// make writes it: `CARGO_MAKEFLAGS`, which a make leaves as it found it,
-/// may still name the jobserver of a runner above that make (cargo's own
-/// group counts where `MAKEFLAGS` names none there to see). `None` when
-/// the broker's side is not known (no or an empty `HERDLESS_CLASSIC`: a
-/// broker with no classic side, or one that does not say), and when no
-/// variable names a pipe or FIFO that exists (a disabled jobserver, a
-/// descriptor not open): then nothing shows a make between.
+/// `-j`, not from the broker above. `MAKEFLAGS` decides because every make
+/// writes it, while `CARGO_MAKEFLAGS` and `MFLAGS` may be left as a runner
+/// above set them. `None` when the broker's side is not known (no or an
+/// empty `HERDLESS_CLASSIC`: a broker with no classic side, or one that
+/// does not say), and when the deciding variable names nothing there to
+/// see (a descriptor not open, or reused for something that is not a
+/// jobserver's pipe): then nothing shows a make between, and the broker
+/// serves as before.
 pub fn jobserver_between() -> Option<Jobserver> {
     let own = std::env::var_os(CLASSIC_ENV).filter(|v| !v.is_empty())?;
-    ["MAKEFLAGS", "CARGO_MAKEFLAGS", "MFLAGS"]
-        .into_iter()
-        .find_map(|var| {
-            let value = std::env::var_os(var)?;
-            let js = Jobserver::parse(var, &value).ok()??;
-            let id = js.identity()?;
-            Some((own.as_encoded_bytes() != classic_env_value(id).as_bytes()).then_some(js))
-        })
-        .flatten()
+    for var in ["MAKEFLAGS", "CARGO_MAKEFLAGS", "MFLAGS"] {
+        let Some(value) = std::env::var_os(var) else {
+            continue;
+        };
+        let js = match Jobserver::parse(var, &value) {
+            Ok(Some(js)) if !matches!(js.auth(), Auth::Disabled) => js,
+            Ok(_) => continue,
+            Err(_) => return None,
+        };
+        let id = js.identity()?;
+        return (own.as_encoded_bytes() != classic_env_value(id).as_bytes()).then_some(js);
+    }
+    None
 }
 
 /// The broker this process takes its tokens from: the one named in
