@@ -1051,4 +1051,62 @@ mod tests {
         assert_eq!(js.source(), "the jobserver description");
         assert_eq!(js.to_string(), "bmake jobserver -J 3,4");
     }
+
+    /// A jobserver's identity is its pipe's or FIFO's inode: both ends of
+    /// one pipe, or the FIFO's path; anything else names none.
+    #[test]
+    fn identity_is_one_pipe_or_a_fifo() {
+        use std::os::fd::AsRawFd;
+        use std::os::unix::fs::MetadataExt;
+        let fds = |r: &std::os::fd::OwnedFd, w: &std::os::fd::OwnedFd| {
+            Jobserver::new(
+                Auth::Fds {
+                    read: r.as_raw_fd(),
+                    write: w.as_raw_fd(),
+                },
+                Flavor::Gnu,
+                None,
+            )
+        };
+        let (r, w) = nix::unistd::pipe().unwrap();
+        let (r2, w2) = nix::unistd::pipe().unwrap();
+        let one = fds(&r, &w).identity().expect("a pipe's two ends");
+        assert_eq!(fds(&w, &r).identity(), Some(one));
+        let other = fds(&r2, &w2).identity().unwrap();
+        assert_ne!(one, other);
+        // Ends of two pipes (a number reused for another pipe): none.
+        assert_eq!(fds(&r, &w2).identity(), None);
+        // A descriptor that is not a pipe: none.
+        let file = std::fs::File::open("/dev/null").unwrap();
+        let file = std::os::fd::OwnedFd::from(file);
+        assert_eq!(fds(&file, &file).identity(), None);
+        // A closed descriptor: none.
+        let closed = r2.as_raw_fd();
+        drop((r2, w2));
+        let gone = Jobserver::new(
+            Auth::Fds {
+                read: closed,
+                write: closed,
+            },
+            Flavor::Gnu,
+            None,
+        );
+        assert_eq!(gone.identity(), None);
+        assert_eq!(
+            Jobserver::new(Auth::Disabled, Flavor::Gnu, None).identity(),
+            None
+        );
+        // A FIFO by its path; a path that is gone, or not a FIFO: none.
+        let dir = std::env::temp_dir().join(format!("herdless-identity-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let fifo = dir.join("fifo");
+        nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::S_IRWXU).unwrap();
+        let meta = std::fs::metadata(&fifo).unwrap();
+        let by_path = |p: &Path| Jobserver::new(Auth::Fifo(p.to_path_buf()), Flavor::Gnu, None);
+        assert_eq!(by_path(&fifo).identity(), Some((meta.dev(), meta.ino())));
+        assert_eq!(by_path(&dir.join("nothing")).identity(), None);
+        assert_eq!(by_path(&dir).identity(), None);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }
