@@ -88,8 +88,8 @@ pub use cred::{peer_cred, PeerCred};
 pub use kernel::{kernel, parse_release, Kernel};
 pub use nofile::{child_nofile_limit, descriptors_free, raise_nofile_limit, NofileLimit};
 pub use pipe::{
-    access_mode, bytes_readable, fd_path, is_nonblocking, pipe_cloexec, pipe_default_size,
-    pipe_one_buffer,
+    access_mode, bytes_readable, fd_access_mode, fd_path, fifo_identity, is_nonblocking,
+    pipe_cloexec, pipe_default_size, pipe_one_buffer,
 };
 pub use poll_wake::{
     poll_wake_support, send_wake, valid_wake_pid, PollWake, MAX_POLL_WAKES, PID_LIMIT, WAKE_SIGNAL,

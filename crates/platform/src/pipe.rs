@@ -79,6 +79,43 @@ pub fn fd_path(fd: RawFd) -> PathBuf {
     }
 }
 
+/// `(st_dev, st_ino)` of the pipe or FIFO open as this process's
+/// descriptor `fd`, by `fstat(2)`: `None` when `fd` is not open or is not a
+/// pipe or FIFO. No path is involved, so it answers on FreeBSD without
+/// fdescfs too.
+///
+/// # Portability
+///
+/// On Linux both ends of one pipe have one inode. On FreeBSD and macOS each
+/// end of a pipe has a number of its own, so two descriptors with the same
+/// answer are one pipe's ends only on Linux; a FIFO opened twice has one
+/// answer everywhere.
+#[allow(clippy::unnecessary_cast)] // dev_t and ino_t differ in width between OSes
+pub fn fifo_identity(fd: RawFd) -> Option<(u64, u64)> {
+    let mut st = std::mem::MaybeUninit::<libc::stat>::uninit();
+    // SAFETY: fstat writes one `struct stat` through the pointer, which
+    // points at properly aligned storage of that size; an fd that is not
+    // open makes it fail with EBADF and write nothing, and the result is
+    // read only after success.
+    let rc = unsafe { libc::fstat(fd, st.as_mut_ptr()) };
+    if rc != 0 {
+        return None;
+    }
+    // SAFETY: fstat succeeded, so it filled the whole struct.
+    let st = unsafe { st.assume_init() };
+    ((st.st_mode & libc::S_IFMT) == libc::S_IFIFO).then_some((st.st_dev as u64, st.st_ino as u64))
+}
+
+/// The access mode this process's descriptor `fd` has (`O_RDONLY`,
+/// `O_WRONLY` or `O_RDWR`), by `fcntl(F_GETFL)`: the mode of the open file
+/// description itself, on every OS. `None` when `fd` is not open.
+pub fn fd_access_mode(fd: RawFd) -> Option<OFlag> {
+    // SAFETY: F_GETFL takes no argument and reads nothing through memory;
+    // an fd that is not open makes it fail with EBADF.
+    let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+    (flags >= 0).then(|| OFlag::from_bits_retain(flags) & OFlag::O_ACCMODE)
+}
+
 /// How this process's descriptor `fd` was opened: `O_RDONLY`, `O_WRONLY` or
 /// `O_RDWR`, from `/proc/self/fdinfo` (Linux only; `None` elsewhere or when
 /// unreadable).

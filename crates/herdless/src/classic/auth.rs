@@ -365,24 +365,37 @@ impl Jobserver {
     }
 
     /// Which jobserver this names, as `(st_dev, st_ino)` of its pipe or
-    /// FIFO, found without opening anything: of the FIFO's path, or of a
-    /// pipe whose two ends the two descriptors are, as every make makes
-    /// one. `None` when that is not there to see: a disabled jobserver, a
-    /// descriptor not open, a path that does not exist, anything not a
-    /// pipe or FIFO, or two descriptors that are not one pipe's ends (a
-    /// number reused for something else, or the two FIFOs of a herdless
-    /// bridge in pipe style).
+    /// FIFO, found without opening anything: of the FIFO's path, or of
+    /// the pipe or FIFO open as the read descriptor, when the write
+    /// descriptor is one too, each open the way a jobserver's end is (the
+    /// read one for reading, the write one for writing). On Linux, where
+    /// both ends of one pipe have one inode, the two descriptors must be
+    /// one pipe's ends (or one FIFO's), as every make makes them. `None`
+    /// when that is not there to see: a disabled jobserver, a descriptor
+    /// not open, a path that does not exist, anything not a pipe or FIFO,
+    /// a read descriptor open for writing only (a number a script reused,
+    /// `R>&1`), or on Linux two descriptors of different pipes (the two
+    /// FIFOs of a herdless bridge in pipe style, a number reused for
+    /// another pipe).
     pub fn identity(&self) -> Option<(u64, u64)> {
         use std::os::unix::fs::{FileTypeExt, MetadataExt};
-        let fifo =
-            |meta: std::fs::Metadata| meta.file_type().is_fifo().then(|| (meta.dev(), meta.ino()));
         match &self.auth {
             Auth::Disabled => None,
-            Auth::Fifo(path) => fifo(std::fs::metadata(path).ok()?),
+            Auth::Fifo(path) => {
+                let meta = std::fs::metadata(path).ok()?;
+                meta.file_type().is_fifo().then(|| (meta.dev(), meta.ino()))
+            }
             Auth::Fds { read, write } => {
-                let id = |fd| fifo(std::fs::metadata(herdless_platform::fd_path(fd)).ok()?);
-                let read = id(*read)?;
-                (id(*write)? == read).then_some(read)
+                use herdless_platform::fd_access_mode as mode;
+                use nix::fcntl::OFlag;
+                // Open the ways a jobserver's ends are: not a number a
+                // script reused with `R>&1`.
+                if mode(*read)? == OFlag::O_WRONLY || mode(*write)? == OFlag::O_RDONLY {
+                    return None;
+                }
+                let read_id = herdless_platform::fifo_identity(*read)?;
+                let write_id = herdless_platform::fifo_identity(*write)?;
+                (!cfg!(target_os = "linux") || read_id == write_id).then_some(read_id)
             }
         }
     }
@@ -1071,11 +1084,20 @@ mod tests {
         let (r, w) = nix::unistd::pipe().unwrap();
         let (r2, w2) = nix::unistd::pipe().unwrap();
         let one = fds(&r, &w).identity().expect("a pipe's two ends");
-        assert_eq!(fds(&w, &r).identity(), Some(one));
         let other = fds(&r2, &w2).identity().unwrap();
         assert_ne!(one, other);
-        // Ends of two pipes (a number reused for another pipe): none.
-        assert_eq!(fds(&r, &w2).identity(), None);
+        // Ends the wrong way round (a write end where the read end goes):
+        // none.
+        assert_eq!(fds(&w, &r).identity(), None);
+        assert_eq!(fds(&w, &w).identity(), None);
+        if cfg!(target_os = "linux") {
+            // One inode for both ends; ends of two pipes (a number reused
+            // for another pipe) name none.
+            assert_eq!(fds(&r, &w2).identity(), None);
+        } else {
+            // Each end has a number of its own: the read end's counts.
+            assert_eq!(fds(&r, &w2).identity(), Some(one));
+        }
         // A descriptor that is not a pipe: none.
         let file = std::fs::File::open("/dev/null").unwrap();
         let file = std::os::fd::OwnedFd::from(file);
