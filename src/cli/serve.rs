@@ -7,7 +7,7 @@ use std::path::Path;
 use anyhow::{anyhow, bail, Context, Result};
 
 use herdless::broker::{Broker, Config};
-use herdless::client::{slot_env_value, SLOT_ENV};
+use herdless::client::{slot_env_value, CLASSIC_ENV, SLOT_ENV};
 use herdless::rundir::RunDir;
 
 use super::ServeArgs;
@@ -72,7 +72,10 @@ fn print_export(socket: &Path, top_slot: u64) -> Result<()> {
     let mut out = std::io::stdout().lock();
     writeln!(
         out,
-        "export HERDLESS_SOCKET={} {SLOT_ENV}={}",
+        // No classic side: an empty HERDLESS_CLASSIC, so that one left
+        // from another broker does not take a make's jobserver for one
+        // between this broker and its clients.
+        "export HERDLESS_SOCKET={} {SLOT_ENV}={} {CLASSIC_ENV}=",
         shell_quote(&socket.to_string_lossy()),
         shell_quote(&slot_env_value(top_slot))
     )?;

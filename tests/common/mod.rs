@@ -594,7 +594,8 @@ pub fn run_command(dir: &Path, args: &[&str]) -> Command {
         .env_remove("MFLAGS")
         .env_remove("CARGO_MAKEFLAGS")
         .env_remove("MAKELEVEL")
-        .env_remove("HERDLESS_SOCKET");
+        .env_remove("HERDLESS_SOCKET")
+        .env_remove("HERDLESS_CLASSIC");
     cmd
 }
 

@@ -424,9 +424,12 @@ impl Bridge {
         }
     }
 
-    /// `(st_dev, st_ino)` of the pipe classic clients read: the identity
-    /// [`Jobserver::identity`] finds for what [`Bridge::auth`] names, and
-    /// what [`CLASSIC_ENV`] tells the broker's clients.
+    /// `(st_dev, st_ino)` of the FIFO classic clients read, as
+    /// [`CLASSIC_ENV`] tells the broker's clients. In fifo style it is the
+    /// identity [`Jobserver::identity`] finds for what [`Bridge::auth`]
+    /// names; in pipe style the two descriptors are two FIFOs, which name
+    /// no identity there (on Linux), so the broker's own pipe never counts
+    /// as a make between.
     pub fn id(&self) -> (u64, u64) {
         self.id
     }
