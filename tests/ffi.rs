@@ -33,7 +33,13 @@ const HUNG: Duration = Duration::from_secs(120);
 
 /// Variables that name a jobserver: the C programs must see only the
 /// broker their test starts.
-const JOBSERVER_VARS: [&str; 4] = ["HERDLESS_SOCKET", "MAKEFLAGS", "MFLAGS", "CARGO_MAKEFLAGS"];
+const JOBSERVER_VARS: [&str; 5] = [
+    "HERDLESS_SOCKET",
+    "HERDLESS_CLASSIC",
+    "MAKEFLAGS",
+    "MFLAGS",
+    "CARGO_MAKEFLAGS",
+];
 
 fn root() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))

@@ -103,6 +103,7 @@ fn make_cmd(t: &Tree, program: &Path) -> Command {
     let mut cmd = Command::new(program);
     for var in [
         "HERDLESS_SOCKET",
+        "HERDLESS_CLASSIC",
         "HERDLESS_MAKE",
         "MAKEFLAGS",
         "MFLAGS",
@@ -555,67 +556,128 @@ fn herdless_jobs_under_a_make_group_keep_to_its_limit() {
     }
 }
 
-/// Sub-makes left running in the background (`$(MAKE) … &`) by a herdless
-/// top make at `-j4`: the top make's broker serves until they have
+/// A tree whose top make at `-j4` leaves two sub-makes of six jobs
+/// running in the background (`$(MAKE) … &`), their output in `a.log` and
+/// `b.log` (a bmake closes a job's output pipe once the job's shell ends,
+/// and a sub-make still writing there dies of SIGPIPE, under stock bmake
+/// too). The top make's own job `c` ends only once both sub-makes have
+/// started a job, so both have connected by then (`started-a`,
+/// `started-b`), and writes `c-done` as it ends. Returns the make.
+fn background_tree(t: &Tree, make_name: &str) -> PathBuf {
+    let d = t.dir.display();
+    let (make, sub, recursive) = match make_name {
+        "gnu" => (herdless_make(), "+@$(MAKE)", ""),
+        _ => (herdless_bmake(), "@${MAKE}", " .MAKE"),
+    };
+    let mut top = format!(
+        "all: a b c\nc:\n\t@while [ ! -e {d}/started-a ] || [ ! -e {d}/started-b ]; \
+         do sleep 0.02; done; : > {d}/c-done\n"
+    );
+    for target in ["a", "b"] {
+        let mut mk = String::from("all:");
+        for i in 1..=6 {
+            mk += &format!(" {target}j{i}");
+        }
+        mk += "\n";
+        for i in 1..=6 {
+            mk += &format!("{target}j{i}:\n\t@: > {d}/started-{target}; sh {d}/job.sh {d}\n");
+        }
+        fs::write(t.path(&format!("{target}.mk")), mk).unwrap();
+        top += &format!(
+            "{target}:{recursive}\n\t{sub} -f {d}/{target}.mk > {d}/{target}.log 2>&1 &\n"
+        );
+    }
+    fs::write(t.path("Makefile"), top).unwrap();
+    make
+}
+
+/// Sub-makes left running in the background by a herdless top make
+/// ([`background_tree`]): the top make's broker serves until they have
 /// disconnected (as stock GNU make reads its FIFO back until they close
 /// it), so every job of theirs runs and nothing is lost. Before, the
-/// broker ended with the top make and 10 of the 12 jobs ran, each
-/// sub-make stopping with "the herdless broker went away". (A sub-make
-/// that has not connected when the top make ends finds the broker gone:
-/// docs/EMBEDDING.md, "Where the broker inside a make differs from
-/// stock".)
+/// broker ended with the top make and 5 of the 12 jobs ran here (10 in a
+/// tree of shorter jobs), each sub-make stopping with "the herdless broker
+/// went away". (A sub-make that has not connected when the top make ends
+/// finds the broker gone: docs/EMBEDDING.md, "Where the broker inside a
+/// make differs from stock".)
 #[test]
 fn background_sub_makes_keep_the_top_makes_broker_to_the_end() {
-    let cases = [
-        ("gnu", herdless_make(), "+@$(MAKE)", ""),
-        ("bmake", herdless_bmake(), "@${MAKE}", " .MAKE"),
-    ];
-    for (name, make, sub, recursive) in cases {
+    for name in ["gnu", "bmake"] {
         let t = Tree::new(&format!("real-make-background-{name}"));
-        let d = t.dir.display();
-        // The top make's own job outlasts the sub-makes' start, so that
-        // both have connected when it ends, and their jobs outlast it.
-        let mut top = String::from("all: a b c\nc:\n\t@sleep 0.4\n");
-        for (target, file) in [("a", "sub1.mk"), ("b", "sub2.mk")] {
-            t.flat_makefile(file, &format!("{target}j"), 6);
-            // Into a file: a bmake closes a job's output pipe once the
-            // job's shell ends, and a sub-make still writing there would
-            // die of SIGPIPE (stock bmake's too).
-            top +=
-                &format!("{target}:{recursive}\n\t{sub} -f {d}/{file} > {d}/{target}.log 2>&1 &\n");
-        }
-        fs::write(t.path("Makefile"), top).unwrap();
+        let make = background_tree(&t, name);
         let mut cmd = make_cmd(&t, &make);
         cmd.arg("-j4").env("JOB_SLEEP", "0.5");
         let out = run(cmd);
         let report = text(&out);
         assert!(out.status.success(), "{name}: {report}");
-        // A stock bmake returns before its background sub-makes end: give
-        // them the time either way.
-        let deadline = Instant::now() + PATIENCE;
-        while t.counts().0 < 12 && Instant::now() < deadline {
-            thread::sleep(Duration::from_millis(50));
-        }
         let (done, most) = t.counts();
         let logs: String = ["a.log", "b.log"]
             .iter()
             .map(|l| fs::read_to_string(t.path(l)).unwrap_or_default())
             .collect();
+        // Every job ran before the top make ended: it waited for them.
         assert_eq!(done, 12, "{name}: {report}\nthe sub-makes said:\n{logs}");
         // The top make counts a backgrounded recipe done when its shell
         // ends, and gives its token back: each sub-make's implicit token
         // is then one more, with stock make as well.
         assert!(most <= 4 + 2, "{name}: {most} jobs at once\n{report}");
-        for log in ["a.log", "b.log"] {
-            let said = fs::read_to_string(t.path(log)).unwrap_or_default();
-            assert!(
-                !said.contains("went away"),
-                "{name}: a sub-make lost its broker: {said}\n{report}"
-            );
-        }
+        assert!(
+            !logs.contains("went away"),
+            "{name}: a sub-make lost its broker: {logs}\n{report}"
+        );
         let lines = broker_lines(&t);
         assert_eq!(lines.len(), 1, "{name}: {lines:?}\n{report}");
         assert_eq!(figure(&lines[0], "lost"), 0, "{name}: {lines:?}");
+        assert_no_leftovers(&t);
+    }
+}
+
+/// SIGTERM to a herdless top make while it waits for its sub-makes in
+/// the background ([`background_tree`], after its own job ended): it ends
+/// of the signal and leaves no broker file behind. (bmake's own handler
+/// would call `exit()` again from inside the `atexit` stop, which then
+/// never removed them.)
+#[test]
+fn sigterm_while_the_top_make_waits_for_its_sub_makes_leaves_nothing_behind() {
+    use std::os::unix::process::ExitStatusExt;
+    for name in ["gnu", "bmake"] {
+        let t = Tree::new(&format!("real-make-background-term-{name}"));
+        let make = background_tree(&t, name);
+        let mut cmd = make_cmd(&t, &make);
+        cmd.arg("-j4")
+            .env("JOB_SLEEP", "3")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .process_group(0);
+        let mut top = cmd.spawn().unwrap();
+        let _group = common::KillGroupOnDrop(top.id() as i32);
+        let deadline = Instant::now() + PATIENCE;
+        while !t.path("c-done").exists() && Instant::now() < deadline {
+            thread::sleep(Duration::from_millis(20));
+        }
+        assert!(
+            t.path("c-done").exists(),
+            "{name}: the top make's job never ended"
+        );
+        // Its own jobs are done: it reaches its wait for the sub-makes,
+        // whose jobs run 3 s.
+        thread::sleep(Duration::from_millis(500));
+        assert!(
+            top.try_wait().unwrap().is_none(),
+            "{name}: ended before the signal"
+        );
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(top.id() as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        )
+        .unwrap();
+        let status = common::wait_timeout(&mut top, PATIENCE)
+            .unwrap_or_else(|| panic!("{name}: the top make outlived SIGTERM"));
+        assert!(!status.success(), "{name}: {status:?}");
+        assert!(
+            status.signal() == Some(libc::SIGTERM) || status.code().is_some(),
+            "{name}: {status:?}"
+        );
         assert_no_leftovers(&t);
     }
 }

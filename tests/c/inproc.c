@@ -153,7 +153,7 @@ int main(void) {
 
     /* MAKEFLAGS still names the pipe above, not the broker's FIFO: the
      * process that started the broker connects all the same (a child
-     * handed that pipe would not). */
+     * handed that pipe would not: tests/real_make.rs). */
     herdless_client *c = herdless_client_native_from_env();
     REQUIRE(c != NULL);
     CHECK_EQ(herdless_capacity(c), 3);
@@ -472,8 +472,8 @@ int main(void) {
     b = herdless_broker_start(4, 0, NULL);
     REQUIRE(b != NULL);
     {
-        int ready[2];
-        REQUIRE(pipe(ready) == 0);
+        int ready[2], leaving[2];
+        REQUIRE(pipe(ready) == 0 && pipe(leaving) == 0);
         pid_t child = fork();
         REQUIRE(child >= 0);
         if (child == 0) {
@@ -486,19 +486,29 @@ int main(void) {
             (void)poll(NULL, 0, 200);
             if (r == 0)
                 r = herdless_release(x);
+            /* Said before the connection closes. */
+            one = r == 0 ? 'y' : 'n';
+            if (write(leaving[1], &one, 1) != 1)
+                _exit(3);
             herdless_client_free(x);
             _exit(r == 0 ? 0 : 2);
         }
         char one;
         REQUIRE(read(ready[0], &one, 1) == 1);
-        close(ready[0]);
-        close(ready[1]);
         CHECK_EQ(herdless_broker_drain(b), 0);
+        /* The drain returned only once the child's connection closed, so
+         * what it wrote before is there to read without waiting. */
+        REQUIRE(fcntl(leaving[0], F_SETFL, O_NONBLOCK) == 0);
+        CHECK_EQ(read(leaving[0], &one, 1), 1);
+        CHECK_EQ(one, 'y');
         int st = 0;
-        /* Already ended: the drain waited for it. */
-        CHECK_EQ(waitpid(child, &st, WNOHANG), child);
+        CHECK_EQ(waitpid(child, &st, 0), child);
         CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0);
         CHECK_EQ(herdless_broker_drain(b), -EALREADY);
+        close(ready[0]);
+        close(ready[1]);
+        close(leaving[0]);
+        close(leaving[1]);
     }
     memset(&rep, 0xff, sizeof rep);
     CHECK_EQ(herdless_broker_stop(b, &rep), 0);

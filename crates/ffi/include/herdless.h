@@ -714,20 +714,25 @@ int herdless_broker_unlink(const herdless_broker *b);
 /**
  * Waits until no job runner uses the broker any more, then ends its
  * thread; `herdless_broker_stop` still frees it and reports. Until then
- * it serves as before. A job runner is a make (or any client with an
- * implicit token of its own) connected to it, or a connection not past
- * its handshake; jobs (`herdless exec`) and observers are not waited for.
- * A top-level make calls it before it exits, as stock GNU make reads its
- * jobserver back until every sub-make has closed it: a sub-make it left
- * running in the background (`$(MAKE) … &`) keeps its broker to the end.
- * Close the caller's own connection first: it is a job runner too. The
- * wait has no deadline (stock make's read has none either); a signal
- * does not end it, so call it with the make's fatal-signal handlers in
- * place (they remove the broker's files with `herdless_broker_unlink`).
+ * it serves as before. A job runner is a connected client whose hello
+ * names no runner's slot to borrow and that is not an observer (a make,
+ * any client with an implicit token of its own, a `herdless exec` on the
+ * token its starter took for it), or a connection not past its
+ * handshake; jobs that borrow a runner's slot, and observers, are not
+ * waited for. A top-level make calls it before it exits, as stock GNU
+ * make reads its jobserver back until every process that opened it has
+ * closed it: a sub-make it left running in the background (`$(MAKE) …
+ * &`) keeps its broker to the end. Close the caller's own connection
+ * first: it is a job runner too. The wait has no deadline (stock make's
+ * read has none either); a signal does not end it, so call it with
+ * handlers in place for the fatal signals that remove the broker's files
+ * (`herdless_broker_unlink`) and end the process without calling
+ * `exit()` (from an `atexit` handler, `exit()` would run no other).
+ * Not at the same time as `herdless_broker_stop`, which frees the handle.
  *
  * Returns 0, `-EINVAL` when `b` is NULL, `-EPERM` in a process other
  * than the one that started it (a fork), `-EALREADY` when it was drained
- * before.
+ * before, `-ENOTRECOVERABLE` when the broker's thread panicked.
  *
  * # Safety
  *
@@ -737,10 +742,12 @@ int herdless_broker_drain(const herdless_broker *b);
 
 /**
  * Stops the broker, waits for its thread, removes its socket, FIFOs and
- * directory, closes the classic descriptors, puts `HERDLESS_SOCKET` back
- * as it was before the start, and frees the handle. When `report` is not
- * NULL it is filled in with what the broker did. Clients still connected
- * see `-ECONNRESET`. NULL is ignored (returns `-EINVAL`).
+ * directory, closes the classic descriptors, puts `HERDLESS_SOCKET` and
+ * `HERDLESS_CLASSIC` back as they were before the start, and frees the
+ * handle. When `report` is not NULL it is filled in with what the broker
+ * did (after `herdless_broker_drain`, what it did until the drain ended
+ * it). Clients still connected see `-ECONNRESET`. NULL is ignored
+ * (returns `-EINVAL`).
  *
  * Returns the number of tokens lost (0 when every token came home), or
  * a negative `errno` value when the broker failed. In another process

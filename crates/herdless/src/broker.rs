@@ -172,14 +172,17 @@ impl Stopper {
     }
 
     /// Asks the broker to shut down once no job runner is connected: it
-    /// serves as before until every connection that said hello as one (a
-    /// make, a client with an implicit token of its own: not a job of a
-    /// runner, not an observer) and every connection still in its
-    /// handshake has closed, then `Broker::run` returns its report. What a
-    /// top-level make does before it exits, as stock GNU make reads its
-    /// jobserver back until every sub-make has closed it: a sub-make in the
-    /// background still has its broker. Jobs (`herdless exec`) are not
-    /// waited for, as stock make does not wait for a job it did not start.
+    /// serves as before until every connection that said hello as one and
+    /// every connection still in its handshake (or in the listener's
+    /// queue) has closed, then `Broker::run` returns its report. A job
+    /// runner is any client whose hello names no runner's slot to borrow
+    /// (neither `JOB` nor `RECIPE_JOB`) and is not an observer: a make, a
+    /// client with an implicit token of its own, and a `herdless exec`
+    /// that runs on the token its starter took for it. What a top-level
+    /// make does before it exits, as stock GNU make reads its jobserver
+    /// back until every process that opened it has closed it: a sub-make
+    /// in the background still has its broker. Jobs that borrow a runner's
+    /// slot are not waited for: their runner is, or is gone.
     pub fn stop_when_idle(&self) {
         self.drain.store(true, Ordering::SeqCst);
         self.wake();
@@ -750,7 +753,12 @@ impl Broker {
         self.fast_balance();
         while !self.stop.load(Ordering::SeqCst) {
             if self.drain.load(Ordering::SeqCst) && !self.runner_connected() {
-                break;
+                // A connection still in the listener's queue is a client
+                // that may be a make: take it in before deciding.
+                self.accept_all();
+                if !self.runner_connected() {
+                    break;
+                }
             }
             if self.halt.load(Ordering::SeqCst) {
                 self.stop_granting();
