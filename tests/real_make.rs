@@ -149,6 +149,16 @@ fn broker_lines(t: &Tree) -> Vec<Vec<(String, i64)>> {
         .collect()
 }
 
+/// The figures of the one broker a herdless make started, which must have
+/// lost no token.
+fn only_broker_lost_none(t: &Tree, what: &str) -> Vec<(String, i64)> {
+    let mut lines = broker_lines(t);
+    assert_eq!(lines.len(), 1, "{what}: {lines:?}");
+    let line = lines.remove(0);
+    assert_eq!(figure(&line, "lost"), 0, "{what}: {line:?}");
+    line
+}
+
 fn figure(line: &[(String, i64)], key: &str) -> i64 {
     line.iter()
         .find(|(k, _)| k == key)
@@ -485,10 +495,8 @@ fn a_stock_make_group_between_herdless_makes_keeps_its_own_limit() {
         assert!(most <= 2, "{name}: {most} jobs at once under -j2\n{report}");
         assert_eq!(most, 2, "{name}: never 2 jobs at once\n{report}");
         // The top make's broker served only its own job, and lost nothing.
-        let lines = broker_lines(&t);
-        assert_eq!(lines.len(), 1, "{name}: {lines:?}\n{report}");
-        assert_eq!(figure(&lines[0], "lost"), 0, "{name}: {lines:?}");
-        assert_eq!(figure(&lines[0], "max_in_use"), 0, "{name}: {lines:?}");
+        let line = only_broker_lost_none(&t, &format!("{name}: {report}"));
+        assert_eq!(figure(&line, "max_in_use"), 0, "{name}: {line:?}");
         assert_no_leftovers(&t);
     }
 }
@@ -625,9 +633,7 @@ fn background_sub_makes_keep_the_top_makes_broker_to_the_end() {
             !logs.contains("went away"),
             "{name}: a sub-make lost its broker: {logs}\n{report}"
         );
-        let lines = broker_lines(&t);
-        assert_eq!(lines.len(), 1, "{name}: {lines:?}\n{report}");
-        assert_eq!(figure(&lines[0], "lost"), 0, "{name}: {lines:?}");
+        only_broker_lost_none(&t, &format!("{name}: {report}"));
         assert_no_leftovers(&t);
     }
 }
