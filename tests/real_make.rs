@@ -638,6 +638,52 @@ fn background_sub_makes_keep_the_top_makes_broker_to_the_end() {
     }
 }
 
+/// A sub-make in the background that starts only after its herdless top
+/// make has ended (`(sleep 1; $(MAKE) …) &`): the broker is gone. It runs
+/// its four jobs one at a time, as a GNU sub-make does under a stock top
+/// make whose FIFO is gone too ("jobserver unavailable: using -j1").
+/// Before, a herdless bmake sub-make read end-of-file from the broker's
+/// job pipe and stopped with "eof on job pipe!", running nothing.
+#[test]
+fn a_sub_make_that_starts_after_the_top_make_ended_runs_one_job_at_a_time() {
+    let cases = [
+        ("gnu", herdless_make(), "+@", "$(MAKE)", ""),
+        ("bmake", herdless_bmake(), "@", "${MAKE}", " .MAKE"),
+    ];
+    for (name, make, prefix, sub, recursive) in cases {
+        let t = Tree::new(&format!("real-make-late-{name}"));
+        let d = t.dir.display();
+        t.flat_makefile("sub.mk", "j", 4);
+        fs::write(
+            t.path("Makefile"),
+            format!(
+                "all: a\na:{recursive}\n\t{prefix}(sleep 1; {sub} -f {d}/sub.mk > {d}/a.log 2>&1; \
+                 echo \"exit $$?\" >> {d}/a.log) &\n"
+            ),
+        )
+        .unwrap();
+        let mut cmd = make_cmd(&t, &make);
+        cmd.arg("-j4").env("JOB_SLEEP", "0.1");
+        let out = run(cmd);
+        let report = text(&out);
+        assert!(out.status.success(), "{name}: {report}");
+        let deadline = Instant::now() + PATIENCE;
+        let log = || fs::read_to_string(t.path("a.log")).unwrap_or_default();
+        while !log().contains("exit ") && Instant::now() < deadline {
+            thread::sleep(Duration::from_millis(50));
+        }
+        let said = log();
+        assert!(
+            said.contains("exit 0"),
+            "{name}: the sub-make said:\n{said}"
+        );
+        let (done, most) = t.counts();
+        assert_eq!(done, 4, "{name}: {said}");
+        assert_eq!(most, 1, "{name}: {most} at once: {said}");
+        assert_no_leftovers(&t);
+    }
+}
+
 /// SIGTERM to a herdless top make while it waits for its sub-makes in
 /// the background ([`background_tree`], after its own job ended): it ends
 /// of the signal and leaves no broker file behind. (bmake's own handler
