@@ -638,6 +638,69 @@ fn background_sub_makes_keep_the_top_makes_broker_to_the_end() {
     }
 }
 
+/// The same tree ([`background_tree`]) as `herdless run -j 4`'s command:
+/// the make takes its tokens from `run`'s broker, which serves on after
+/// the make has ended until its sub-makes in the background have gone
+/// (before, 5 of the 12 jobs ran); SIGTERM to `run` meanwhile stops it at
+/// once, and it dies of the signal, leaving nothing behind.
+#[test]
+fn background_sub_makes_keep_run_s_broker_to_the_end() {
+    use std::os::unix::process::ExitStatusExt;
+    for name in ["gnu", "bmake"] {
+        let t = Tree::new(&format!("real-make-run-background-{name}"));
+        let make = background_tree(&t, name);
+        let mut cmd = make_cmd(&t, Path::new(BIN));
+        cmd.args(["run", "-j", "4", "--stats", "--"])
+            .arg(&make)
+            .env("JOB_SLEEP", "0.5");
+        let out = run(cmd);
+        let report = text(&out);
+        assert!(out.status.success(), "{name}: {report}");
+        let logs: String = ["a.log", "b.log"]
+            .iter()
+            .map(|l| fs::read_to_string(t.path(l)).unwrap_or_default())
+            .collect();
+        let (done, most) = t.counts();
+        assert_eq!(done, 12, "{name}: {report}\nthe sub-makes said:\n{logs}");
+        assert!(most <= 4 + 2, "{name}: {most} jobs at once\n{report}");
+        assert!(!logs.contains("went away"), "{name}: {logs}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(stat(&stderr, "tokens lost"), "0", "{name}: {report}");
+        assert_no_leftovers(&t);
+
+        // Again with jobs of 3 s, and SIGTERM to run once its command ended.
+        let t = Tree::new(&format!("real-make-run-background-term-{name}"));
+        let make = background_tree(&t, name);
+        let mut cmd = make_cmd(&t, Path::new(BIN));
+        cmd.args(["run", "-j", "4", "--"])
+            .arg(&make)
+            .env("JOB_SLEEP", "3")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .process_group(0);
+        let mut herdless = cmd.spawn().unwrap();
+        let _group = common::KillGroupOnDrop(herdless.id() as i32);
+        let deadline = Instant::now() + PATIENCE;
+        while !t.path("c-done").exists() && Instant::now() < deadline {
+            thread::sleep(Duration::from_millis(20));
+        }
+        thread::sleep(Duration::from_millis(500));
+        assert!(
+            herdless.try_wait().unwrap().is_none(),
+            "{name}: run ended first"
+        );
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(herdless.id() as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        )
+        .unwrap();
+        let status = common::wait_timeout(&mut herdless, PATIENCE)
+            .unwrap_or_else(|| panic!("{name}: run outlived SIGTERM"));
+        assert_eq!(status.signal(), Some(libc::SIGTERM), "{name}: {status:?}");
+        assert_no_leftovers(&t);
+    }
+}
+
 /// A sub-make in the background that starts only after its herdless top
 /// make has ended (`(sleep 1; $(MAKE) …) &`): the broker is gone. It runs
 /// its four jobs one at a time, as a GNU sub-make does under a stock top

@@ -180,6 +180,41 @@ pub fn run_inheriting(
     })
 }
 
+/// Runs `wait` with the stop signals `run_inheriting` forwards caught (the
+/// ignored ones left ignored): each one calls `on_signal`, which must make
+/// `wait` return soon. Returns what `wait` returned and the last signal
+/// received, if any. For the time after the command has ended, when there
+/// is nobody left to forward a signal to.
+pub fn catching_stops<T>(
+    on_signal: impl Fn() + Send + 'static,
+    wait: impl FnOnce() -> T,
+) -> Result<(T, Option<i32>)> {
+    let watched: Vec<i32> = FORWARDED
+        .into_iter()
+        .filter(|&sig| !herdless_platform::signal_ignored(sig).unwrap_or(false))
+        .collect();
+    let mut signals = SignalsInfo::<WithRawSiginfo>::new(&watched)?;
+    let handle = signals.handle();
+    let received = Arc::new(AtomicI32::new(0));
+    let catcher = {
+        let received = received.clone();
+        std::thread::spawn(move || {
+            for info in signals.forever() {
+                received.store(info.si_signo, Ordering::SeqCst);
+                on_signal();
+            }
+        })
+    };
+    let value = wait();
+    handle.close();
+    let _ = catcher.join();
+    let got = match received.load(Ordering::SeqCst) {
+        0 => None,
+        sig => Some(sig),
+    };
+    Ok((value, got))
+}
+
 /// Ends this process as `exit` says; for a signal, by its default action.
 pub fn end(exit: Exit) -> u8 {
     match exit {

@@ -33,7 +33,10 @@ use super::RunArgs;
 /// A stop signal (SIGINT, SIGTERM, SIGHUP, or another that would end this
 /// process and can be caught: `child::FORWARDED`) stops the granting at once,
 /// before it is passed on: waiting jobs are refused (`exec` exits 125), so
-/// none starts after it. When the command ends, the broker stops for good.
+/// none starts after it. When the command ends on its own, the broker
+/// serves on until no job runner is connected (sub-makes it left in the
+/// background), then stops for good; a stop signal meanwhile stops it at
+/// once.
 ///
 /// Under another herdless broker (`HERDLESS_SOCKET` set) it starts no pool
 /// of its own unless `--new-pool` says so: see [`run_joined`]. Under a
@@ -105,10 +108,30 @@ pub fn run(args: RunArgs) -> Result<u8> {
         move |pid| namer.command_started(pid),
         move || halter.halt(),
     );
-    stopper.stop();
-    let report = thread
-        .join()
-        .map_err(|_| anyhow::anyhow!("the broker thread panicked"))??;
+    // A command that exited on its own (not killed, no stop signal) may
+    // have left sub-makes running in the background (`$(MAKE) … &`): the
+    // broker serves on until no job runner is connected, as a make with
+    // the broker inside does before it exits; a stop signal meanwhile
+    // stops it at once, and this process then dies of it. A command's
+    // death by a signal is a stop, as before.
+    let mut stop_signal = None;
+    let joined = match &outcome {
+        Ok(child::Outcome::Exited {
+            status,
+            received: None,
+        }) if status.code().is_some() => {
+            stopper.stop_when_idle();
+            let stop = stopper.clone();
+            let (joined, got) = child::catching_stops(move || stop.stop(), || thread.join())?;
+            stop_signal = got;
+            joined
+        }
+        _ => {
+            stopper.stop();
+            thread.join()
+        }
+    };
+    let report = joined.map_err(|_| anyhow::anyhow!("the broker thread panicked"))??;
     drop(dir);
     let outcome = outcome?;
     if args.stats {
@@ -133,7 +156,10 @@ pub fn run(args: RunArgs) -> Result<u8> {
             eprintln!("herdless: {lost} token(s) could not be given back to the outer jobserver");
         }
     }
-    Ok(child::end(outcome.exit()))
+    Ok(child::end(match stop_signal {
+        Some(sig) => child::Exit::Signal(sig),
+        None => outcome.exit(),
+    }))
 }
 
 /// The classic jobserver of `run`'s pool, in `dir`: the bridge, the
