@@ -599,6 +599,44 @@ fn background_tree(t: &Tree, make_name: &str) -> PathBuf {
     make
 }
 
+/// Starts `cmd` (the [`background_tree`] with jobs of 3 s) in a process
+/// group of its own, sends it SIGTERM once the top make's own job has
+/// ended and it waits for the sub-makes, and asserts that it dies of the
+/// signal and leaves nothing behind.
+fn sigterm_while_it_waits_for_the_sub_makes(t: &Tree, mut cmd: Command, what: &str) {
+    use std::os::unix::process::ExitStatusExt;
+    cmd.env("JOB_SLEEP", "3")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .process_group(0);
+    let mut top = cmd.spawn().unwrap();
+    let _group = common::KillGroupOnDrop(top.id() as i32);
+    let deadline = Instant::now() + PATIENCE;
+    while !t.path("c-done").exists() && Instant::now() < deadline {
+        thread::sleep(Duration::from_millis(20));
+    }
+    assert!(
+        t.path("c-done").exists(),
+        "{what}: the top make's job never ended"
+    );
+    // Its own jobs are done: it reaches its wait for the sub-makes, whose
+    // jobs run 3 s.
+    thread::sleep(Duration::from_millis(500));
+    assert!(
+        top.try_wait().unwrap().is_none(),
+        "{what}: ended before the signal"
+    );
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(top.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    let status = common::wait_timeout(&mut top, PATIENCE)
+        .unwrap_or_else(|| panic!("{what}: outlived SIGTERM"));
+    assert_eq!(status.signal(), Some(libc::SIGTERM), "{what}: {status:?}");
+    assert_no_leftovers(t);
+}
+
 /// Sub-makes left running in the background by a herdless top make
 /// ([`background_tree`]): the top make's broker serves until they have
 /// disconnected (as stock GNU make reads its FIFO back until they close
@@ -645,7 +683,6 @@ fn background_sub_makes_keep_the_top_makes_broker_to_the_end() {
 /// once, and it dies of the signal, leaving nothing behind.
 #[test]
 fn background_sub_makes_keep_run_s_broker_to_the_end() {
-    use std::os::unix::process::ExitStatusExt;
     for name in ["gnu", "bmake"] {
         let t = Tree::new(&format!("real-make-run-background-{name}"));
         let make = background_tree(&t, name);
@@ -672,32 +709,8 @@ fn background_sub_makes_keep_run_s_broker_to_the_end() {
         let t = Tree::new(&format!("real-make-run-background-term-{name}"));
         let make = background_tree(&t, name);
         let mut cmd = make_cmd(&t, Path::new(BIN));
-        cmd.args(["run", "-j", "4", "--"])
-            .arg(&make)
-            .env("JOB_SLEEP", "3")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .process_group(0);
-        let mut herdless = cmd.spawn().unwrap();
-        let _group = common::KillGroupOnDrop(herdless.id() as i32);
-        let deadline = Instant::now() + PATIENCE;
-        while !t.path("c-done").exists() && Instant::now() < deadline {
-            thread::sleep(Duration::from_millis(20));
-        }
-        thread::sleep(Duration::from_millis(500));
-        assert!(
-            herdless.try_wait().unwrap().is_none(),
-            "{name}: run ended first"
-        );
-        nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(herdless.id() as i32),
-            nix::sys::signal::Signal::SIGTERM,
-        )
-        .unwrap();
-        let status = common::wait_timeout(&mut herdless, PATIENCE)
-            .unwrap_or_else(|| panic!("{name}: run outlived SIGTERM"));
-        assert_eq!(status.signal(), Some(libc::SIGTERM), "{name}: {status:?}");
-        assert_no_leftovers(&t);
+        cmd.args(["run", "-j", "4", "--"]).arg(&make);
+        sigterm_while_it_waits_for_the_sub_makes(&t, cmd, &format!("run, {name}"));
     }
 }
 
@@ -754,42 +767,12 @@ fn a_sub_make_that_starts_after_the_top_make_ended_runs_one_job_at_a_time() {
 /// never removed them.)
 #[test]
 fn sigterm_while_the_top_make_waits_for_its_sub_makes_leaves_nothing_behind() {
-    use std::os::unix::process::ExitStatusExt;
     for name in ["gnu", "bmake"] {
         let t = Tree::new(&format!("real-make-background-term-{name}"));
         let make = background_tree(&t, name);
         let mut cmd = make_cmd(&t, &make);
-        cmd.arg("-j4")
-            .env("JOB_SLEEP", "3")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .process_group(0);
-        let mut top = cmd.spawn().unwrap();
-        let _group = common::KillGroupOnDrop(top.id() as i32);
-        let deadline = Instant::now() + PATIENCE;
-        while !t.path("c-done").exists() && Instant::now() < deadline {
-            thread::sleep(Duration::from_millis(20));
-        }
-        assert!(
-            t.path("c-done").exists(),
-            "{name}: the top make's job never ended"
-        );
-        // Its own jobs are done: it reaches its wait for the sub-makes,
-        // whose jobs run 3 s.
-        thread::sleep(Duration::from_millis(500));
-        assert!(
-            top.try_wait().unwrap().is_none(),
-            "{name}: ended before the signal"
-        );
-        nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(top.id() as i32),
-            nix::sys::signal::Signal::SIGTERM,
-        )
-        .unwrap();
-        let status = common::wait_timeout(&mut top, PATIENCE)
-            .unwrap_or_else(|| panic!("{name}: the top make outlived SIGTERM"));
-        assert_eq!(status.signal(), Some(libc::SIGTERM), "{name}: {status:?}");
-        assert_no_leftovers(&t);
+        cmd.arg("-j4");
+        sigterm_while_it_waits_for_the_sub_makes(&t, cmd, name);
     }
 }
 

@@ -99,6 +99,16 @@ impl Outcome {
 
 /// Spawns `argv` with `env` added, passes the [`FORWARDED`] signals on to
 /// it while it runs, and waits for it.
+/// Catches the signals in `FORWARDED`, except those this process ignores:
+/// they stay ignored (and a command inherits SIG_IGN).
+fn stop_signals() -> Result<SignalsInfo<WithRawSiginfo>> {
+    let watched: Vec<i32> = FORWARDED
+        .into_iter()
+        .filter(|&sig| !herdless_platform::signal_ignored(sig).unwrap_or(false))
+        .collect();
+    Ok(SignalsInfo::<WithRawSiginfo>::new(&watched)?)
+}
+
 pub fn run(argv: &[OsString], env: &[(&str, OsString)]) -> Result<Outcome> {
     run_inheriting(argv, env, Vec::new(), |_| {}, || {})
 }
@@ -118,13 +128,8 @@ pub fn run_inheriting(
     let (program, args) = argv
         .split_first()
         .ok_or_else(|| anyhow!("no command given"))?;
-    // Leave ignored signals ignored: the command inherits SIG_IGN.
-    let watched: Vec<i32> = FORWARDED
-        .into_iter()
-        .filter(|&sig| !herdless_platform::signal_ignored(sig).unwrap_or(false))
-        .collect();
     // Register before spawning so that no signal slips between the two.
-    let mut signals = SignalsInfo::<WithRawSiginfo>::new(&watched)?;
+    let mut signals = stop_signals()?;
     let handle = signals.handle();
     let mut cmd = Command::new(program);
     cmd.args(args);
@@ -189,11 +194,7 @@ pub fn catching_stops<T>(
     on_signal: impl Fn() + Send + 'static,
     wait: impl FnOnce() -> T,
 ) -> Result<(T, Option<i32>)> {
-    let watched: Vec<i32> = FORWARDED
-        .into_iter()
-        .filter(|&sig| !herdless_platform::signal_ignored(sig).unwrap_or(false))
-        .collect();
-    let mut signals = SignalsInfo::<WithRawSiginfo>::new(&watched)?;
+    let mut signals = stop_signals()?;
     let handle = signals.handle();
     let received = Arc::new(AtomicI32::new(0));
     let catcher = {
