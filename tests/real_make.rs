@@ -652,28 +652,37 @@ fn background_sub_makes_keep_the_top_makes_broker_to_the_end() {
         let t = Tree::new(&format!("real-make-background-{name}"));
         let make = background_tree(&t, name);
         let mut cmd = make_cmd(&t, &make);
-        cmd.arg("-j4").env("JOB_SLEEP", "0.5");
-        let out = run(cmd);
-        let report = text(&out);
-        assert!(out.status.success(), "{name}: {report}");
-        let (done, most) = t.counts();
-        let logs: String = ["a.log", "b.log"]
-            .iter()
-            .map(|l| fs::read_to_string(t.path(l)).unwrap_or_default())
-            .collect();
-        // Every job ran before the top make ended: it waited for them.
-        assert_eq!(done, 12, "{name}: {report}\nthe sub-makes said:\n{logs}");
-        // The top make counts a backgrounded recipe done when its shell
-        // ends, and gives its token back: each sub-make's implicit token
-        // is then one more, with stock make as well.
-        assert!(most <= 4 + 2, "{name}: {most} jobs at once\n{report}");
-        assert!(
-            !logs.contains("went away"),
-            "{name}: a sub-make lost its broker: {logs}\n{report}"
-        );
+        cmd.arg("-j4");
+        let report = background_tree_ran_whole(&t, cmd, name);
         only_broker_lost_none(&t, &format!("{name}: {report}"));
-        assert_no_leftovers(&t);
     }
+}
+
+/// Runs `cmd` on the [`background_tree`] (jobs of 0.5 s) and asserts that
+/// every job of both sub-makes had run when it ended, at most 4 + 2 at
+/// once (the top make counts a backgrounded recipe done when its shell
+/// ends, and gives its token back: each sub-make's implicit token is then
+/// one more, with stock make as well), that no sub-make lost its broker,
+/// and that nothing is left behind. Returns the command's output, for
+/// messages.
+fn background_tree_ran_whole(t: &Tree, mut cmd: Command, what: &str) -> String {
+    cmd.env("JOB_SLEEP", "0.5");
+    let out = run(cmd);
+    let report = text(&out);
+    assert!(out.status.success(), "{what}: {report}");
+    let logs: String = ["a.log", "b.log"]
+        .iter()
+        .map(|l| fs::read_to_string(t.path(l)).unwrap_or_default())
+        .collect();
+    let (done, most) = t.counts();
+    assert_eq!(done, 12, "{what}: {report}\nthe sub-makes said:\n{logs}");
+    assert!(most <= 4 + 2, "{what}: {most} jobs at once\n{report}");
+    assert!(
+        !logs.contains("went away"),
+        "{what}: a sub-make lost its broker: {logs}\n{report}"
+    );
+    assert_no_leftovers(t);
+    report
 }
 
 /// The same tree ([`background_tree`]) as `herdless run -j 4`'s command:
@@ -687,23 +696,9 @@ fn background_sub_makes_keep_run_s_broker_to_the_end() {
         let t = Tree::new(&format!("real-make-run-background-{name}"));
         let make = background_tree(&t, name);
         let mut cmd = make_cmd(&t, Path::new(BIN));
-        cmd.args(["run", "-j", "4", "--stats", "--"])
-            .arg(&make)
-            .env("JOB_SLEEP", "0.5");
-        let out = run(cmd);
-        let report = text(&out);
-        assert!(out.status.success(), "{name}: {report}");
-        let logs: String = ["a.log", "b.log"]
-            .iter()
-            .map(|l| fs::read_to_string(t.path(l)).unwrap_or_default())
-            .collect();
-        let (done, most) = t.counts();
-        assert_eq!(done, 12, "{name}: {report}\nthe sub-makes said:\n{logs}");
-        assert!(most <= 4 + 2, "{name}: {most} jobs at once\n{report}");
-        assert!(!logs.contains("went away"), "{name}: {logs}");
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(stat(&stderr, "tokens lost"), "0", "{name}: {report}");
-        assert_no_leftovers(&t);
+        cmd.args(["run", "-j", "4", "--stats", "--"]).arg(&make);
+        let report = background_tree_ran_whole(&t, cmd, &format!("run, {name}"));
+        assert_eq!(stat(&report, "tokens lost"), "0", "{name}: {report}");
 
         // Again with jobs of 3 s, and SIGTERM to run once its command ended.
         let t = Tree::new(&format!("real-make-run-background-term-{name}"));

@@ -918,6 +918,22 @@ pub const HERDLESS_BROKER_CLASSIC_PIPE: c_uint = 2;
 /// and written).
 pub const HERDLESS_BROKER_BMAKE: c_uint = 4;
 
+/// Where a broker's thread stands.
+enum BrokerThread {
+    Running(std::thread::JoinHandle<std::io::Result<Status>>),
+    /// Taken out to be joined, for the length of the join.
+    Joining,
+    /// Drained: what the thread returned.
+    Ended(Box<std::thread::Result<std::io::Result<Status>>>),
+}
+
+/// Whether this process started `b` (not a fork of it), which alone may
+/// drain, stop or unlink it. Async-signal-safe.
+fn started_by_me(b: &herdless_broker) -> bool {
+    // SAFETY: getpid(2) takes nothing and always succeeds.
+    unsafe { libc::getpid() == b.pid }
+}
+
 /// A broker running on a thread of the calling process, with its socket in
 /// a private directory (mode 0700). Opaque: made by
 /// `herdless_broker_start`, ended by `herdless_broker_stop`.
@@ -925,11 +941,9 @@ pub const HERDLESS_BROKER_BMAKE: c_uint = 4;
 pub struct herdless_broker {
     dir: Option<RunDir>,
     stopper: Stopper,
-    /// The broker's thread, until `herdless_broker_drain` or
-    /// `herdless_broker_stop` joins it.
-    thread: std::sync::Mutex<Option<std::thread::JoinHandle<std::io::Result<Status>>>>,
-    /// What the thread returned, when `herdless_broker_drain` joined it.
-    ended: std::sync::Mutex<Option<std::thread::Result<std::io::Result<Status>>>>,
+    /// The broker's thread, or what it returned once
+    /// `herdless_broker_drain` joined it.
+    thread: std::sync::Mutex<BrokerThread>,
     socket: CString,
     dir_path: CString,
     /// Every entry of the directory once the broker was set up (its
@@ -1131,8 +1145,7 @@ fn start_broker(
     Ok(herdless_broker {
         dir: Some(dir),
         stopper,
-        thread: std::sync::Mutex::new(Some(thread)),
-        ended: std::sync::Mutex::new(None),
+        thread: std::sync::Mutex::new(BrokerThread::Running(thread)),
         socket,
         dir_path,
         entries,
@@ -1255,8 +1268,7 @@ pub unsafe extern "C" fn herdless_broker_unlink(b: *const herdless_broker) -> c_
     let Some(b) = (unsafe { b.as_ref() }) else {
         return -libc::EINVAL;
     };
-    // SAFETY: getpid(2) takes nothing and always succeeds.
-    if unsafe { libc::getpid() } != b.pid {
+    if !started_by_me(b) {
         return -libc::EPERM;
     }
     for entry in &b.entries {
@@ -1307,25 +1319,26 @@ pub unsafe extern "C" fn herdless_broker_drain(b: *const herdless_broker) -> c_i
     let Some(b) = (unsafe { b.as_ref() }) else {
         return -libc::EINVAL;
     };
-    // SAFETY: getpid(2) takes nothing and always succeeds.
-    if unsafe { libc::getpid() } != b.pid {
+    if !started_by_me(b) {
         return -libc::EPERM;
     }
     let drained = catch_unwind(AssertUnwindSafe(|| {
-        let Some(thread) = b.thread.lock().ok().and_then(|mut t| t.take()) else {
+        let Ok(mut thread) = b.thread.lock() else {
+            return PANICKED;
+        };
+        if !matches!(*thread, BrokerThread::Running(_)) {
             return -libc::EALREADY;
+        }
+        let BrokerThread::Running(t) = std::mem::replace(&mut *thread, BrokerThread::Joining)
+        else {
+            unreachable!("checked above, under the lock");
         };
         b.stopper.stop_when_idle();
-        let ended = thread.join();
-        let panicked = ended.is_err();
-        if let Ok(mut slot) = b.ended.lock() {
-            *slot = Some(ended);
-        }
-        if panicked {
-            PANICKED
-        } else {
-            0
-        }
+        let ended = t.join();
+        let code = if ended.is_err() { PANICKED } else { 0 };
+        // The stop reports what it returned.
+        *thread = BrokerThread::Ended(Box::new(ended));
+        code
     }));
     drained.unwrap_or(PANICKED)
 }
@@ -1355,29 +1368,29 @@ pub unsafe extern "C" fn herdless_broker_stop(
 ) -> c_int {
     // SAFETY: NULL or, by this function's contract, a live handle: only
     // read here.
-    let Some(pid) = (unsafe { b.as_ref() }).map(|b| b.pid) else {
+    let Some(mine) = (unsafe { b.as_ref() }).map(started_by_me) else {
         return -libc::EINVAL;
     };
-    // SAFETY: getpid(2) takes nothing and always succeeds.
-    if unsafe { libc::getpid() } != pid {
+    if !mine {
         return -libc::EPERM;
     }
     // SAFETY: not NULL, and by this function's contract made by
     // `Box::into_raw` in `herdless_broker_start` and not used after this.
     let mut b = unsafe { Box::from_raw(b) };
     let outcome = catch_unwind(AssertUnwindSafe(|| {
-        let ended = match b.ended.get_mut().ok().and_then(Option::take) {
-            Some(ended) => Some(ended),
-            None => {
+        let thread = b.thread.get_mut().map_err(|_| PANICKED)?;
+        let status = match std::mem::replace(thread, BrokerThread::Joining) {
+            BrokerThread::Running(t) => {
                 b.stopper.stop();
-                let thread = b.thread.get_mut().ok().and_then(Option::take);
-                thread.map(|t| t.join())
+                t.join()
             }
+            BrokerThread::Ended(ended) => *ended,
+            BrokerThread::Joining => return Err(PANICKED),
         };
-        let status = match ended {
-            Some(Ok(Ok(status))) => Ok(status),
-            Some(Ok(Err(e))) => Err(-io_errno(&e)),
-            Some(Err(_)) | None => Err(PANICKED),
+        let status = match status {
+            Ok(Ok(status)) => Ok(status),
+            Ok(Err(e)) => Err(-io_errno(&e)),
+            Err(_) => Err(PANICKED),
         };
         b.fds = None;
         b.dir = None;
