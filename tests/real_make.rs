@@ -568,9 +568,11 @@ fn herdless_jobs_under_a_make_group_keep_to_its_limit() {
 /// running in the background (`$(MAKE) … &`), their output in `a.log` and
 /// `b.log` (a bmake closes a job's output pipe once the job's shell ends,
 /// and a sub-make still writing there dies of SIGPIPE, under stock bmake
-/// too). The top make's own job `c` ends only once both sub-makes have
-/// started a job, so both have connected by then (`started-a`,
-/// `started-b`), and writes `c-done` as it ends. Returns the make.
+/// too), their process ids in `pid-a` and `pid-b`, each job marked
+/// `ran-a1` … `ran-b6` when it ends. The top make's own job `c` ends only
+/// once both sub-makes have started a job, so both have connected by then
+/// (`started-a`, `started-b`), and writes `c-done` as it ends. Returns the
+/// make.
 fn background_tree(t: &Tree, make_name: &str) -> PathBuf {
     let d = t.dir.display();
     let (make, sub, recursive) = match make_name {
@@ -588,11 +590,15 @@ fn background_tree(t: &Tree, make_name: &str) -> PathBuf {
         }
         mk += "\n";
         for i in 1..=6 {
-            mk += &format!("{target}j{i}:\n\t@: > {d}/started-{target}; sh {d}/job.sh {d}\n");
+            mk += &format!(
+                "{target}j{i}:\n\t@: > {d}/started-{target}; sh {d}/job.sh {d}; \
+                 : > {d}/ran-{target}{i}\n"
+            );
         }
         fs::write(t.path(&format!("{target}.mk")), mk).unwrap();
         top += &format!(
-            "{target}:{recursive}\n\t{sub} -f {d}/{target}.mk > {d}/{target}.log 2>&1 &\n"
+            "{target}:{recursive}\n\t{sub} -f {d}/{target}.mk > {d}/{target}.log 2>&1 & \
+             echo $$! > {d}/pid-{target}\n"
         );
     }
     fs::write(t.path("Makefile"), top).unwrap();
@@ -683,6 +689,51 @@ fn background_tree_ran_whole(t: &Tree, mut cmd: Command, what: &str) -> String {
     );
     assert_no_leftovers(t);
     report
+}
+
+/// kill -9 of one sub-make in the background while the top make waits for
+/// them: its connection closes, so the drain does not wait for it; the
+/// tokens it held come back, the other sub-make runs all its jobs, and the
+/// top make ends with nothing lost or left behind.
+#[test]
+fn a_background_sub_make_killed_during_the_drain_does_not_hold_it() {
+    for name in ["gnu", "bmake"] {
+        let t = Tree::new(&format!("real-make-background-kill-{name}"));
+        let make = background_tree(&t, name);
+        let mut cmd = make_cmd(&t, &make);
+        cmd.arg("-j4")
+            .env("JOB_SLEEP", "1")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .process_group(0);
+        let mut top = cmd.spawn().unwrap();
+        let _group = common::KillGroupOnDrop(top.id() as i32);
+        let deadline = Instant::now() + PATIENCE;
+        while !t.path("c-done").exists() && Instant::now() < deadline {
+            thread::sleep(Duration::from_millis(20));
+        }
+        thread::sleep(Duration::from_millis(200));
+        let pid: i32 = fs::read_to_string(t.path("pid-a"))
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pid),
+            nix::sys::signal::Signal::SIGKILL,
+        )
+        .unwrap();
+        let status = common::wait_timeout(&mut top, PATIENCE)
+            .unwrap_or_else(|| panic!("{name}: the top make waited for a killed sub-make"));
+        assert!(status.success(), "{name}: {status:?}");
+        let ran_b = (1..=6)
+            .filter(|i| t.path(&format!("ran-b{i}")).exists())
+            .count();
+        let said = fs::read_to_string(t.path("b.log")).unwrap_or_default();
+        assert_eq!(ran_b, 6, "{name}: the other sub-make said:\n{said}");
+        only_broker_lost_none(&t, name);
+        assert_no_leftovers(&t);
+    }
 }
 
 /// The same tree ([`background_tree`]) as `herdless run -j 4`'s command:
