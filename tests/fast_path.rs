@@ -499,13 +499,18 @@ struct Hostile {
 
 impl Hostile {
     fn connect(socket: &Path) -> Hostile {
+        Hostile::connect_as(socket, herdless::protocol::HelloFlags::empty())
+    }
+
+    /// Connects with `flags` besides `FAST` (a job names the top's slot).
+    fn connect_as(socket: &Path, flags: herdless::protocol::HelloFlags) -> Hostile {
         use herdless::protocol::{decode_reply, HelloFlags, Reply, Request, FAST_VERSION};
         use std::os::fd::AsFd;
         let mut stream = std::os::unix::net::UnixStream::connect(socket).expect("connect");
         let mut hello = Vec::new();
         Request::Hello {
             version: FAST_VERSION,
-            flags: HelloFlags::FAST,
+            flags: flags | HelloFlags::FAST,
             pid: std::process::id(),
             slot: 0,
         }
@@ -611,6 +616,35 @@ fn a_hostile_table_client_gets_no_extra_token_and_is_cut_off() {
     assert!(s.max_in_use <= 3, "{s:#?}");
     assert!(log.contains("tokens lost   0"), "{log}");
     assert!(log.contains("cut off"), "{log}");
+}
+
+/// A job of the top names the top's slot, which is free: the table is
+/// closed before the job can see it (the first take must ask the broker,
+/// which lends the slot), not after its descriptor was sent. A job that
+/// took a shared word first would keep the top's slot idle and a shared
+/// token from the runners.
+#[test]
+fn a_job_naming_a_free_slot_never_sees_the_table_open() {
+    let serve = Serve::start(4);
+    let runner = Client::connect_with(&serve.socket, Options::default().implicit_token(false))
+        .expect("connect");
+    let mut open = 0;
+    for _ in 0..300 {
+        let job = Hostile::connect_as(&serve.socket, herdless::protocol::HelloFlags::JOB);
+        if job.table.take(job.owner, 0).is_some() {
+            open += 1;
+        }
+        drop(job);
+        serve.wait_for("the job's connection gone", |s| s.clients.len() == 1);
+    }
+    assert_eq!(
+        open, 0,
+        "times a job took a shared word while its slot was free"
+    );
+    drop(runner);
+    let (s, log) = all_back(serve, 3);
+    assert_eq!(s.lost, 0, "{s:#?}");
+    assert!(log.contains("tokens lost   0"), "{log}");
 }
 
 #[test]

@@ -203,6 +203,12 @@ impl Broker {
     /// a client without a table is told so in the stream instead.
     pub(super) fn send_segment(&mut self, token: Token, id: ClientId) {
         let owner = self.fast_admit(token, id);
+        if owner != 0 && self.pool.borrows(id).is_some() {
+            // A slot it names may be free: the table closes before the
+            // client can map it, so that its first take asks the broker,
+            // which lends the slot rather than a shared token.
+            self.fast_balance();
+        }
         let sent = owner != 0 && {
             let words = self.fast.as_ref().map_or(0, |f| f.table.total());
             let fast = self.fast.as_ref();
