@@ -98,3 +98,54 @@ fn a_drain_waits_for_job_runners_and_handshakes_only() {
     drop(observer);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Connections that never say hello hold a drain only until their
+/// handshake deadline: a flood of them during the drain cannot keep the
+/// broker for good, and the runner among them is served throughout.
+#[test]
+fn a_flood_of_silent_connections_holds_a_drain_only_until_their_deadline() {
+    let dir = std::env::temp_dir().join(format!("herdless-drain-flood-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let socket = dir.join("broker.sock");
+    let mut config = Config::new(3);
+    config.handshake_deadline = Duration::from_millis(500);
+    assert!(config.handshake_deadline < PATIENCE);
+    let broker = Broker::bind(&socket, config).unwrap();
+    let stopper = broker.stopper();
+    let ended = thread::spawn(move || broker.run());
+
+    let runner = Client::connect(&socket).unwrap();
+    stopper.stop_when_idle();
+    // Two hundred connections that say nothing, opened while the runner
+    // still works; the runner's tokens still come.
+    let since = Instant::now();
+    let silent: Vec<UnixStream> = (0..200)
+        .map(|_| UnixStream::connect(&socket).unwrap())
+        .collect();
+    let tokens: Vec<_> = (0..3).map(|_| runner.acquire().unwrap()).collect();
+    drop(tokens);
+    drop(runner);
+    until("the drain ended", || ended.is_finished());
+    // Each was accepted after it connected, and closed no sooner than its
+    // deadline after that.
+    assert!(
+        since.elapsed() >= Duration::from_millis(500),
+        "the drain ended before the silent connections were closed: {:?}",
+        since.elapsed()
+    );
+    let status = ended.join().unwrap().unwrap();
+    assert_eq!(status.lost, 0, "{status:?}");
+    // The broker closed each one at its deadline.
+    for mut s in silent {
+        use std::io::Read;
+        s.set_read_timeout(Some(PATIENCE)).unwrap();
+        // What it was told, if anything, then the end.
+        let mut told = Vec::new();
+        assert!(
+            s.read_to_end(&mut told).is_ok(),
+            "a silent connection outlived the broker"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
