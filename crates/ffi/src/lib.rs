@@ -256,8 +256,11 @@ fn fd_headroom() -> Result<(), i32> {
 }
 
 /// Whether at least `n` file descriptors are free in this process: 1 if
-/// so, 0 if not (it opens `/dev/null` and duplicates it until `n` are
-/// open, and closes them again). For a make that needs descriptors of
+/// so, 0 if not (the descriptor limit less those open, where the kernel
+/// counts them: Linux's `/proc/self/fd`, read through one descriptor held
+/// for the moment, FreeBSD's `kern.proc.nfds`; elsewhere it opens
+/// `/dev/null` and duplicates it until `n` are open, and closes them
+/// again). For a make that needs descriptors of
 /// its own beside a connection: the herdless bmake finishes a sub-make's
 /// connection only
 /// with room for its job pipes too, and otherwise runs on its stock

@@ -297,6 +297,9 @@ pub struct Broker {
     /// Descriptors left free for the process the broker runs in
     /// ([`Stopper::keep_fds_free`]).
     keep_free: Arc<AtomicUsize>,
+    /// Counts the process's open descriptors for [`Self::room_for`],
+    /// without opening any (made when first needed).
+    fd_count: Option<herdless_platform::DescriptorCount>,
     /// Clients turned away to keep them free.
     refused_no_room: u64,
     /// The command connected as a native client, and the bridge was told.
@@ -451,6 +454,7 @@ impl Broker {
             drain: Arc::new(AtomicBool::new(false)),
             command: Arc::new(AtomicU32::new(0)),
             keep_free: Arc::new(AtomicUsize::new(0)),
+            fd_count: None,
             refused_no_room: 0,
             command_native: false,
             command_looked: 0,
@@ -1052,11 +1056,14 @@ impl Broker {
     /// more for the process-exit descriptor it may cost. The command at
     /// the top (the process the broker runs in, for a make) always has
     /// room.
-    fn room_for(&self, pid: Option<u32>) -> bool {
+    fn room_for(&mut self, pid: Option<u32>) -> bool {
         let keep = self.keep_free.load(Ordering::SeqCst);
         keep == 0
             || pid.is_some_and(|p| self.is_command(p))
-            || herdless_platform::descriptors_free(keep + 1)
+            || self
+                .fd_count
+                .get_or_insert_with(herdless_platform::DescriptorCount::new)
+                .free(keep + 1)
     }
 
     /// Closes the oldest connection still in its handshake, to make room.

@@ -86,7 +86,10 @@ pub use caps::{capabilities, Capabilities};
 pub use clock::monotonic;
 pub use cred::{peer_cred, PeerCred};
 pub use kernel::{kernel, parse_release, Kernel};
-pub use nofile::{child_nofile_limit, descriptors_free, raise_nofile_limit, NofileLimit};
+pub use nofile::{
+    child_nofile_limit, descriptors_free, descriptors_free_by_opening, raise_nofile_limit,
+    DescriptorCount, NofileLimit,
+};
 pub use pipe::{
     access_mode, bytes_readable, fd_access_mode, fd_path, fifo_identity, is_nonblocking,
     pipe_cloexec, pipe_default_size, pipe_one_buffer,
