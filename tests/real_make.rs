@@ -1418,6 +1418,154 @@ fn kill_the_top_make(name: &str, make: &Path) {
     }
 }
 
+// The tree's processes and their states are read from /proc.
+#[cfg(target_os = "linux")]
+#[test]
+fn a_gnu_make_tree_stopped_and_continued_keeps_the_limit_and_loses_nothing() {
+    stop_and_continue("gnu", &herdless_make());
+}
+
+#[cfg(target_os = "linux")]
+#[test]
+fn a_bmake_tree_stopped_and_continued_keeps_the_limit_and_loses_nothing() {
+    stop_and_continue("bmake", &herdless_bmake());
+}
+
+/// The state letter of every thread of `top` and of its descendants
+/// (`/proc/PID/task/TID/stat`), with the thread's id.
+#[cfg(target_os = "linux")]
+fn tree_states(top: i32) -> Vec<(i32, char)> {
+    let mut parent = std::collections::HashMap::new();
+    for entry in fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        if let Ok(stat) = fs::read_to_string(entry.path().join("stat")) {
+            let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+            if let Some(ppid) = rest.split_whitespace().nth(1).and_then(|p| p.parse().ok()) {
+                parent.insert(pid, ppid);
+            }
+        }
+    }
+    let in_tree = |mut pid: i32| {
+        while pid > 1 {
+            if pid == top {
+                return true;
+            }
+            pid = parent.get(&pid).copied().unwrap_or(0);
+        }
+        false
+    };
+    let mut states = Vec::new();
+    for &pid in parent.keys().filter(|&&p| in_tree(p)) {
+        let Ok(tasks) = fs::read_dir(format!("/proc/{pid}/task")) else {
+            continue;
+        };
+        for task in tasks.flatten() {
+            let tid = task.file_name().to_string_lossy().parse().unwrap_or(0);
+            if let Ok(stat) = fs::read_to_string(task.path().join("stat")) {
+                if let Some(c) = stat
+                    .rsplit_once(')')
+                    .and_then(|(_, r)| r.split_whitespace().next())
+                    .and_then(|s| s.chars().next())
+                {
+                    states.push((tid, c));
+                }
+            }
+        }
+    }
+    states
+}
+
+/// Ctrl-Z and `fg`, over and over: SIGTSTP to the top make's process
+/// group at random points of the build (GNU make stops with its group;
+/// bmake, whose jobs each have a group of their own, passes the signal on
+/// and stops itself), once for longer than the broker's handshake
+/// deadline, then SIGCONT. While every process of the tree is stopped no
+/// job starts or ends (the broker's thread is stopped with its make, and
+/// a sub-make cannot take a token from the table without it being
+/// counted); once continued, the tree runs every job, at most N at once,
+/// no token lost, nothing said on stderr.
+#[cfg(target_os = "linux")]
+fn stop_and_continue(name: &str, make: &Path) {
+    let t = Tree::new(&format!("real-{name}-stop-cont"));
+    t.recursive_makefile(12, 6);
+    let mut cmd = make_cmd(&t, make);
+    cmd.arg("-j4")
+        .env("JOB_SLEEP", "0.05")
+        .stdout(fs::File::create(t.path("out")).unwrap())
+        .stderr(fs::File::create(t.path("err")).unwrap())
+        .process_group(0);
+    let mut child = cmd.spawn().expect("spawn");
+    let top = child.id() as i32;
+    let started = || {
+        fs::read_to_string(t.path("peaks"))
+            .unwrap_or_default()
+            .lines()
+            .count()
+    };
+    // Where each stop comes: 1 to 6 jobs after the last, varied by pid.
+    let mut seed = u64::from(child.id()) | 1;
+    let mut next_gap = move || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        1 + (seed % 6) as usize
+    };
+    // Five short stops, the third one long.
+    for round in 0..5 {
+        let at = t.counts().0 + next_gap();
+        common::until_or_report(top, PATIENCE, &format!("{name}: {at} jobs done"), || {
+            t.counts().0 >= at || child.try_wait().ok().flatten().is_some()
+        });
+        if child.try_wait().unwrap().is_some() {
+            break;
+        }
+        common::signal(-top, libc::SIGTSTP);
+        // Stopped: every thread of the tree, the broker's too ('D': a
+        // parent in vfork whose child stopped before its exec; 'Z': a job
+        // that ended, not reaped by its stopped make).
+        let mut last = Vec::new();
+        let stopped = |last: &mut Vec<(i32, char)>| {
+            *last = tree_states(top);
+            last.iter()
+                .all(|(_, c)| matches!(c, 'T' | 't' | 'D' | 'Z' | 'X'))
+        };
+        let since = Instant::now();
+        while !stopped(&mut last) {
+            if since.elapsed() > PATIENCE {
+                common::signal(-top, libc::SIGCONT);
+                common::signal(-top, libc::SIGKILL);
+                panic!("{name}: the tree never stopped: {last:?}");
+            }
+            thread::sleep(Duration::from_millis(10));
+        }
+        // A write in flight when its process stopped (in 'D') lands now.
+        thread::sleep(Duration::from_millis(20));
+        let before = (t.counts().0, started());
+        thread::sleep(if round == 2 {
+            Duration::from_secs(6)
+        } else {
+            Duration::from_millis(100)
+        });
+        assert_eq!(
+            (t.counts().0, started()),
+            before,
+            "{name}: jobs started or ended while the tree was stopped"
+        );
+        common::signal(-top, libc::SIGCONT);
+    }
+    let status = common::wait_or_report(&mut child, PATIENCE * 2, &format!("{name}: the tree"));
+    let err = fs::read_to_string(t.path("err")).unwrap_or_default();
+    assert!(status.success(), "{name}: {status:?}\n{err}");
+    let (done, max) = t.counts();
+    assert_eq!(done, 72, "{name}: {err}");
+    assert!(max <= 4, "{name}: {max} jobs at once at -j4");
+    assert!(err.trim().is_empty(), "{name}: {err}");
+    let line = only_broker_lost_none(&t, name);
+    assert!(figure(&line, "native_grants") > 0, "{name}: {line:?}");
+}
+
 /// Debian's bmake 20200710 with herdless inside.
 fn herdless_bmake() -> PathBuf {
     repo_file(

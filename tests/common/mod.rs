@@ -198,14 +198,27 @@ pub fn group_report(pgid: i32) -> String {
                 "thread apply all bt",
             ])
             .stdin(Stdio::null())
+            .stdout(Stdio::piped())
             .stderr(Stdio::null())
-            .output();
-        let Ok(gdb) = gdb else {
+            .spawn();
+        let Ok(mut gdb) = gdb else {
             out += "(no gdb here for user-space backtraces)\n";
             break;
         };
+        // gdb waits for good on a process that is stopped (SIGSTOP) or
+        // in an uninterruptible sleep: give up on that one.
+        if wait_timeout(&mut gdb, Duration::from_secs(10)).is_none() {
+            let _ = gdb.kill();
+            let _ = gdb.wait();
+            out += &format!("(gdb could not attach to {pid} within 10 s)\n");
+            continue;
+        }
+        let mut text = String::new();
+        if let Some(mut stdout) = gdb.stdout.take() {
+            let _ = std::io::Read::read_to_string(&mut stdout, &mut text);
+        }
         out += &format!("gdb backtraces of {pid}:\n");
-        for line in String::from_utf8_lossy(&gdb.stdout).lines() {
+        for line in text.lines() {
             if line.starts_with('#') || line.starts_with("Thread") {
                 out += &format!("  {line}\n");
             }
