@@ -228,6 +228,89 @@ fn the_listen_queue_is_bounded_and_every_queued_connection_is_served() {
     assert!(exit.success(), "{log}");
 }
 
+/// Reads the first reply on `s`, within `PATIENCE`.
+fn first_reply(s: &mut UnixStream) -> Option<Reply> {
+    s.set_read_timeout(Some(PATIENCE)).unwrap();
+    let mut rx = FrameBuffer::new();
+    let mut buf = [0u8; 256];
+    loop {
+        if let Some(reply) = rx.next_reply().unwrap() {
+            return Some(reply);
+        }
+        let got = s.read(&mut buf).unwrap_or(0);
+        if got == 0 {
+            return None;
+        }
+        rx.extend(&buf[..got]);
+    }
+}
+
+/// A broker stopped (SIGSTOP, Ctrl-Z of a make it runs in) past the
+/// handshake deadline of connections it had accepted, whose hellos came
+/// meanwhile behind more events than one poll returns: each hello is read
+/// before its connection is given up on, and every one is welcomed.
+#[cfg(target_os = "linux")]
+#[test]
+fn hellos_that_came_while_the_broker_was_stopped_are_read_before_the_deadline() {
+    use herdless::broker::limits::HANDSHAKE_DEADLINE;
+    let serve = Serve::start(2);
+    // Clients in session, whose requests come first once it runs again.
+    let mut talkers: Vec<UnixStream> = (0..40)
+        .map(|_| {
+            let mut s = UnixStream::connect(&serve.socket).unwrap();
+            s.write_all(&plain_hello()).unwrap();
+            assert!(matches!(first_reply(&mut s), Some(Reply::Welcome { .. })));
+            s
+        })
+        .collect();
+    // Accepted connections, silent so far.
+    let mut silent: Vec<UnixStream> = (0..240)
+        .map(|_| UnixStream::connect(&serve.socket).unwrap())
+        .collect();
+    serve.wait_for("every silent connection accepted", |s| s.handshaking == 240);
+    common::signal(serve.pid(), libc::SIGSTOP);
+    let stopped = || {
+        std::fs::read_dir(format!("/proc/{}/task", serve.pid()))
+            .unwrap()
+            .all(|task| {
+                let tid = task.unwrap().file_name().to_string_lossy().parse().unwrap();
+                herdless_platform::process_state(tid) == Some('T')
+            })
+    };
+    let since = std::time::Instant::now();
+    while !stopped() {
+        assert!(since.elapsed() < PATIENCE, "the broker did not stop");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let mut request = Vec::new();
+    Request::TryAcquire.encode(&mut request);
+    for s in &mut talkers {
+        s.write_all(&request).unwrap();
+    }
+    for s in &mut silent {
+        s.write_all(&plain_hello()).unwrap();
+    }
+    std::thread::sleep(HANDSHAKE_DEADLINE + Duration::from_millis(500));
+    common::signal(serve.pid(), libc::SIGCONT);
+    let replies: Vec<Option<Reply>> = silent.iter_mut().map(first_reply).collect();
+    let refused: Vec<&Option<Reply>> = replies
+        .iter()
+        .filter(|r| !matches!(r, Some(Reply::Welcome { .. })))
+        .collect();
+    assert!(
+        refused.is_empty(),
+        "{} of 240 hellos given up on: {:?}",
+        refused.len(),
+        refused.first()
+    );
+    drop(silent);
+    drop(talkers);
+    let status = serve.wait_for("everyone gone", |s| s.clients_total == 0);
+    assert_eq!(status.lost, 0);
+    let (exit, log) = serve.stop();
+    assert!(exit.success(), "{log}");
+}
+
 #[test]
 fn the_broker_queues_a_bounded_number_of_acquires() {
     use herdless::broker::limits::{MAX_PENDING_ACQUIRES, MAX_QUEUED_ACQUIRES};

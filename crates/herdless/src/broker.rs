@@ -1105,6 +1105,13 @@ impl Broker {
             }) else {
                 return;
             };
+            // A hello that came while this broker could not run (its
+            // process stopped, a batch of more events than one poll
+            // returns) is read before the connection is given up on.
+            self.conn_event(token, true, false, READ_BUDGET);
+            if !self.conns.get(&token).is_some_and(|c| c.client.is_none()) {
+                continue;
+            }
             let reason = format!(
                 "no hello within {} ms of connecting",
                 self.config.handshake_deadline.as_millis()

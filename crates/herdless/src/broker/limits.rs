@@ -12,7 +12,7 @@
 //! | [`TOTAL_OUTPUT_PAUSE`] unread reply bytes, all connections | 8 MiB | connections with replies unsent are not read until theirs drain |
 //! | [`MAX_PENDING_OUTPUT`] unread reply bytes per connection | 2 MiB | an `Error` frame, and the connection is closed (a guard: the pause keeps well below it) |
 //! | [`MAX_HANDSHAKING`] connections before their `Hello` | 256 | the oldest of them gets an `Error` starting `busy:` and is closed |
-//! | [`HANDSHAKE_DEADLINE`] to send the `Hello` | 5 s | an `Error` frame, and the connection is closed |
+//! | [`HANDSHAKE_DEADLINE`] to send the `Hello` | 5 s | an `Error` frame, and the connection is closed (a hello already in its socket then is read first) |
 //! | [`MAX_PENDING_ACQUIRES`] waiting acquires per connection | 4096 | an `Error` frame, and the connection is closed |
 //! | [`MAX_QUEUED_ACQUIRES`] waiting acquires, all connections | 65,536 | an `Error` frame, and the connection is closed |
 //! | [`MAX_STATUS_CLIENTS`] client lines in a status document | 256 | a document that lists the busiest 256 and counts the rest |
