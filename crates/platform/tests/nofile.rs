@@ -41,7 +41,7 @@ fn helper_process() {
         return;
     };
     match role.as_str() {
-        // Exactly 10 free: 10 fit, 11 do not, by both ways of asking, and
+        // Exactly 10 free: 10 fit, 11 do not, by each way of asking, and
         // asking leaves every one of them free.
         "exact" => {
             // A count kept open holds its descriptor from here on.
