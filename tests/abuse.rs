@@ -138,21 +138,29 @@ fn connections_that_never_say_hello_cannot_lock_anyone_out() {
     assert!(exit.success(), "{log}");
 }
 
-/// The listen queue holds a bounded number of connections: with the broker
-/// stopped (SIGSTOP), non-blocking connects succeed until it is full and
-/// then fail with `EAGAIN`. Once the broker runs again, every queued
-/// connection is served, and so is a client that connects after them.
+/// Reads the first reply on `s`, within `PATIENCE`.
 #[cfg(target_os = "linux")]
-#[test]
-fn the_listen_queue_is_bounded_and_every_queued_connection_is_served() {
-    use herdless::broker::limits::LISTEN_BACKLOG;
-    use nix::sys::socket::{connect, socket, AddressFamily, SockFlag, SockType, UnixAddr};
-    use std::os::fd::AsRawFd;
+fn first_reply(s: &mut UnixStream) -> Option<Reply> {
+    s.set_read_timeout(Some(PATIENCE)).unwrap();
+    let mut rx = FrameBuffer::new();
+    let mut buf = [0u8; 256];
+    loop {
+        if let Some(reply) = rx.next_reply().unwrap() {
+            return Some(reply);
+        }
+        let got = s.read(&mut buf).unwrap_or(0);
+        if got == 0 {
+            return None;
+        }
+        rx.extend(&buf[..got]);
+    }
+}
 
-    let serve = Serve::start(2);
-    let _ = serve.status();
+/// Stops `serve`'s broker with SIGSTOP and waits until every thread of
+/// it is stopped, so that none accepts or reads from here on.
+#[cfg(target_os = "linux")]
+fn stop_broker(serve: &Serve) {
     common::signal(serve.pid(), libc::SIGSTOP);
-    // Every thread of it stopped, so that none accepts from here on.
     let stopped = || {
         std::fs::read_dir(format!("/proc/{}/task", serve.pid()))
             .unwrap()
@@ -166,6 +174,22 @@ fn the_listen_queue_is_bounded_and_every_queued_connection_is_served() {
         assert!(since.elapsed() < PATIENCE, "the broker did not stop");
         std::thread::sleep(Duration::from_millis(1));
     }
+}
+
+/// The listen queue holds a bounded number of connections: with the broker
+/// stopped (SIGSTOP), non-blocking connects succeed until it is full and
+/// then fail with `EAGAIN`. Once the broker runs again, every queued
+/// connection is served, and so is a client that connects after them.
+#[cfg(target_os = "linux")]
+#[test]
+fn the_listen_queue_is_bounded_and_every_queued_connection_is_served() {
+    use herdless::broker::limits::LISTEN_BACKLOG;
+    use nix::sys::socket::{connect, socket, AddressFamily, SockFlag, SockType, UnixAddr};
+    use std::os::fd::AsRawFd;
+
+    let serve = Serve::start(2);
+    let _ = serve.status();
+    stop_broker(&serve);
     let addr = UnixAddr::new(&serve.socket).unwrap();
     let mut queued = Vec::new();
     let refused = loop {
@@ -200,19 +224,9 @@ fn the_listen_queue_is_bounded_and_every_queued_connection_is_served() {
     common::signal(serve.pid(), libc::SIGCONT);
     // Each queued connection gets its welcome.
     for (i, s) in queued.iter_mut().enumerate() {
-        s.set_read_timeout(Some(PATIENCE)).unwrap();
-        let mut rx = FrameBuffer::new();
-        let mut buf = [0u8; 256];
-        let reply = loop {
-            if let Some(reply) = rx.next_reply().unwrap() {
-                break reply;
-            }
-            let got = s.read(&mut buf).unwrap_or(0);
-            assert!(got > 0, "queued connection {i} closed without a welcome");
-            rx.extend(&buf[..got]);
-        };
+        let reply = first_reply(s);
         assert!(
-            matches!(reply, Reply::Welcome { .. }),
+            matches!(reply, Some(Reply::Welcome { .. })),
             "queued connection {i}: {reply:?}"
         );
     }
@@ -226,23 +240,6 @@ fn the_listen_queue_is_bounded_and_every_queued_connection_is_served() {
     assert_eq!(status.lost, 0);
     let (exit, log) = serve.stop();
     assert!(exit.success(), "{log}");
-}
-
-/// Reads the first reply on `s`, within `PATIENCE`.
-fn first_reply(s: &mut UnixStream) -> Option<Reply> {
-    s.set_read_timeout(Some(PATIENCE)).unwrap();
-    let mut rx = FrameBuffer::new();
-    let mut buf = [0u8; 256];
-    loop {
-        if let Some(reply) = rx.next_reply().unwrap() {
-            return Some(reply);
-        }
-        let got = s.read(&mut buf).unwrap_or(0);
-        if got == 0 {
-            return None;
-        }
-        rx.extend(&buf[..got]);
-    }
 }
 
 /// A broker stopped (SIGSTOP, Ctrl-Z of a make it runs in) past the
@@ -268,20 +265,7 @@ fn hellos_that_came_while_the_broker_was_stopped_are_read_before_the_deadline() 
         .map(|_| UnixStream::connect(&serve.socket).unwrap())
         .collect();
     serve.wait_for("every silent connection accepted", |s| s.handshaking == 240);
-    common::signal(serve.pid(), libc::SIGSTOP);
-    let stopped = || {
-        std::fs::read_dir(format!("/proc/{}/task", serve.pid()))
-            .unwrap()
-            .all(|task| {
-                let tid = task.unwrap().file_name().to_string_lossy().parse().unwrap();
-                herdless_platform::process_state(tid) == Some('T')
-            })
-    };
-    let since = std::time::Instant::now();
-    while !stopped() {
-        assert!(since.elapsed() < PATIENCE, "the broker did not stop");
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    stop_broker(&serve);
     let mut request = Vec::new();
     Request::TryAcquire.encode(&mut request);
     for s in &mut talkers {
