@@ -6,11 +6,13 @@
 
 #![cfg(target_os = "linux")]
 
+mod common;
+
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::fd::AsFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::sync::atomic::Ordering::SeqCst;
 use std::sync::mpsc;
 use std::sync::Arc;
@@ -109,13 +111,7 @@ impl Drop for Guarded {
 fn spawn_guard(n: u32) -> Guarded {
     let path = std::env::temp_dir().join(format!("herdless-guard-{}-{n}.sock", std::process::id()));
     let _ = std::fs::remove_file(&path);
-    let mut child = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "helper_process",
-            "--nocapture",
-            "--test-threads=1",
-        ])
+    let mut child = common::helper_command()
         .env(ROLE, "guard")
         .env(SOCKET, &path)
         .env(COUNT, n.to_string())
@@ -287,13 +283,7 @@ fn a_guard_refuses_words_it_cannot_watch() {
 /// writes to (and wakes) words of a mapping that is gone.
 #[test]
 fn a_guard_that_outlives_its_segment_touches_no_memory() {
-    let out = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "helper_process",
-            "--nocapture",
-            "--test-threads=1",
-        ])
+    let out = common::helper_command()
         .env(ROLE, "drop-segment-first")
         .stdin(Stdio::null())
         .output()

@@ -4,7 +4,8 @@
 //! Each check runs in a process of its own (this test binary run again
 //! with a role), whose descriptor limit it lowers.
 
-use std::process::Command;
+mod common;
+
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -113,13 +114,7 @@ fn helper_process() {
 }
 
 fn run_role(role: &str, env: &[(&str, &str)]) -> String {
-    let out = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "helper_process",
-            "--nocapture",
-            "--test-threads=1",
-        ])
+    let out = common::helper_command()
         .env(ROLE, role)
         .envs(env.iter().copied())
         .output()
