@@ -291,7 +291,12 @@ pub struct herdless_connecting {
 /// connection (`ENOENT`: no `HERDLESS_SOCKET`, or no such socket;
 /// `ECONNREFUSED`: nobody listens there; `EMFILE`: too few descriptors
 /// free, see `HERDLESS_FD_HEADROOM`). A broker's refusal is reported by
-/// `herdless_connect_finish`. The socket is close-on-exec.
+/// `herdless_connect_finish`, or here when the broker turned the
+/// connection away as it accepted it, before the hello was sent (`EMFILE`
+/// from a broker that keeps its process's descriptors free, see
+/// `herdless_broker_keep_fds`; `ECONNREFUSED` from a busy one, which
+/// `herdless_client_native_from_env` would ask again). The socket is
+/// close-on-exec.
 #[no_mangle]
 pub extern "C" fn herdless_connect_begin() -> *mut herdless_connecting {
     let made = catch_unwind(|| match broker_from_env() {
