@@ -286,6 +286,59 @@ fn wrapped_sub_makes(name: &str, make: &Path) {
     }
 }
 
+/// One recipe that starts several herdless sub-makes at once, which share
+/// the one token the top make took for that recipe: four from `xargs -P
+/// 4`, two put in the background with `&` and waited for. Only one of
+/// them may run its first job on the recipe's token; the others ask the
+/// broker first, or `-jN` is overrun (a stock make's sub-makes each take
+/// the recipe's token as their own). At most N at once and N reached,
+/// every job run, no token lost or taken back from a make that ended.
+fn sub_makes_started_together(name: &str, make: &Path, jobs: &[u32]) {
+    for &n in jobs {
+        let t = Tree::new(&format!("real-make-together-{name}-j{n}"));
+        for b in 1..=6 {
+            t.flat_makefile(&format!("sub{b}.mk"), &format!("b{b}j"), 5);
+        }
+        let d = t.dir.display();
+        fs::write(
+            t.path("Makefile"),
+            format!(
+                "all: fan pair\n\
+                 fan:\n\t@printf '1\\n2\\n3\\n4\\n' | xargs -P 4 -I@ ${{MAKE}} -f {d}/sub@.mk\n\
+                 pair:\n\t@${{MAKE}} -f {d}/sub5.mk & ${{MAKE}} -f {d}/sub6.mk & wait\n"
+            ),
+        )
+        .unwrap();
+        let mut cmd = make_cmd(&t, make);
+        cmd.arg(format!("-j{n}")).env("JOB_SLEEP", "0.2");
+        let out = run(cmd);
+        let report = text(&out);
+        assert!(out.status.success(), "{name} -j{n}: {report}");
+        let (done, most) = t.counts();
+        assert_eq!(done, 30, "{name} -j{n}: {report}");
+        assert!(most <= n, "{name} -j{n}: {most} jobs at once\n{report}");
+        assert_eq!(most, n, "{name} -j{n}: never {n} jobs at once\n{report}");
+        let b = only_broker_lost_none(&t, &format!("{name} -j{n}"));
+        assert!(figure(&b, "native_grants") > 0, "{name} -j{n}: {b:?}");
+        assert_eq!(figure(&b, "reclaimed"), 0, "{name} -j{n}: {b:?}");
+        assert_no_leftovers(&t);
+    }
+}
+
+#[test]
+fn herdless_gnu_sub_makes_started_together_by_one_recipe_keep_the_limit() {
+    // Not -j1: there GNU make, stock or not, has no jobserver at all, and
+    // a recipe's `xargs -P 4` runs its four sub-makes at once.
+    sub_makes_started_together("gnu", &herdless_make(), &[2, 3]);
+}
+
+#[test]
+fn herdless_bmake_sub_makes_started_together_by_one_recipe_keep_the_limit() {
+    // At -j1 the pool has no shared token: each sub-make waits for the
+    // recipe's slot, one after the other.
+    sub_makes_started_together("bmake", &herdless_bmake(), &[1, 2, 3]);
+}
+
 #[test]
 fn herdless_gnu_sub_makes_behind_wrappers_keep_the_limit() {
     wrapped_sub_makes("gnu", &herdless_make());

@@ -326,6 +326,30 @@ __wrap_jobserver_setup (int slots, const char *style)
   return 1;
 }
 
+/* Makes sure the implicit token this sub-make's first job runs on is its
+   own (herdless_implicit_token). Returns 0, with the handle freed, when
+   it cannot be had (an abort, a broker gone): the make then goes on with
+   its stock jobserver. */
+static int
+take_implicit (herdless_client *c)
+{
+  int r;
+
+  do
+    r = herdless_implicit_token (c);
+  while (r == -EINTR);
+  if (r < 0)
+    {
+      DB (DB_JOBS, ("herdless: no share of the recipe's token from the broker (%s): "
+                    "stock jobserver\n", herdless_strerror (r)));
+      herdless_client_free (c);
+      return 0;
+    }
+  if (r == 1)
+    DB (DB_JOBS, ("herdless: this make shares its recipe's token and holds a share\n"));
+  return 1;
+}
+
 unsigned int
 __wrap_jobserver_parse_auth (const char *auth)
 {
@@ -342,13 +366,19 @@ __wrap_jobserver_parse_auth (const char *auth)
   classic = __real_jobserver_parse_auth (auth);
   if (!classic)
     return 0;
-  c = herdless_client_native_from_env ();
+  c = herdless_client_native_from_env_as (HERDLESS_AS_SUB_MAKE);
   if (!c)
     {
       DB (DB_JOBS, ("herdless: not using the broker at %s (%s): stock jobserver\n",
                     getenv ("HERDLESS_SOCKET"), herdless_strerror (-errno)));
       return classic;
     }
+  /* A recipe that starts this make beside others (xargs -P, `&`) has one
+     token for them all: this make runs nothing before it holds its own
+     share, the recipe's slot or a shared token. At exit, freeing the
+     handle gives it back. */
+  if (!take_implicit (c))
+    return classic;
   connected (c);
   DB (DB_JOBS, ("herdless: tokens from the broker at %s\n",
                 getenv ("HERDLESS_SOCKET")));

@@ -48,6 +48,7 @@ static void null_handles(void) {
     CHECK_EQ(herdless_cancel(NULL), -EINVAL);
     CHECK_EQ(herdless_abort(NULL, 'E'), -EINVAL);
     CHECK_EQ(herdless_aborted(NULL), -EINVAL);
+    CHECK_EQ(herdless_implicit_token(NULL), -EINVAL);
     herdless_client_free(NULL);
 }
 
@@ -121,6 +122,32 @@ static void bad_connections(const char *regular_file) {
     CHECK(c != NULL);
     herdless_client_free(c);
     free(socket);
+
+    /* Connect flags: an unknown bit is refused. With no make above
+     * (MAKELEVEL unset), a sub-make's connection owns its implicit token
+     * outright: there is nothing to borrow, and nothing is held. */
+    CHECK_NO_CLIENT(herdless_client_native_from_env_as(2), EINVAL);
+    errno = 0;
+    CHECK(herdless_connect_begin_as(~0u) == NULL);
+    CHECK_EQ(errno, EINVAL);
+    const char *level = getenv("MAKELEVEL");
+    char *level_saved = level ? strdup(level) : NULL;
+    REQUIRE(unsetenv("MAKELEVEL") == 0);
+    c = herdless_client_native_from_env_as(HERDLESS_AS_SUB_MAKE);
+    REQUIRE(c != NULL);
+    CHECK_EQ(herdless_implicit_token(c), 0);
+    CHECK_EQ(herdless_release(c), -EINVAL);
+    herdless_client_free(c);
+    herdless_connecting *p = herdless_connect_begin_as(HERDLESS_AS_SUB_MAKE);
+    REQUIRE(p != NULL);
+    c = herdless_connect_finish(p);
+    REQUIRE(c != NULL);
+    CHECK_EQ(herdless_implicit_token(c), 0);
+    herdless_client_free(c);
+    if (level_saved) {
+        REQUIRE(setenv("MAKELEVEL", level_saved, 1) == 0);
+        free(level_saved);
+    }
 }
 
 static void token_misuse(herdless_client *c) {

@@ -49,6 +49,20 @@
 #define HERDLESS_WAIT_FOREVER (-1)
 
 /**
+ * `herdless_client_native_from_env_as` and `herdless_connect_begin_as`
+ * flag: the caller is a make started as a sub-make, which keeps its
+ * implicit token itself. A recipe may start several at once (`xargs -P
+ * 4 make`, `make -C a & make -C b & wait`), or one beside `herdless exec`
+ * jobs: they all run on the one token the make above took for that
+ * recipe. Where this make's parent is not that make (the recipe's token
+ * is shared), the connection names the recipe's slot, and the make must
+ * hold it before it runs anything: see `herdless_implicit_token`. A make
+ * that its parent make started directly owns the recipe's token outright,
+ * as without the flag. Linux only (elsewhere the flag changes nothing).
+ */
+#define HERDLESS_AS_SUB_MAKE 1
+
+/**
  * The descriptors that must be free for `herdless_client_native_from_env`
  * or `herdless_connect_begin` to connect: the four a connection may take,
  * and four left to the program.
@@ -225,6 +239,12 @@ herdless_client *herdless_client_from_env(void);
 herdless_client *herdless_client_native_from_env(void);
 
 /**
+ * `herdless_client_native_from_env` with connect flags: 0, or
+ * `HERDLESS_AS_SUB_MAKE`. NULL with `EINVAL` for any other bit.
+ */
+herdless_client *herdless_client_native_from_env_as(unsigned int flags);
+
+/**
  * Whether at least `n` file descriptors are free in this process: 1 if
  * so, 0 if not (the descriptor limit less those open, where the kernel
  * counts them: Linux's `/proc/self/fd`, read through one descriptor held
@@ -260,6 +280,13 @@ int herdless_fds_free(unsigned int n);
  * close-on-exec.
  */
 herdless_connecting *herdless_connect_begin(void);
+
+/**
+ * `herdless_connect_begin` with connect flags: 0, or
+ * `HERDLESS_AS_SUB_MAKE` (see `herdless_client_native_from_env_as`).
+ * NULL with `EINVAL` for any other bit.
+ */
+herdless_connecting *herdless_connect_begin_as(unsigned int flags);
 
 /**
  * Ends a connection begun by `herdless_connect_begin`: reads the broker's
@@ -334,6 +361,29 @@ herdless_client *herdless_client_connect(const char *socket_path);
  * call).
  */
 int herdless_acquire(herdless_client *c, int timeout_ms);
+
+/**
+ * For a make connected with `HERDLESS_AS_SUB_MAKE`: makes sure the
+ * implicit token its first job runs on is its own. Call it once, right
+ * after connecting and before the make runs anything.
+ *
+ * Returns 0 when the make owns its implicit token outright (its parent
+ * make started it directly, or the flag was not given): nothing is taken
+ * or held. Returns 1 when the make shares its recipe's token with other
+ * processes of that recipe and now holds one through `c`, waiting as long
+ * as it takes: the recipe's slot, lent at once unless another process of
+ * the recipe holds it, or else a shared token or the slot, whichever
+ * comes first. It is the make's implicit token: keep it until the make's
+ * last job has ended, then give it back with `herdless_release` (or let
+ * `herdless_client_free` give back everything). A release gives back a
+ * shared token before the slot. Failures are `herdless_acquire`'s with
+ * no time limit: after `-EINTR` call it again (the request stays queued).
+ *
+ * # Safety
+ *
+ * `c` is NULL or a live handle.
+ */
+int herdless_implicit_token(herdless_client *c);
 
 /**
  * Takes one token from the shared pool if one is free now (or a grant for

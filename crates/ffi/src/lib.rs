@@ -138,6 +138,26 @@ fn options() -> Options {
     Options::default().implicit_token(false)
 }
 
+/// `herdless_client_native_from_env_as` and `herdless_connect_begin_as`
+/// flag: the caller is a make started as a sub-make, which keeps its
+/// implicit token itself. A recipe may start several at once (`xargs -P
+/// 4 make`, `make -C a & make -C b & wait`), or one beside `herdless exec`
+/// jobs: they all run on the one token the make above took for that
+/// recipe. Where this make's parent is not that make (the recipe's token
+/// is shared), the connection names the recipe's slot, and the make must
+/// hold it before it runs anything: see `herdless_implicit_token`. A make
+/// that its parent make started directly owns the recipe's token outright,
+/// as without the flag. Linux only (elsewhere the flag changes nothing).
+pub const HERDLESS_AS_SUB_MAKE: c_uint = 1;
+
+/// The options for connect flags `flags`, or `EINVAL` for an unknown one.
+fn options_as(flags: c_uint) -> Result<Options, c_int> {
+    if flags & !HERDLESS_AS_SUB_MAKE != 0 {
+        return Err(libc::EINVAL);
+    }
+    Ok(options().runner_in_recipe(flags & HERDLESS_AS_SUB_MAKE != 0))
+}
+
 /// Borrows the handle behind `c`, or `None` for NULL.
 ///
 /// # Safety
@@ -203,12 +223,22 @@ pub extern "C" fn herdless_client_from_env() -> *mut herdless_client {
 /// descriptors it has for its own work.
 #[no_mangle]
 pub extern "C" fn herdless_client_native_from_env() -> *mut herdless_client {
-    into_handle(catch_unwind(|| match broker_from_env() {
-        Some(path) => {
-            fd_headroom()?;
-            Client::connect_with(&path, options()).map_err(|e| e.errno())
+    herdless_client_native_from_env_as(0)
+}
+
+/// `herdless_client_native_from_env` with connect flags: 0, or
+/// `HERDLESS_AS_SUB_MAKE`. NULL with `EINVAL` for any other bit.
+#[no_mangle]
+pub extern "C" fn herdless_client_native_from_env_as(flags: c_uint) -> *mut herdless_client {
+    into_handle(catch_unwind(|| {
+        let options = options_as(flags)?;
+        match broker_from_env() {
+            Some(path) => {
+                fd_headroom()?;
+                Client::connect_with(&path, options).map_err(|e| e.errno())
+            }
+            None => Err(libc::ENOENT),
         }
-        None => Err(libc::ENOENT),
     }))
 }
 
@@ -299,12 +329,23 @@ pub struct herdless_connecting {
 /// close-on-exec.
 #[no_mangle]
 pub extern "C" fn herdless_connect_begin() -> *mut herdless_connecting {
-    let made = catch_unwind(|| match broker_from_env() {
-        Some(path) => {
-            fd_headroom()?;
-            Client::begin_connect_with(&path, options()).map_err(|e| e.errno())
+    herdless_connect_begin_as(0)
+}
+
+/// `herdless_connect_begin` with connect flags: 0, or
+/// `HERDLESS_AS_SUB_MAKE` (see `herdless_client_native_from_env_as`).
+/// NULL with `EINVAL` for any other bit.
+#[no_mangle]
+pub extern "C" fn herdless_connect_begin_as(flags: c_uint) -> *mut herdless_connecting {
+    let made = catch_unwind(|| {
+        let options = options_as(flags)?;
+        match broker_from_env() {
+            Some(path) => {
+                fd_headroom()?;
+                Client::begin_connect_with(&path, options).map_err(|e| e.errno())
+            }
+            None => Err(libc::ENOENT),
         }
-        None => Err(libc::ENOENT),
     });
     let errno = match made {
         Ok(Ok(connecting)) => {
@@ -349,9 +390,10 @@ pub unsafe extern "C" fn herdless_connect_finish(
         match broker_from_env() {
             Some(path) if path == connecting.socket() => connecting.finish().map_err(|e| e.errno()),
             Some(path) => {
+                let options = connecting.options();
                 drop(connecting);
                 fd_headroom()?;
-                Client::connect_with(&path, options()).map_err(|e| e.errno())
+                Client::connect_with(&path, options).map_err(|e| e.errno())
             }
             None => Err(libc::ENOENT),
         }
@@ -448,6 +490,44 @@ pub unsafe extern "C" fn herdless_acquire(c: *mut herdless_client, timeout_ms: c
         };
         c.took_maybe(c.client.acquire_interruptible(deadline), -libc::ETIMEDOUT)
     })
+}
+
+/// For a make connected with `HERDLESS_AS_SUB_MAKE`: makes sure the
+/// implicit token its first job runs on is its own. Call it once, right
+/// after connecting and before the make runs anything.
+///
+/// Returns 0 when the make owns its implicit token outright (its parent
+/// make started it directly, or the flag was not given): nothing is taken
+/// or held. Returns 1 when the make shares its recipe's token with other
+/// processes of that recipe and now holds one through `c`, waiting as long
+/// as it takes: the recipe's slot, lent at once unless another process of
+/// the recipe holds it, or else a shared token or the slot, whichever
+/// comes first. It is the make's implicit token: keep it until the make's
+/// last job has ended, then give it back with `herdless_release` (or let
+/// `herdless_client_free` give back everything). A release gives back a
+/// shared token before the slot. Failures are `herdless_acquire`'s with
+/// no time limit: after `-EINTR` call it again (the request stays queued).
+///
+/// # Safety
+///
+/// `c` is NULL or a live handle.
+#[no_mangle]
+pub unsafe extern "C" fn herdless_implicit_token(c: *mut herdless_client) -> c_int {
+    // SAFETY: this function's contract is `handle`'s.
+    let Some(h) = (unsafe { handle(c) }) else {
+        return -libc::EINVAL;
+    };
+    match guard(|| c_int::from(h.client.borrows_recipe_slot())) {
+        1 => {}
+        0 => return 0,
+        e => return e,
+    }
+    // SAFETY: `c` is a live handle, as checked above and by this
+    // function's contract.
+    match unsafe { herdless_acquire(c, HERDLESS_WAIT_FOREVER) } {
+        0 => 1,
+        e => e,
+    }
 }
 
 /// Takes one token from the shared pool if one is free now (or a grant for

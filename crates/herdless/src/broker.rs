@@ -176,9 +176,10 @@ impl Stopper {
     /// every connection still in its handshake (or in the listener's
     /// queue) has closed, then `Broker::run` returns its report. A job
     /// runner is any client whose hello names no runner's slot to borrow
-    /// (neither `JOB` nor `RECIPE_JOB`) and is not an observer: a make, a
-    /// client with an implicit token of its own, and a `herdless exec`
-    /// that runs on the token its starter took for it. What a top-level
+    /// (neither `JOB` nor `RECIPE_JOB`), or says `RUNNER`, and is not an
+    /// observer: a make (also one that borrows its recipe's slot as its
+    /// implicit token), a client with an implicit token of its own, and a
+    /// `herdless exec` that runs on the token its starter took for it. What a top-level
     /// make does before it exits, as stock GNU make reads its jobserver
     /// back until every process that opened it has closed it: a sub-make
     /// in the background still has its broker. Jobs that borrow a runner's
@@ -1409,9 +1410,12 @@ impl Broker {
             },
             (false, false) => None,
         };
+        if flags.contains(HelloFlags::RUNNER) && !flags.contains(HelloFlags::RECIPE_JOB) {
+            return Err("the hello flag RUNNER goes with RECIPE_JOB only".into());
+        }
         let pid = *conn.pid.get_or_insert(pid);
         conn.observer = observer;
-        conn.runner = !observer && borrows.is_none();
+        conn.runner = !observer && (borrows.is_none() || flags.contains(HelloFlags::RUNNER));
         let info = ClientInfo {
             pid,
             borrows,

@@ -153,6 +153,11 @@ bitflags! {
         /// The client asks for the shared token table (version 4 only):
         /// the broker answers [`Reply::Segment`] right after `Welcome`.
         const FAST = 0x08;
+        /// With `RECIPE_JOB`: the client is a job runner all the same (a
+        /// make started by a recipe that may start others beside it), whose
+        /// implicit token is the recipe's slot, borrowed with its first
+        /// `Acquire`: a drain waits for it as for any runner.
+        const RUNNER = 0x10;
     }
 }
 
@@ -1338,11 +1343,11 @@ mod tests {
 
     #[test]
     fn unknown_flags_are_rejected() {
-        for flags in 0x10..=0xff_u8 {
+        for flags in 0x20..=0xff_u8 {
             let bytes = frame(kind::HELLO, &hello_payload(&MAGIC, flags));
             assert_eq!(
                 decode_request(&bytes),
-                Err(ProtocolError::UnknownFlags(flags & !0x0f)),
+                Err(ProtocolError::UnknownFlags(flags & !0x1f)),
             );
         }
         assert_eq!(
@@ -1355,7 +1360,7 @@ mod tests {
     fn encode_drops_undefined_flag_bits() {
         let request = Request::Hello {
             version: 1,
-            flags: HelloFlags::from_bits_retain(0xf1),
+            flags: HelloFlags::from_bits_retain(0xe1),
             pid: 1,
             slot: 1,
         };

@@ -154,6 +154,9 @@ pub(crate) fn borrow_from_env() -> Borrow {
 pub struct Options {
     implicit_token: bool,
     job_of_runner_above: bool,
+    runner_in_recipe: bool,
+    /// Set when the hello names the recipe's slot (`runner_in_recipe`).
+    borrows_recipe_slot: bool,
 }
 
 impl Default for Options {
@@ -161,6 +164,8 @@ impl Default for Options {
         Options {
             implicit_token: true,
             job_of_runner_above: false,
+            runner_in_recipe: false,
+            borrows_recipe_slot: false,
         }
     }
 }
@@ -186,6 +191,26 @@ impl Options {
         if yes {
             self.implicit_token = false;
         }
+        self
+    }
+
+    /// For a job runner that keeps its implicit token itself (a make,
+    /// `implicit_token(false)`) and may have been started by a make recipe
+    /// beside other runners or jobs (`xargs -P 4 make`, `make & make &
+    /// wait`): they all run on the one token the make above took for that
+    /// recipe. Where the runner's parent is not the make (the recipe's
+    /// slot is shared, found from the process tree as for a job of a
+    /// recipe), the hello names that slot, still as a runner, and the
+    /// runner must borrow it
+    /// ([`Client::borrows_recipe_slot`]): its first acquire, before it
+    /// runs anything, is its implicit token, lent at once when no other
+    /// process of the recipe holds the slot, otherwise a shared token or
+    /// the slot when it comes back. A runner that the make started
+    /// directly owns the recipe's token outright and names nothing, as
+    /// before. Linux only (where the process table is read without
+    /// starting a process); elsewhere the runner names nothing.
+    pub fn runner_in_recipe(mut self, yes: bool) -> Options {
+        self.runner_in_recipe = yes;
         self
     }
 }
@@ -448,6 +473,11 @@ impl Connecting {
         self.started.path()
     }
 
+    /// The options it was begun with.
+    pub fn options(&self) -> Options {
+        self.options
+    }
+
     /// Reads the broker's answer and returns the client, as
     /// [`Client::connect_with`] would have. A broker that was busy, or
     /// older than the shared table, is asked again as `connect_with`
@@ -473,10 +503,12 @@ impl Connecting {
 
 /// The hello's flags and the slot a client with `options` names, from the
 /// environment (`HERDLESS_SLOT`, `MAKELEVEL`); a job of a runner that
-/// owns its slot takes the implicit token (`options` changed).
+/// owns its slot takes the implicit token, and a runner in a shared
+/// recipe slot is marked to borrow it (`options` changed).
 fn hello_for(options: &mut Options) -> (HelloFlags, u64) {
     let mut flags = HelloFlags::empty();
     let mut slot = 0;
+    options.borrows_recipe_slot = false;
     if options.job_of_runner_above {
         match borrow_from_env() {
             Borrow::Slot(id) => {
@@ -493,11 +525,32 @@ fn hello_for(options: &mut Options) -> (HelloFlags, u64) {
             Borrow::Nothing => flags |= HelloFlags::JOB,
             Borrow::Unnamed => {}
         }
+    } else if options.runner_in_recipe
+        && cfg!(any(target_os = "linux", target_os = "android"))
+        && !make_level().is_empty()
+    {
+        // Found from the process tree, whatever `HERDLESS_SLOT` says (a
+        // bmake names its own slot there at its children's level). A
+        // runner that the make started itself owns its token, and one
+        // with no make above it has no recipe: both name nothing.
+        if let crate::classic::slot::Owner::Shared(root) = crate::classic::slot::this_slot_owner() {
+            flags |= HelloFlags::RECIPE_JOB | HelloFlags::RUNNER;
+            slot = u64::from(root);
+            options.borrows_recipe_slot = true;
+        }
     }
     (flags, slot)
 }
 
 impl Client {
+    /// Whether this runner shares its make recipe's token with other
+    /// processes of that recipe ([`Options::runner_in_recipe`]): it must
+    /// borrow the recipe's slot with its first acquire, and run nothing
+    /// before it has it. Always false on a classic jobserver.
+    pub fn borrows_recipe_slot(&self) -> bool {
+        self.inner.options.borrows_recipe_slot && matches!(self.inner.backend, Backend::Native(_))
+    }
+
     /// The slot the broker minted for this client's own job; `None` on a
     /// classic jobserver.
     pub fn slot(&self) -> Option<u64> {
