@@ -514,20 +514,17 @@ pub unsafe extern "C" fn herdless_acquire(c: *mut herdless_client, timeout_ms: c
 #[no_mangle]
 pub unsafe extern "C" fn herdless_implicit_token(c: *mut herdless_client) -> c_int {
     // SAFETY: this function's contract is `handle`'s.
-    let Some(h) = (unsafe { handle(c) }) else {
+    let Some(c) = (unsafe { handle(c) }) else {
         return -libc::EINVAL;
     };
-    match guard(|| c_int::from(h.client.borrows_recipe_slot())) {
-        1 => {}
-        0 => return 0,
-        e => return e,
-    }
-    // SAFETY: `c` is a live handle, as checked above and by this
-    // function's contract.
-    match unsafe { herdless_acquire(c, HERDLESS_WAIT_FOREVER) } {
-        0 => 1,
-        e => e,
-    }
+    guard(|| match c.client.borrow_recipe_slot() {
+        Ok(Some(token)) => {
+            c.took(token);
+            1
+        }
+        Ok(None) => 0,
+        Err(e) => -e.errno(),
+    })
 }
 
 /// Takes one token from the shared pool if one is free now (or a grant for

@@ -1435,6 +1435,23 @@ impl Broker {
         }
         let own = if observer { 0 } else { self.mint_slot(id) };
         self.note_ancestry(id, pid, 0);
+        if flags.contains(HelloFlags::RUNNER) {
+            // The hello is also the acquire of the runner's implicit
+            // token, taken before the table's descriptor goes out: a slot
+            // that is free is lent now, and the table stays open (it
+            // would close while a client names a free slot). Its grant
+            // follows the handshake's replies.
+            if self.pool.waiting() >= MAX_QUEUED_ACQUIRES {
+                return Err(format!(
+                    "the broker already has {MAX_QUEUED_ACQUIRES} acquires waiting"
+                ));
+            }
+            if !self.pool.slot_free_for(id) {
+                self.fast_take_back_for_socket();
+            }
+            let now = self.now();
+            self.pool.acquire(id, now).map_err(|e| e.to_string())?;
+        }
         if !observer && self.is_command(pid) {
             self.command_connected();
         }

@@ -155,8 +155,10 @@ bitflags! {
         const FAST = 0x08;
         /// With `RECIPE_JOB`: the client is a job runner all the same (a
         /// make started by a recipe that may start others beside it), whose
-        /// implicit token is the recipe's slot, borrowed with its first
-        /// `Acquire`: a drain waits for it as for any runner.
+        /// implicit token is its share of the recipe's. The hello is also
+        /// the `Acquire` of it (the recipe's slot, lent before the answer
+        /// when it is free; its `Grant` may come before `Segment`), and a
+        /// drain waits for it as for any runner.
         const RUNNER = 0x10;
     }
 }

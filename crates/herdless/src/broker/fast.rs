@@ -176,7 +176,7 @@ impl Broker {
     /// Admits connection `token` (client `id`) to the table: its owner id,
     /// or 0 when there is no table.
     fn fast_admit(&mut self, token: Token, id: ClientId) -> u32 {
-        let key = self.pool.borrows(id);
+        let key = self.slot_named_in_table(token, id);
         let Some(fast) = self.fast.as_mut() else {
             return 0;
         };
@@ -201,9 +201,21 @@ impl Broker {
     /// table's descriptor when the client gets it. The `Welcome` is
     /// already queued: it must reach the socket before the descriptor, so
     /// a client without a table is told so in the stream instead.
+    /// The slot that client `id` (connection `token`) may take from the
+    /// table's gate: the one it names, unless it is a runner that borrows
+    /// its recipe's slot as its implicit token (`HelloFlags::RUNNER`),
+    /// which its hello asked for at the broker and which it never asks
+    /// for again: a free slot of its keeps the table closed for nobody
+    /// (closed, each runner's give-back of it at its end would move every
+    /// wait in the table to the broker's queue).
+    fn slot_named_in_table(&self, token: Token, id: ClientId) -> Option<SlotKey> {
+        let runner = self.conns.get(&token).is_some_and(|c| c.runner);
+        self.pool.borrows(id).filter(|_| !runner)
+    }
+
     pub(super) fn send_segment(&mut self, token: Token, id: ClientId) {
         let owner = self.fast_admit(token, id);
-        if owner != 0 && self.pool.borrows(id).is_some() {
+        if owner != 0 && self.slot_named_in_table(token, id).is_some() {
             // A slot it names may be free: the table closes before the
             // client can map it, so that its first take asks the broker,
             // which lends the slot rather than a shared token.

@@ -551,6 +551,28 @@ impl Client {
         self.inner.options.borrows_recipe_slot && matches!(self.inner.backend, Backend::Native(_))
     }
 
+    /// Takes this runner's implicit token when it shares its recipe's
+    /// ([`Client::borrows_recipe_slot`]): the recipe's slot, lent at once
+    /// when no other process of the recipe holds it, otherwise a shared
+    /// token or the slot, whichever comes first; its hello asked for it.
+    /// Waits as long as it takes; a signal ends the wait with
+    /// `Interrupted` and leaves the request queued for the next call.
+    /// `None` when the runner owns its implicit token outright. Call it
+    /// once, before anything else takes a token.
+    pub fn borrow_recipe_slot(&self) -> Result<Option<Token>> {
+        if !self.borrows_recipe_slot() {
+            return Ok(None);
+        }
+        self.same_process()?;
+        match &self.inner.backend {
+            Backend::Native(n) => {
+                n.take_hello_grant()?;
+                Ok(Some(self.token(TokenKind::Shared)))
+            }
+            Backend::Classic(_) => Ok(None),
+        }
+    }
+
     /// The slot the broker minted for this client's own job; `None` on a
     /// classic jobserver.
     pub fn slot(&self) -> Option<u64> {

@@ -416,7 +416,20 @@ impl Native {
             slot,
         });
         match sent {
-            Ok(()) => Ok(native),
+            Ok(()) => {
+                let mut native = native;
+                if flags.contains(HelloFlags::RUNNER) {
+                    // The hello asks for the runner's implicit token too:
+                    // its grant comes after the handshake, as an
+                    // acquire's ([`Native::take_hello_grant`]).
+                    native
+                        .state
+                        .get_mut()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .acquires += 1;
+                }
+                Ok(native)
+            }
             // A broker that turned the connection away before the hello
             // came has closed it (EPIPE here): its reason is still there
             // to be read, and says whether to try again.
@@ -490,6 +503,13 @@ impl Native {
                     return Ok(self);
                 }
                 Some(Reply::Error { message }) => return Err(refusal(&self.path, &message)),
+                // The answer to a runner's hello, which asks for its
+                // implicit token too, may come before the table: the
+                // broker lends the token before it sends the descriptor.
+                Some(reply @ (Reply::Grant | Reply::Aborted { .. })) if state.acquires > 0 => {
+                    Self::fold(state, reply);
+                    continue;
+                }
                 Some(other) => {
                     return Err(Error::new(
                         ErrorKind::Protocol,
@@ -1194,6 +1214,44 @@ impl Native {
                     return Self::hand_out_spare(&mut st);
                 }
                 Err(e) => break Err(e),
+            }
+        };
+        st.wanting -= 1;
+        result
+    }
+
+    /// Takes the token a hello with [`HelloFlags::RUNNER`] asked for (a
+    /// make's implicit token: its recipe's slot, or a shared token while
+    /// another process of the recipe holds the slot), waiting as long as
+    /// it takes; interrupted by a signal, the request stays queued for the
+    /// next call. Never from the shared table: the broker answers it.
+    pub(crate) fn take_hello_grant(&self) -> Result<()> {
+        let wait = Wait {
+            deadline: None,
+            interruptible: true,
+        };
+        let AtHand::Nothing(mut st) = self.settle_and_take_spare()? else {
+            return Ok(());
+        };
+        st.wanting += 1;
+        let result = loop {
+            if let Err(e) = Self::check(&st) {
+                break Err(e);
+            }
+            if st.ready > 0 {
+                st.ready -= 1;
+                break Ok(());
+            }
+            if st.acquires == 0 {
+                break Err(Error::new(
+                    ErrorKind::NotHolding,
+                    "this connection's hello asked for no implicit token, or it was taken",
+                ));
+            }
+            let (guard, r) = self.wait_until(st, wait, |s| s.ready > 0);
+            st = guard;
+            if let Err(e) = r {
+                break Err(e);
             }
         };
         st.wanting -= 1;
