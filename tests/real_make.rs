@@ -294,8 +294,11 @@ fn wrapped_sub_makes(name: &str, make: &Path) {
 /// the recipe's token as their own). At most N at once and N reached,
 /// every job run, no token lost or taken back from a make that ended.
 fn sub_makes_started_together(name: &str, make: &Path, jobs: &[u32]) {
-    for &n in jobs {
-        let t = Tree::new(&format!("real-make-together-{name}-j{n}"));
+    // Each -jN through the shared table, and -j2 over the socket alone,
+    // where the hello's grant comes after the Welcome with nothing between.
+    let runs = jobs.iter().map(|&n| (n, true)).chain([(2, false)]);
+    for (n, table) in runs {
+        let t = Tree::new(&format!("real-make-together-{name}-j{n}-{table}"));
         for b in 1..=6 {
             t.flat_makefile(&format!("sub{b}.mk"), &format!("b{b}j"), 5);
         }
@@ -311,6 +314,9 @@ fn sub_makes_started_together(name: &str, make: &Path, jobs: &[u32]) {
         .unwrap();
         let mut cmd = make_cmd(&t, make);
         cmd.arg(format!("-j{n}")).env("JOB_SLEEP", "0.2");
+        if !table {
+            cmd.env("HERDLESS_FAST_PATH", "0");
+        }
         let out = run(cmd);
         let report = text(&out);
         assert!(out.status.success(), "{name} -j{n}: {report}");
@@ -323,6 +329,103 @@ fn sub_makes_started_together(name: &str, make: &Path, jobs: &[u32]) {
         assert_eq!(figure(&b, "reclaimed"), 0, "{name} -j{n}: {b:?}");
         assert_no_leftovers(&t);
     }
+}
+
+/// Two sub-makes that one recipe starts with `&` share its token, and
+/// one of them is killed (`kill -9`, with its job): the one holding the
+/// recipe's slot (`holder`), or the one waiting for it (otherwise). A
+/// branch beside holds the only shared token (`-j2`), so the slot is all
+/// they have. The other sub-make runs all its jobs, one at a time (the
+/// slot of a killed holder comes back, a killed waiter's wait goes
+/// away), and no token is lost.
+fn kill_a_sub_make_sharing_its_recipe(name: &str, make: &Path, holder: bool) {
+    let t = Tree::new(&format!("real-make-share-kill-{name}-{holder}"));
+    let d = t.dir.display();
+    fs::write(
+        t.path("victim.mk"),
+        format!("all: v\nv:\n\t@touch {d}/vstart; exec sleep 30\n"),
+    )
+    .unwrap();
+    t.flat_makefile("other.mk", "o", 5);
+    let (victim, other) = (
+        format!("${{MAKE}} -f {d}/victim.mk & echo $$! > {d}/victim.pid"),
+        format!("${{MAKE}} -f {d}/other.mk &"),
+    );
+    let pair = if holder {
+        format!("{victim}; sleep 0.5; {other} wait")
+    } else {
+        format!("{other} sleep 0.5; {victim}; wait")
+    };
+    fs::write(
+        t.path("Makefile"),
+        format!(
+            "all: pair hold\n\
+             pair:\n\t@{pair}\n\
+             hold:\n\t@while [ ! -e {d}/release ]; do sleep 0.05; done\n"
+        ),
+    )
+    .unwrap();
+    let mut cmd = make_cmd(&t, make);
+    cmd.arg("-j2")
+        .env("JOB_SLEEP", "0.4")
+        .stdout(fs::File::create(t.path("out")).unwrap())
+        .stderr(fs::File::create(t.path("err")).unwrap())
+        .process_group(0);
+    let mut child = cmd.spawn().expect("spawn");
+    let pgid = child.id() as i32;
+    let what = format!("{name} holder={holder}: the victim never started");
+    common::until_or_report(pgid, PATIENCE, &what, || {
+        fs::read_to_string(t.path("victim.pid")).is_ok_and(|p| p.ends_with('\n'))
+            && (!holder || t.path("vstart").exists())
+    });
+    if !holder {
+        // Its hello is in and its wait queued behind the other's slot.
+        thread::sleep(Duration::from_millis(500));
+        assert!(!t.path("vstart").exists(), "{name}: the waiter ran a job");
+    }
+    let pid: i32 = fs::read_to_string(t.path("victim.pid"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    // The make first: killed after its job, a bmake would see the job
+    // die and abort the tree (its `E` token), as it should.
+    let jobs = Command::new("pgrep")
+        .args(["-P", &pid.to_string()])
+        .output()
+        .unwrap();
+    common::signal(pid, libc::SIGKILL);
+    for job in String::from_utf8_lossy(&jobs.stdout).split_whitespace() {
+        common::signal(job.parse().unwrap(), libc::SIGKILL);
+    }
+    let what = format!("{name} holder={holder}: the other sub-make stalled after the kill");
+    common::until_or_report(pgid, PATIENCE, &what, || t.counts().0 == 5);
+    fs::write(t.path("release"), "").unwrap();
+    let status = common::wait_or_report(&mut child, PATIENCE, &what);
+    let report = format!(
+        "{name} holder={holder}: status {status}\nstderr:\n{}",
+        fs::read_to_string(t.path("err")).unwrap_or_default()
+    );
+    assert!(status.success(), "{report}");
+    let (done, most) = t.counts();
+    assert_eq!(done, 5, "{report}");
+    assert_eq!(most, 1, "{report}");
+    // A recipe's slot is not one of the N counted tokens: its coming back
+    // is not counted as reclaimed, and is seen above, in the other's jobs.
+    only_broker_lost_none(&t, &report);
+    assert_no_leftovers(&t);
+}
+
+#[test]
+fn a_gnu_sub_make_killed_while_it_shares_its_recipe_loses_nothing() {
+    kill_a_sub_make_sharing_its_recipe("gnu", &herdless_make(), true);
+    kill_a_sub_make_sharing_its_recipe("gnu", &herdless_make(), false);
+}
+
+#[test]
+fn a_bmake_sub_make_killed_while_it_shares_its_recipe_loses_nothing() {
+    kill_a_sub_make_sharing_its_recipe("bmake", &herdless_bmake(), true);
+    kill_a_sub_make_sharing_its_recipe("bmake", &herdless_bmake(), false);
 }
 
 #[test]
