@@ -122,6 +122,40 @@ fn bad_peers_are_cut_off_and_the_rest_go_on() {
         "{r:?}"
     );
 
+    // RUNNER without RECIPE_JOB.
+    let mut v = Vec::new();
+    Request::Hello {
+        version: herdless::protocol::PROTOCOL_VERSION,
+        flags: HelloFlags::RUNNER,
+        pid: std::process::id(),
+        slot: 0,
+    }
+    .encode(&mut v);
+    let r = send_raw(&serve, &v, false);
+    assert!(
+        error_of(&r).contains("RUNNER goes with RECIPE_JOB only"),
+        "{r:?}"
+    );
+
+    // A sub-make's hello in a recipe's slot is its acquire too: the slot,
+    // free, is lent at once though a waiter is queued for the one shared
+    // token (it is not one), its grant right after the welcome; given
+    // back once, a second release is refused.
+    let mut runner = Vec::new();
+    Request::Hello {
+        version: herdless::protocol::PROTOCOL_VERSION,
+        flags: HelloFlags::RECIPE_JOB | HelloFlags::RUNNER,
+        pid: std::process::id(),
+        slot: u64::from(std::process::id()),
+    }
+    .encode(&mut runner);
+    Request::Release.encode(&mut runner);
+    Request::Release.encode(&mut runner);
+    let r = send_raw(&serve, &runner, false);
+    assert!(matches!(r.first(), Some(Reply::Welcome { .. })), "{r:?}");
+    assert_eq!(r.get(1), Some(&Reply::Grant), "{r:?}");
+    assert!(error_of(&r).contains("does not hold"), "{r:?}");
+
     // The well-behaved clients were never disturbed: the waiter is still
     // queued, and gets the token as soon as the holder lets go.
     let s = serve.wait_for("bad peers gone", |s| s.clients.len() == 2);
