@@ -136,6 +136,7 @@ static void bad_connections(const char *regular_file) {
     c = herdless_client_native_from_env_as(HERDLESS_AS_SUB_MAKE);
     REQUIRE(c != NULL);
     CHECK_EQ(herdless_implicit_token(c), 0);
+    CHECK_EQ(herdless_implicit_token(c), 0);
     CHECK_EQ(herdless_release(c), -EINVAL);
     herdless_client_free(c);
     herdless_connecting *p = herdless_connect_begin_as(HERDLESS_AS_SUB_MAKE);

@@ -378,6 +378,7 @@ int herdless_acquire(herdless_client *c, int timeout_ms);
  * `herdless_client_free` give back everything). A release gives back a
  * shared token before the slot. Failures are `herdless_acquire`'s with
  * no time limit: after `-EINTR` call it again (the request stays queued).
+ * Called again after it returned 1: `-EINVAL`.
  *
  * # Safety
  *

@@ -507,6 +507,7 @@ pub unsafe extern "C" fn herdless_acquire(c: *mut herdless_client, timeout_ms: c
 /// `herdless_client_free` give back everything). A release gives back a
 /// shared token before the slot. Failures are `herdless_acquire`'s with
 /// no time limit: after `-EINTR` call it again (the request stays queued).
+/// Called again after it returned 1: `-EINVAL`.
 ///
 /// # Safety
 ///

@@ -179,8 +179,9 @@ impl Stopper {
     /// (neither `JOB` nor `RECIPE_JOB`), or says `RUNNER`, and is not an
     /// observer: a make (also one that borrows its recipe's slot as its
     /// implicit token), a client with an implicit token of its own, and a
-    /// `herdless exec` that runs on the token its starter took for it. What a top-level
-    /// make does before it exits, as stock GNU make reads its jobserver
+    /// `herdless exec` that runs on the token its starter took for it.
+    /// What a top-level make does before it exits, as stock GNU make reads
+    /// its jobserver
     /// back until every process that opened it has closed it: a sub-make
     /// in the background still has its broker. Jobs that borrow a runner's
     /// slot are not waited for: their runner is, or is gone.

@@ -197,22 +197,22 @@ impl Broker {
         owner
     }
 
-    /// Answers a hello that asked for the table: `Segment`, with the
-    /// table's descriptor when the client gets it. The `Welcome` is
-    /// already queued: it must reach the socket before the descriptor, so
-    /// a client without a table is told so in the stream instead.
-    /// The slot that client `id` (connection `token`) may take from the
-    /// table's gate: the one it names, unless it is a runner that borrows
-    /// its recipe's slot as its implicit token (`HelloFlags::RUNNER`),
-    /// which its hello asked for at the broker and which it never asks
-    /// for again: a free slot of its keeps the table closed for nobody
-    /// (closed, each runner's give-back of it at its end would move every
-    /// wait in the table to the broker's queue).
+    /// The slot that client `id` (connection `token`) names for the
+    /// table's gate: the one it may borrow, unless it is a runner that
+    /// borrows its recipe's slot as its implicit token
+    /// (`HelloFlags::RUNNER`), which its hello asked for at the broker and
+    /// which it never asks for again: a free slot of its keeps the table
+    /// closed for nobody (closed, each runner's give-back of it at its end
+    /// would move every wait in the table to the broker's queue).
     fn slot_named_in_table(&self, token: Token, id: ClientId) -> Option<SlotKey> {
         let runner = self.conns.get(&token).is_some_and(|c| c.runner);
         self.pool.borrows(id).filter(|_| !runner)
     }
 
+    /// Answers a hello that asked for the table: `Segment`, with the
+    /// table's descriptor when the client gets it. The `Welcome` is
+    /// already queued: it must reach the socket before the descriptor, so
+    /// a client without a table is told so in the stream instead.
     pub(super) fn send_segment(&mut self, token: Token, id: ClientId) {
         let owner = self.fast_admit(token, id);
         if owner != 0 && self.slot_named_in_table(token, id).is_some() {

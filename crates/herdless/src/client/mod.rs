@@ -200,15 +200,16 @@ impl Options {
     /// wait`): they all run on the one token the make above took for that
     /// recipe. Where the runner's parent is not the make (the recipe's
     /// slot is shared, found from the process tree as for a job of a
-    /// recipe), the hello names that slot, still as a runner, and the
-    /// runner must borrow it
-    /// ([`Client::borrows_recipe_slot`]): its first acquire, before it
-    /// runs anything, is its implicit token, lent at once when no other
-    /// process of the recipe holds the slot, otherwise a shared token or
-    /// the slot when it comes back. A runner that the make started
-    /// directly owns the recipe's token outright and names nothing, as
-    /// before. Linux only (where the process table is read without
-    /// starting a process); elsewhere the runner names nothing.
+    /// recipe), the hello names that slot, still as a runner, and asks
+    /// for it as the runner's implicit token: lent at once when no other
+    /// process of the recipe holds it, otherwise a shared token or the
+    /// slot when it comes back. The runner takes it with
+    /// [`Client::borrow_recipe_slot`] before it runs anything
+    /// ([`Client::borrows_recipe_slot`] says whether it must). A runner
+    /// that the make started directly owns the recipe's token outright
+    /// and names nothing, as before. Linux only (where the process table
+    /// is read without starting a process); elsewhere the runner names
+    /// nothing.
     pub fn runner_in_recipe(mut self, yes: bool) -> Options {
         self.runner_in_recipe = yes;
         self
@@ -545,7 +546,7 @@ fn hello_for(options: &mut Options) -> (HelloFlags, u64) {
 impl Client {
     /// Whether this runner shares its make recipe's token with other
     /// processes of that recipe ([`Options::runner_in_recipe`]): it must
-    /// borrow the recipe's slot with its first acquire, and run nothing
+    /// take its share with [`Client::borrow_recipe_slot`], and run nothing
     /// before it has it. Always false on a classic jobserver.
     pub fn borrows_recipe_slot(&self) -> bool {
         self.inner.options.borrows_recipe_slot && matches!(self.inner.backend, Backend::Native(_))
