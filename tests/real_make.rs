@@ -288,27 +288,29 @@ fn wrapped_sub_makes(name: &str, make: &Path) {
 
 /// One recipe that starts several herdless sub-makes at once, which share
 /// the one token the top make took for that recipe: four from `xargs -P
-/// 4`, two put in the background with `&` and waited for. Only one of
-/// them may run its first job on the recipe's token; the others ask the
-/// broker first, or `-jN` is overrun (a stock make's sub-makes each take
-/// the recipe's token as their own). At most N at once and N reached,
-/// every job run, no token lost or taken back from a make that ended.
+/// 4`, two put in the background with `&` and waited for, and one beside
+/// a `herdless exec` job of the same recipe. Only one of them may run its
+/// first job on the recipe's token; the others ask the broker first, or
+/// `-jN` is overrun (a stock make's sub-makes each take the recipe's token
+/// as their own). At most N at once and N reached, every job run, no token
+/// lost or taken back from a make that ended.
 fn sub_makes_started_together(name: &str, make: &Path, jobs: &[u32]) {
     // Each -jN through the shared table, and -j2 over the socket alone,
     // where the hello's grant comes after the Welcome with nothing between.
     let runs = jobs.iter().map(|&n| (n, true)).chain([(2, false)]);
     for (n, table) in runs {
         let t = Tree::new(&format!("real-make-together-{name}-j{n}-{table}"));
-        for b in 1..=6 {
+        for b in 1..=7 {
             t.flat_makefile(&format!("sub{b}.mk"), &format!("b{b}j"), 5);
         }
         let d = t.dir.display();
         fs::write(
             t.path("Makefile"),
             format!(
-                "all: fan pair\n\
+                "all: fan pair mix\n\
                  fan:\n\t@printf '1\\n2\\n3\\n4\\n' | xargs -P 4 -I@ ${{MAKE}} -f {d}/sub@.mk\n\
-                 pair:\n\t@${{MAKE}} -f {d}/sub5.mk & ${{MAKE}} -f {d}/sub6.mk & wait\n"
+                 pair:\n\t@${{MAKE}} -f {d}/sub5.mk & ${{MAKE}} -f {d}/sub6.mk & wait\n\
+                 mix:\n\t@{BIN} exec -- sh {d}/job.sh {d} & ${{MAKE}} -f {d}/sub7.mk & wait\n"
             ),
         )
         .unwrap();
@@ -321,7 +323,7 @@ fn sub_makes_started_together(name: &str, make: &Path, jobs: &[u32]) {
         let report = text(&out);
         assert!(out.status.success(), "{name} -j{n}: {report}");
         let (done, most) = t.counts();
-        assert_eq!(done, 30, "{name} -j{n}: {report}");
+        assert_eq!(done, 36, "{name} -j{n}: {report}");
         assert!(most <= n, "{name} -j{n}: {most} jobs at once\n{report}");
         assert_eq!(most, n, "{name} -j{n}: never {n} jobs at once\n{report}");
         let b = only_broker_lost_none(&t, &format!("{name} -j{n}"));
@@ -2166,10 +2168,12 @@ fn a_failing_job_in_a_stock_bmake_stops_the_tree() {
     bmake_abort(4);
 }
 
-/// Every recipe is a `herdless exec` job: the make is a job runner, its
-/// recipes' jobs borrow its slot (`HERDLESS_SLOT`), so nothing deadlocks
-/// at `-j1` (bmake, which runs a job server at any `-j`) and `-j2`, and
-/// never more than N jobs run. (GNU make at `-j1` runs no jobserver, stock
+/// Every recipe is a `herdless exec` job: each borrows its recipe's slot
+/// (the make names its own slot in `HERDLESS_SLOT` at its own
+/// `MAKELEVEL`, which its recipes' jobs do not share), so nothing
+/// deadlocks at `-j1` (bmake, which runs a job server at any `-j`) and
+/// `-j2`, never more than N jobs run, and N do (a bmake that named its
+/// slot at its children's level ran them one at a time). (GNU make at `-j1` runs no jobserver, stock
 /// or herdless, so `exec` has none to join.)
 #[test]
 fn recipes_that_exec_borrow_the_make_slot() {
@@ -2197,6 +2201,9 @@ fn recipes_that_exec_borrow_the_make_slot() {
             let (done, most) = t.counts();
             assert_eq!(done, 12, "{name} -j{n}: {report}");
             assert!(most <= n, "{name} -j{n}: {most} at once\n{report}");
+            // Each recipe's job in the token its make took for that
+            // recipe: as many at once as -j, not one slot for them all.
+            assert_eq!(most, n, "{name} -j{n}: never {n} at once\n{report}");
             let brokers = broker_lines(&t);
             assert_eq!(brokers.len(), 1, "{name} -j{n}: {brokers:?}");
             assert_eq!(figure(&brokers[0], "lost"), 0, "{brokers:?}");
