@@ -111,9 +111,11 @@ export_variable (const char *name, const char *value)
     v->export = v_export;
 }
 
-/* This make is a job runner: its jobs may borrow its implicit token (a
-   `herdless exec` in a recipe runs in this make's slot), named for them in
-   HERDLESS_SLOT. */
+/* This make is a job runner: it names its slot in HERDLESS_SLOT, at its
+   own MAKELEVEL (make raises the variable only in its children's
+   environment). Its recipes run one level below: a `herdless exec` in
+   one, or a sub-make beside others, shares that recipe's slot, the token
+   this make took for it. */
 static void
 export_slot (void)
 {
