@@ -638,7 +638,10 @@ void herdless_client_free(herdless_client *c);
  * tokens) instead of taking the slot of the runner above the make, which
  * the make itself runs a job on. A make that sets `MAKELEVEL` for its jobs
  * (GNU make and bmake do) needs it less: a changed `MAKELEVEL` already
- * makes `exec` use its recipe's slot.
+ * makes `exec` use its recipe's slot. The value ends in `/` and the
+ * `MAKELEVEL` of this process when it connected; a make that had raised
+ * it in its own environment for its jobs (bmake does) puts its own level
+ * there instead, or every job of it matches and shares the one slot.
  *
  * Returns a NUL-terminated string owned by the handle, valid until
  * `herdless_client_free`, or NULL for a NULL handle and on a classic
