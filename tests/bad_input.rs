@@ -37,12 +37,16 @@ fn send_raw(serve: &Serve, bytes: &[u8], hang_up: bool) -> Vec<Reply> {
 }
 
 fn hello(version: u16) -> Vec<u8> {
+    hello_as(version, HelloFlags::empty(), 0)
+}
+
+fn hello_as(version: u16, flags: HelloFlags, slot: u64) -> Vec<u8> {
     let mut v = Vec::new();
     Request::Hello {
         version,
-        flags: HelloFlags::empty(),
+        flags,
         pid: std::process::id(),
-        slot: 0,
+        slot,
     }
     .encode(&mut v);
     v
@@ -123,14 +127,7 @@ fn bad_peers_are_cut_off_and_the_rest_go_on() {
     );
 
     // RUNNER without RECIPE_JOB.
-    let mut v = Vec::new();
-    Request::Hello {
-        version: herdless::protocol::PROTOCOL_VERSION,
-        flags: HelloFlags::RUNNER,
-        pid: std::process::id(),
-        slot: 0,
-    }
-    .encode(&mut v);
+    let v = hello_as(herdless::protocol::PROTOCOL_VERSION, HelloFlags::RUNNER, 0);
     let r = send_raw(&serve, &v, false);
     assert!(
         error_of(&r).contains("RUNNER goes with RECIPE_JOB only"),
@@ -141,14 +138,11 @@ fn bad_peers_are_cut_off_and_the_rest_go_on() {
     // free, is lent at once though a waiter is queued for the one shared
     // token (it is not one), its grant right after the welcome; given
     // back once, a second release is refused.
-    let mut runner = Vec::new();
-    Request::Hello {
-        version: herdless::protocol::PROTOCOL_VERSION,
-        flags: HelloFlags::RECIPE_JOB | HelloFlags::RUNNER,
-        pid: std::process::id(),
-        slot: u64::from(std::process::id()),
-    }
-    .encode(&mut runner);
+    let mut runner = hello_as(
+        herdless::protocol::PROTOCOL_VERSION,
+        HelloFlags::RECIPE_JOB | HelloFlags::RUNNER,
+        u64::from(std::process::id()),
+    );
     Request::Release.encode(&mut runner);
     Request::Release.encode(&mut runner);
     let r = send_raw(&serve, &runner, false);

@@ -122,6 +122,15 @@ fn make_cmd(t: &Tree, program: &Path) -> Command {
     cmd
 }
 
+/// Starts `cmd` in a process group of its own (as a shell starts a
+/// command line), its output in the tree's `out` and `err`.
+fn spawn_in_group(t: &Tree, mut cmd: Command) -> std::process::Child {
+    cmd.stdout(fs::File::create(t.path("out")).unwrap())
+        .stderr(fs::File::create(t.path("err")).unwrap())
+        .process_group(0);
+    cmd.spawn().expect("spawn")
+}
+
 fn run(mut cmd: Command) -> Output {
     common::output_within(&mut cmd, PATIENCE * 4)
 }
@@ -368,12 +377,8 @@ fn kill_a_sub_make_sharing_its_recipe(name: &str, make: &Path, holder: bool) {
     )
     .unwrap();
     let mut cmd = make_cmd(&t, make);
-    cmd.arg("-j2")
-        .env("JOB_SLEEP", "0.4")
-        .stdout(fs::File::create(t.path("out")).unwrap())
-        .stderr(fs::File::create(t.path("err")).unwrap())
-        .process_group(0);
-    let mut child = cmd.spawn().expect("spawn");
+    cmd.arg("-j2").env("JOB_SLEEP", "0.4");
+    let mut child = spawn_in_group(&t, cmd);
     let pgid = child.id() as i32;
     let what = format!("{name} holder={holder}: the victim never started");
     common::until_or_report(pgid, PATIENCE, &what, || {
@@ -1448,11 +1453,8 @@ fn kill_a_sub_make(name: &str, make: &Path, sub: &str) {
     };
     let started = || marks("vstart.");
     let mut cmd = make_cmd(&t, make);
-    cmd.args(["-k", "-j4"])
-        .stdout(fs::File::create(t.path("out")).unwrap())
-        .stderr(fs::File::create(t.path("err")).unwrap())
-        .process_group(0);
-    let mut child = cmd.spawn().expect("spawn");
+    cmd.args(["-k", "-j4"]);
+    let mut child = spawn_in_group(&t, cmd);
     let pgid = child.id() as i32;
     // Two of the victim's jobs run: it holds a token besides its implicit
     // one (none of its jobs has ended yet: they run 2 s).
@@ -1543,12 +1545,8 @@ fn kill_the_top_make(name: &str, make: &Path) {
     let t = Tree::new(&format!("real-{name}-kill-top"));
     t.recursive_makefile(4, 16);
     let mut cmd = make_cmd(&t, make);
-    cmd.arg("-j4")
-        .env("JOB_SLEEP", "0.3")
-        .stdout(fs::File::create(t.path("out")).unwrap())
-        .stderr(fs::File::create(t.path("err")).unwrap())
-        .process_group(0);
-    let mut child = cmd.spawn().expect("spawn");
+    cmd.arg("-j4").env("JOB_SLEEP", "0.3");
+    let mut child = spawn_in_group(&t, cmd);
     let pgid = child.id() as i32;
     let what = format!("{name}: the tree never finished two jobs");
     common::until_or_report(pgid, PATIENCE, &what, || t.counts().0 >= 2);
@@ -1649,12 +1647,8 @@ fn stop_and_continue(name: &str, make: &Path) {
     let t = Tree::new(&format!("real-{name}-stop-cont"));
     t.recursive_makefile(12, 6);
     let mut cmd = make_cmd(&t, make);
-    cmd.arg("-j4")
-        .env("JOB_SLEEP", "0.05")
-        .stdout(fs::File::create(t.path("out")).unwrap())
-        .stderr(fs::File::create(t.path("err")).unwrap())
-        .process_group(0);
-    let mut child = cmd.spawn().expect("spawn");
+    cmd.arg("-j4").env("JOB_SLEEP", "0.05");
+    let mut child = spawn_in_group(&t, cmd);
     let top = child.id() as i32;
     let started = || {
         fs::read_to_string(t.path("peaks"))
