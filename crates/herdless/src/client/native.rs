@@ -1183,12 +1183,8 @@ impl Native {
             }
         };
         let result = loop {
-            if let Err(e) = Self::check(&st) {
-                break Err(e);
-            }
-            if st.ready > 0 {
-                st.ready -= 1;
-                break Ok(true);
+            if let Some(end) = Self::grant_or_end(&mut st) {
+                break end.map(|()| true);
             }
             // Wait for an outstanding try to be answered before asking, so
             // every grant can be matched to its request.
@@ -1220,6 +1216,20 @@ impl Native {
         result
     }
 
+    /// How a wait for a grant ends, if it does now: with what the broker
+    /// or the connection said (an abort, a stop, a dead broker), or with a
+    /// grant that came (taken from `ready`).
+    fn grant_or_end(st: &mut State) -> Option<Result<()>> {
+        if let Err(e) = Self::check(st) {
+            return Some(Err(e));
+        }
+        if st.ready > 0 {
+            st.ready -= 1;
+            return Some(Ok(()));
+        }
+        None
+    }
+
     /// Takes the token a hello with [`HelloFlags::RUNNER`] asked for (a
     /// make's implicit token: its recipe's slot, or a shared token while
     /// another process of the recipe holds the slot), waiting as long as
@@ -1235,12 +1245,8 @@ impl Native {
         };
         st.wanting += 1;
         let result = loop {
-            if let Err(e) = Self::check(&st) {
-                break Err(e);
-            }
-            if st.ready > 0 {
-                st.ready -= 1;
-                break Ok(());
+            if let Some(end) = Self::grant_or_end(&mut st) {
+                break end;
             }
             if st.acquires == 0 {
                 break Err(Error::new(
