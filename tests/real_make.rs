@@ -342,15 +342,50 @@ fn sub_makes_started_together(name: &str, make: &Path, jobs: &[u32]) {
     }
 }
 
-/// Two sub-makes that one recipe starts with `&` share its token, and
-/// one of them is killed (`kill -9`, with its job): the one holding the
-/// recipe's slot (`holder`), or the one waiting for it (otherwise). A
-/// branch beside holds the only shared token (`-j2`), so the slot is all
-/// they have. The other sub-make runs all its jobs, one at a time (the
-/// slot of a killed holder comes back, a killed waiter's wait goes
-/// away), and no token is lost.
-fn kill_a_sub_make_sharing_its_recipe(name: &str, make: &Path, holder: bool) {
-    let t = Tree::new(&format!("real-make-share-kill-{name}-{holder}"));
+/// The processes, not yet dead, whose command line names `dir`: (pid,
+/// command line).
+fn live_processes_naming(dir: &Path) -> Vec<(i32, String)> {
+    let dir = dir.to_string_lossy().into_owned();
+    let mut left = Vec::new();
+    for entry in fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let state = fs::read_to_string(entry.path().join("stat"))
+            .ok()
+            .and_then(|s| {
+                s.rsplit_once(')')
+                    .map(|(_, r)| r.trim_start().chars().next())
+            })
+            .flatten();
+        let cmdline = fs::read(entry.path().join("cmdline")).unwrap_or_default();
+        let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
+        if state.is_some_and(|c| c != 'Z' && c != 'X') && cmdline.contains(&dir) {
+            left.push((pid, cmdline));
+        }
+    }
+    left
+}
+
+/// What befalls one of two sub-makes that share a recipe's slot.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Blow {
+    /// `kill -9` of the one holding the slot, with its job.
+    KillHolder,
+    /// `kill -9` of the one waiting for it.
+    KillWaiter,
+    /// `SIGINT` to the whole tree (a terminal's ^C) while one waits.
+    Interrupt,
+}
+
+/// Two sub-makes that one recipe starts with `&` (or `xargs -P 2`) share
+/// its token; a branch beside holds the only shared token (`-j2`), so the
+/// slot is all they have, and one of them waits for it. Killed, the holder's slot
+/// comes back and the waiter's wait goes away: the other sub-make runs
+/// its five jobs one at a time, and no token is lost. Interrupted, the
+/// whole tree ends, the waiting sub-make too, leaving nothing behind.
+fn blow_a_sub_make_sharing_its_recipe(name: &str, make: &Path, blow: Blow) {
+    let t = Tree::new(&format!("real-make-share-{name}-{blow:?}"));
     let d = t.dir.display();
     fs::write(
         t.path("victim.mk"),
@@ -362,10 +397,15 @@ fn kill_a_sub_make_sharing_its_recipe(name: &str, make: &Path, holder: bool) {
         format!("${{MAKE}} -f {d}/victim.mk & echo $$! > {d}/victim.pid"),
         format!("${{MAKE}} -f {d}/other.mk &"),
     );
-    let pair = if holder {
-        format!("{victim}; sleep 0.5; {other} wait")
-    } else {
-        format!("{other} sleep 0.5; {victim}; wait")
+    let holder = blow == Blow::KillHolder;
+    let pair = match blow {
+        Blow::KillHolder => format!("{victim}; sleep 0.5; {other} wait"),
+        Blow::KillWaiter => format!("{other} sleep 0.5; {victim}; wait"),
+        // Not with `&`, whose commands a shell starts with SIGINT ignored
+        // (a stock sub-make put in the background outlives ^C as well).
+        Blow::Interrupt => {
+            format!("printf 'other\\nvictim\\n' | xargs -P 2 -I@ ${{MAKE}} -f {d}/@.mk")
+        }
     };
     fs::write(
         t.path("Makefile"),
@@ -380,15 +420,53 @@ fn kill_a_sub_make_sharing_its_recipe(name: &str, make: &Path, holder: bool) {
     cmd.arg("-j2").env("JOB_SLEEP", "0.4");
     let mut child = spawn_in_group(&t, cmd);
     let pgid = child.id() as i32;
-    let what = format!("{name} holder={holder}: the victim never started");
-    common::until_or_report(pgid, PATIENCE, &what, || {
-        fs::read_to_string(t.path("victim.pid")).is_ok_and(|p| p.ends_with('\n'))
-            && (!holder || t.path("vstart").exists())
+    let what = format!("{name} {blow:?}: the victim never started");
+    common::until_or_report(pgid, PATIENCE, &what, || match blow {
+        // One of the two runs a job; the other waits for the slot.
+        Blow::Interrupt => t.path("vstart").exists() || t.counts().1 > 0,
+        _ => {
+            fs::read_to_string(t.path("victim.pid")).is_ok_and(|p| p.ends_with('\n'))
+                && (!holder || t.path("vstart").exists())
+        }
     });
-    if !holder {
+    if blow == Blow::KillWaiter {
         // Its hello is in and its wait queued behind the other's slot.
         thread::sleep(Duration::from_millis(500));
         assert!(!t.path("vstart").exists(), "{name}: the waiter ran a job");
+    }
+    if blow == Blow::Interrupt {
+        thread::sleep(Duration::from_millis(500));
+        // Both sub-makes are there, and only one of them runs jobs.
+        let makes = live_processes_naming(&t.dir)
+            .into_iter()
+            .filter(|(_, cmd)| cmd.contains("other.mk") || cmd.contains("victim.mk"))
+            .filter(|(_, cmd)| !cmd.contains("xargs"))
+            .count();
+        assert_eq!(makes, 2, "{name}: {:?}", live_processes_naming(&t.dir));
+        assert!(
+            !(t.path("vstart").exists() && t.counts().1 > 0),
+            "{name}: both sub-makes ran jobs on one token"
+        );
+        common::signal(-pgid, libc::SIGINT);
+        let what = format!("{name}: the tree did not end on SIGINT");
+        let status = common::wait_or_report(&mut child, PATIENCE, &what);
+        assert!(!status.success(), "{name}: {status}");
+        // bmake's jobs have process groups of their own: every process
+        // that names the tree's directory, the waiting sub-make too.
+        let start = Instant::now();
+        loop {
+            let left = live_processes_naming(&t.dir);
+            if left.is_empty() {
+                break;
+            }
+            assert!(
+                start.elapsed() < PATIENCE,
+                "{name}: left after SIGINT: {left:?}"
+            );
+            thread::sleep(Duration::from_millis(20));
+        }
+        assert_no_leftovers(&t);
+        return;
     }
     let pid: i32 = fs::read_to_string(t.path("victim.pid"))
         .unwrap()
@@ -405,12 +483,12 @@ fn kill_a_sub_make_sharing_its_recipe(name: &str, make: &Path, holder: bool) {
     for job in String::from_utf8_lossy(&jobs.stdout).split_whitespace() {
         common::signal(job.parse().unwrap(), libc::SIGKILL);
     }
-    let what = format!("{name} holder={holder}: the other sub-make stalled after the kill");
+    let what = format!("{name} {blow:?}: the other sub-make stalled after the kill");
     common::until_or_report(pgid, PATIENCE, &what, || t.counts().0 == 5);
     fs::write(t.path("release"), "").unwrap();
     let status = common::wait_or_report(&mut child, PATIENCE, &what);
     let report = format!(
-        "{name} holder={holder}: status {status}\nstderr:\n{}",
+        "{name} {blow:?}: status {status}\nstderr:\n{}",
         fs::read_to_string(t.path("err")).unwrap_or_default()
     );
     assert!(status.success(), "{report}");
@@ -425,14 +503,20 @@ fn kill_a_sub_make_sharing_its_recipe(name: &str, make: &Path, holder: bool) {
 
 #[test]
 fn a_gnu_sub_make_killed_while_it_shares_its_recipe_loses_nothing() {
-    kill_a_sub_make_sharing_its_recipe("gnu", &herdless_make(), true);
-    kill_a_sub_make_sharing_its_recipe("gnu", &herdless_make(), false);
+    blow_a_sub_make_sharing_its_recipe("gnu", &herdless_make(), Blow::KillHolder);
+    blow_a_sub_make_sharing_its_recipe("gnu", &herdless_make(), Blow::KillWaiter);
 }
 
 #[test]
 fn a_bmake_sub_make_killed_while_it_shares_its_recipe_loses_nothing() {
-    kill_a_sub_make_sharing_its_recipe("bmake", &herdless_bmake(), true);
-    kill_a_sub_make_sharing_its_recipe("bmake", &herdless_bmake(), false);
+    blow_a_sub_make_sharing_its_recipe("bmake", &herdless_bmake(), Blow::KillHolder);
+    blow_a_sub_make_sharing_its_recipe("bmake", &herdless_bmake(), Blow::KillWaiter);
+}
+
+#[test]
+fn sigint_stops_sub_makes_waiting_for_their_recipe_s_token() {
+    blow_a_sub_make_sharing_its_recipe("gnu", &herdless_make(), Blow::Interrupt);
+    blow_a_sub_make_sharing_its_recipe("bmake", &herdless_bmake(), Blow::Interrupt);
 }
 
 #[test]
