@@ -1319,6 +1319,42 @@ fn sigint_stops_a_bmake_tree_and_leaves_nothing_behind() {
     sigint(&t, &herdless_bmake());
 }
 
+/// How many `sleep` processes below `top` are asleep (state `S`).
+fn sleeping_descendants(top: i32) -> usize {
+    let mut procs = Vec::new();
+    for entry in fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let Ok(stat) = fs::read_to_string(entry.path().join("stat")) else {
+            continue;
+        };
+        let Some((head, rest)) = stat.rsplit_once(')') else {
+            continue;
+        };
+        let name = head.split_once('(').map_or("", |(_, n)| n);
+        let mut fields = rest.split_whitespace();
+        let state = fields.next().unwrap_or("");
+        let ppid: i32 = fields.next().and_then(|p| p.parse().ok()).unwrap_or(0);
+        procs.push((pid, ppid, name == "sleep" && state == "S"));
+    }
+    let parent: std::collections::HashMap<i32, i32> =
+        procs.iter().map(|&(p, pp, _)| (p, pp)).collect();
+    let below = |mut pid: i32| {
+        while pid > 1 {
+            pid = parent.get(&pid).copied().unwrap_or(0);
+            if pid == top {
+                return true;
+            }
+        }
+        false
+    };
+    procs
+        .iter()
+        .filter(|&&(pid, _, asleep)| asleep && below(pid))
+        .count()
+}
+
 fn sigint(t: &Tree, make: &Path) {
     let mut cmd = make_cmd(t, make);
     cmd.arg("-j4")
@@ -1327,10 +1363,13 @@ fn sigint(t: &Tree, make: &Path) {
         .stderr(Stdio::null())
         .process_group(0);
     let mut child = cmd.spawn().expect("spawn");
-    // Wait until four jobs run, then interrupt the whole group, as a
-    // terminal's ^C does.
+    // Wait until four jobs run, each in its `sleep`, then interrupt the
+    // whole group, as a terminal's ^C does. (Signalled as soon as the
+    // fourth job had counted itself, a loaded machine once showed that
+    // job's shell alive and its `sleep` started after the signal, so the
+    // make waited the whole 30 s for it.)
     let start = Instant::now();
-    while t.counts().1 < 4 {
+    while t.counts().1 < 4 || sleeping_descendants(child.id() as i32) < 4 {
         assert!(start.elapsed() < PATIENCE, "the tree never ran 4 jobs");
         thread::sleep(Duration::from_millis(20));
     }
