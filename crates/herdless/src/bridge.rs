@@ -33,8 +33,9 @@
 //!   clients: the bridge queues for a token in the pool's FIFO like any
 //!   waiter, and writes it into the pipe when its turn comes. An offer
 //!   nobody reads is taken back after a round of native grants (one per
-//!   waiting native, at most as many as there are tokens), or at once if
-//!   nothing else could free a token; each ignored offer
+//!   waiting native, at most as many as there are tokens) once it has
+//!   been there [`OFFER_MIN`] (2 ms), or at once if nothing else could
+//!   free a token; each ignored offer
 //!   doubles the number of rounds before the next one, up to
 //!   [`MAX_BACKOFF`]; an offer that is read resets that. So a classic client
 //!   that starts waiting while natives contend gets a token within at most
@@ -142,8 +143,9 @@
 //! pool token goes to the first waiter at once (the pool's own invariant),
 //! and the one offer in the pipe stays there only while some native client
 //! holds a token without waiting for another — so a broker event, its
-//! release, is still to come — and for at most one round of native grants
-//! or [`OFFER_WAIT`], whichever ends first.
+//! release, is still to come — and until a round of native grants has
+//! come and it is [`OFFER_MIN`] old, or for [`OFFER_WAIT`], whichever ends
+//! first (the broker wakes at either time without another event).
 //! When no such native holder is left, the offer is taken back in the same
 //! event. What the classic side holds never keeps an offer in the pipe: a
 //! classic job may run for a long time, or its holder may have died with
@@ -209,6 +211,15 @@ struct Offer {
 /// grants may not come for a long time (a holder keeping its tokens, as a
 /// top make does for its sub-makes, and waiters that nothing else frees).
 pub const OFFER_WAIT: std::time::Duration = std::time::Duration::from_millis(50);
+
+/// The least time an offer made while natives wait stays in the pipe
+/// unread before its round of native grants can count it as ignored: a
+/// classic reader that the offer wakes needs a processor before the
+/// broker reads the token back, and natives that contend without pause
+/// make a round of grants in tens of microseconds, less than the time a
+/// busy scheduler takes to run a woken process. The liveness rule (no
+/// native release to come) still takes an offer back at once.
+pub const OFFER_MIN: std::time::Duration = std::time::Duration::from_millis(2);
 
 /// A round of native grants: one per waiter, but no more than there are
 /// tokens, since a classic reader that wants an offer takes it at once and
@@ -484,8 +495,9 @@ impl Bridge {
     }
 
     /// When the offer in the pipe, if any, counts as ignored for its age
-    /// ([`OFFER_WAIT`]): the broker balances again then, with no other
-    /// event to wake it.
+    /// ([`OFFER_WAIT`], or [`OFFER_MIN`] once its round of native grants
+    /// came): the broker balances again then, with no other event to wake
+    /// it.
     ///
     /// In [`table_mode`](Self::table_mode) with nothing in the pipe and no
     /// native waiting, also when the next offer is due by time
@@ -498,7 +510,12 @@ impl Bridge {
             .offer
             .as_ref()
             .filter(|_| self.expected_in_pipe > 0)
-            .map(|o| o.made_at + OFFER_WAIT);
+            .map(|o| {
+                // Its round of grants already came: only its least age
+                // keeps it there.
+                let rounds_done = self.grants_seen.saturating_sub(o.native_grants_at) >= o.patience;
+                o.made_at + if rounds_done { OFFER_MIN } else { OFFER_WAIT }
+            });
         let due = Some(self.next_offer_time).filter(|&t| {
             t > self.balanced_at
                 && self.table_mode()
@@ -1010,8 +1027,10 @@ impl Bridge {
         }
         let keep = match &self.offer {
             Some(o) if in_pipe > 0 => {
-                let ignored = native_grants.saturating_sub(o.native_grants_at) >= o.patience
-                    || now.saturating_sub(o.made_at) >= OFFER_WAIT;
+                let age = now.saturating_sub(o.made_at);
+                let ignored = (native_grants.saturating_sub(o.native_grants_at) >= o.patience
+                    && age >= OFFER_MIN)
+                    || age >= OFFER_WAIT;
                 // Liveness: the offer may wait for a classic reader only
                 // while some native client holds a token without waiting
                 // for another, so that its release, a broker event, is
