@@ -1806,8 +1806,26 @@ fn stop_and_continue(name: &str, make: &Path) {
             last.iter()
                 .all(|(_, c)| matches!(c, 'T' | 't' | 'D' | 'Z' | 'X'))
         };
-        let since = Instant::now();
+        let mut since = Instant::now();
+        let mut again = 0;
         while !stopped(&mut last) {
+            // bmake's own race, stock or not: a SIGTSTP that lands between
+            // its `vfork()` and the child's `setpgid()` stops the child in
+            // the make's group, the make waits in `vfork` ('D') and never
+            // passes the signal on to the jobs in their own groups, which
+            // run on until SIGCONT. Press ^Z again, as a user would.
+            if since.elapsed() > Duration::from_secs(2)
+                && again < 3
+                && last.iter().any(|&(_, c)| c == 'D')
+            {
+                eprintln!("{name}: the tree stopped only in part ({last:?}); stopping it again");
+                common::signal(-top, libc::SIGCONT);
+                thread::sleep(Duration::from_millis(50));
+                common::signal(-top, libc::SIGTSTP);
+                again += 1;
+                since = Instant::now();
+                continue;
+            }
             if since.elapsed() > PATIENCE {
                 common::signal(-top, libc::SIGCONT);
                 common::signal(-top, libc::SIGKILL);
