@@ -811,6 +811,61 @@ fn herdless_jobs_under_a_make_group_keep_to_its_limit() {
     }
 }
 
+/// A nested `herdless run -j 3` whose command is a make, in a recipe of
+/// a herdless `make -j2` (or under `herdless run -j 2`): the make below,
+/// with herdless inside or stock, runs its six jobs two at a time. The
+/// nested run joins the outer pool and serves its command a classic
+/// jobserver of its own, whose tokens it borrows from the outer pool;
+/// a herdless make below once connected to the outer broker past it,
+/// while the one token free sat borrowed in the nested pipe for a classic
+/// reader that never came: one job at a time.
+#[test]
+fn a_make_under_a_nested_run_reaches_the_outer_limit() {
+    let herdless_bmake = herdless_bmake();
+    let inner_makes = [
+        ("herdless GNU make", herdless_make()),
+        ("herdless bmake", herdless_bmake.clone()),
+        ("stock GNU make", stock_make()),
+        ("Debian's bmake", PathBuf::from("/usr/bin/bmake")),
+    ];
+    for (inner, make) in &inner_makes {
+        if !make.exists() {
+            continue;
+        }
+        for outer in ["herdless GNU make", "herdless run"] {
+            let name = format!("{inner} under a nested run, under {outer}");
+            let t = Tree::new("real-make-nested-run");
+            t.flat_makefile("sub.mk", "j", 6);
+            let nested = format!(
+                "{BIN} run -j 3 -- {} -f {}",
+                make.display(),
+                t.path("sub.mk").display()
+            );
+            fs::write(t.path("Makefile"), format!("all:\n\t@{nested}\n")).unwrap();
+            let mut cmd = if outer == "herdless run" {
+                let mut c = make_cmd(&t, Path::new(BIN));
+                c.args(["run", "-j", "2", "--", "sh", "-c", &nested]);
+                c
+            } else {
+                let mut c = make_cmd(&t, &herdless_make());
+                c.arg("-j2");
+                c
+            };
+            cmd.env("JOB_SLEEP", "0.2");
+            let out = run(cmd);
+            let report = text(&out);
+            assert!(out.status.success(), "{name}: {report}");
+            let (done, most) = t.counts();
+            assert_eq!(done, 6, "{name}: {report}");
+            assert!(most <= 2, "{name}: {most} jobs at once at -j2\n{report}");
+            assert_eq!(most, 2, "{name}: never 2 jobs at once\n{report}");
+            for line in broker_lines(&t) {
+                assert_eq!(figure(&line, "lost"), 0, "{name}: {line:?}");
+            }
+        }
+    }
+}
+
 /// A tree whose top make at `-j4` leaves two sub-makes of six jobs
 /// running in the background (`$(MAKE) … &`), their output in `a.log` and
 /// `b.log` (a bmake closes a job's output pipe once the job's shell ends,
@@ -987,7 +1042,8 @@ fn a_background_sub_make_killed_during_the_drain_does_not_hold_it() {
 /// the make takes its tokens from `run`'s broker, which serves on after
 /// the make has ended until its sub-makes in the background have gone
 /// (before, 5 of the 12 jobs ran); SIGTERM to `run` meanwhile stops it at
-/// once, and it dies of the signal, leaving nothing behind.
+/// once, and it dies of the signal, leaving nothing behind. The same for
+/// the pool of a `run` nested in another, whose command is the make.
 #[test]
 fn background_sub_makes_keep_run_s_broker_to_the_end() {
     for name in ["gnu", "bmake"] {
@@ -1004,6 +1060,16 @@ fn background_sub_makes_keep_run_s_broker_to_the_end() {
         let mut cmd = make_cmd(&t, Path::new(BIN));
         cmd.args(["run", "-j", "4", "--"]).arg(&make);
         sigterm_while_it_waits_for_the_sub_makes(&t, cmd, &format!("run, {name}"));
+
+        // The make as the command of a run nested in another one: the
+        // nested run's own pool, where the make takes its tokens, serves
+        // its sub-makes to the end too.
+        let t = Tree::new(&format!("real-make-nested-run-background-{name}"));
+        let make = background_tree(&t, name);
+        let mut cmd = make_cmd(&t, Path::new(BIN));
+        cmd.args(["run", "-j", "8", "--", BIN, "run", "-j", "4", "--"])
+            .arg(&make);
+        background_tree_ran_whole(&t, cmd, &format!("nested run, {name}"));
     }
 }
 

@@ -8,7 +8,7 @@ use std::sync::atomic::Ordering;
 
 use herdless::backing::{Backing, Broker as OuterBroker, Figures};
 use herdless::bridge::Bridge;
-use herdless::broker::{Broker, Config};
+use herdless::broker::{Broker, Config, Stopper};
 use herdless::classic::{Auth, Flavor, Jobserver, Program};
 use herdless::client::{
     broker_from_env, jobserver_between, slot_env_value, Client, Options, CLASSIC_ENV, SLOT_ENV,
@@ -108,30 +108,7 @@ pub fn run(args: RunArgs) -> Result<u8> {
         move |pid| namer.command_started(pid),
         move || halter.halt(),
     );
-    // A command that exited on its own (not killed, no stop signal) may
-    // have left sub-makes running in the background (`$(MAKE) … &`): the
-    // broker serves on until no job runner is connected, as a make with
-    // the broker inside does before it exits; a stop signal meanwhile
-    // stops it at once, and this process then dies of it. A command's
-    // death by a signal is a stop, as before.
-    let mut stop_signal = None;
-    let joined = match &outcome {
-        Ok(child::Outcome::Exited {
-            status,
-            received: None,
-        }) if status.code().is_some() => {
-            stopper.stop_when_idle();
-            let stop = stopper.clone();
-            let (joined, got) = child::catching_stops(move || stop.stop(), || thread.join())?;
-            stop_signal = got;
-            joined
-        }
-        _ => {
-            stopper.stop();
-            thread.join()
-        }
-    };
-    let report = joined.map_err(|_| anyhow::anyhow!("the broker thread panicked"))??;
+    let (report, stop_signal) = serve_to_the_end(&outcome, &stopper, thread)?;
     drop(dir);
     let outcome = outcome?;
     if args.stats {
@@ -160,6 +137,39 @@ pub fn run(args: RunArgs) -> Result<u8> {
         Some(sig) => child::Exit::Signal(sig),
         None => outcome.exit(),
     }))
+}
+
+/// Ends `run`'s broker once its command has ended. A command that exited
+/// on its own (not killed, no stop signal) may have left sub-makes
+/// running in the background (`$(MAKE) … &`): the broker serves on until
+/// no job runner is connected, as a make with the broker inside does
+/// before it exits; a stop signal meanwhile stops it at once, and is
+/// returned, for this process to die of it. A command's death by a
+/// signal is a stop, as before.
+fn serve_to_the_end(
+    outcome: &Result<child::Outcome>,
+    stopper: &Stopper,
+    thread: std::thread::JoinHandle<std::io::Result<Status>>,
+) -> Result<(Status, Option<i32>)> {
+    let mut stop_signal = None;
+    let joined = match outcome {
+        Ok(child::Outcome::Exited {
+            status,
+            received: None,
+        }) if status.code().is_some() => {
+            stopper.stop_when_idle();
+            let stop = stopper.clone();
+            let (joined, got) = child::catching_stops(move || stop.stop(), || thread.join())?;
+            stop_signal = got;
+            joined
+        }
+        _ => {
+            stopper.stop();
+            thread.join()
+        }
+    };
+    let report = joined.map_err(|_| anyhow::anyhow!("the broker thread panicked"))??;
+    Ok((report, stop_signal))
 }
 
 /// The classic jobserver of `run`'s pool, in `dir`: the bridge, the
@@ -254,8 +264,10 @@ fn print_outer(f: &Figures) {
 /// outer `-j` bounds everything and its own `-j` bounds its subtree.
 ///
 /// When the command is itself a classic client (a make, cargo: see
-/// `Program`), it gets a classic jobserver of this run's own, whose
-/// pool borrows its tokens from the outer pool (`herdless::backing`), so
+/// `Program`), it gets a pool of this run's own, whose tokens are
+/// borrowed from the outer pool (`herdless::backing`): a classic
+/// jobserver, and the socket and top slot its native clients use (a make
+/// with herdless inside, which a name cannot tell from a stock one), so
 /// `-j` caps it too; a classic client started deeper (by a script) reads
 /// the outer jobserver, which the cap does not reach.
 fn run_joined(args: RunArgs, outer: &std::path::Path) -> Result<u8> {
@@ -284,6 +296,7 @@ fn run_joined(args: RunArgs, outer: &std::path::Path) -> Result<u8> {
     let mut inherit = Vec::new();
     let mut inner = None;
     if classic {
+        super::raise_nofile_limit();
         let mut dir = RunDir::create().context("cannot prepare the socket directory")?;
         let borrower = Client::connect_with(outer, Options::default().implicit_token(false))
             .with_context(|| format!("cannot join the herdless pool at {}", outer.display()))?;
@@ -297,6 +310,15 @@ fn run_joined(args: RunArgs, outer: &std::path::Path) -> Result<u8> {
                 args.jobs,
             ))
             .context("cannot watch the outer pool")?;
+        // The command's pool is this one, for native clients too: a make
+        // with herdless inside that went to the outer broker past it
+        // would wait there for the tokens this pool borrows for its
+        // classic readers, and this broker would not learn that its
+        // command is native. Its top slot is the command's token, the one
+        // taken from the outer pool above.
+        env.retain(|(key, _)| *key != SLOT_ENV);
+        env.push((SOCKET_ENV, dir.socket().as_os_str().to_owned()));
+        env.push((SLOT_ENV, slot_env_value(broker.top_slot()).into()));
         let (bridge, more) = classic_side(&args, &dir, &mut inherit)?;
         env.extend(more);
         broker = broker.with_bridge(bridge)?;
@@ -326,22 +348,28 @@ fn run_joined(args: RunArgs, outer: &std::path::Path) -> Result<u8> {
             }
         },
     );
-    // The inner broker gives its borrowed tokens back as it ends; the cap
-    // is lifted and the command's token given back whatever that says.
-    let ended = inner.map(|(dir, stopper, thread, figures)| {
-        stopper.stop();
-        let status = thread.join();
-        drop(dir);
-        (status, figures)
-    });
+    // The inner broker serves its sub-makes left in the background to the
+    // end, as `run`'s own does, and gives its borrowed tokens back as it
+    // ends; the cap is lifted and the command's token given back whatever
+    // that says.
+    let mut stop_signal = None;
+    let ended = match inner {
+        Some((dir, stopper, thread, figures)) => {
+            let ended = serve_to_the_end(&outcome, &stopper, thread);
+            drop(dir);
+            Some((ended, figures))
+        }
+        None => None,
+    };
     let uncapped = control.cap(me, None);
     drop(token);
     drop(client);
     let report = match ended {
-        Some((status, figures)) => Some((
-            status.map_err(|_| anyhow::anyhow!("the broker thread panicked"))??,
-            figures,
-        )),
+        Some((ended, figures)) => {
+            let (status, got) = ended?;
+            stop_signal = got;
+            Some((status, figures))
+        }
         None => None,
     };
     let outcome = outcome?;
@@ -369,7 +397,10 @@ fn run_joined(args: RunArgs, outer: &std::path::Path) -> Result<u8> {
             eprintln!("herdless: {lost} token(s) could not be given back to the outer pool");
         }
     }
-    Ok(child::end(outcome.exit()))
+    Ok(child::end(match stop_signal {
+        Some(sig) => child::Exit::Signal(sig),
+        None => outcome.exit(),
+    }))
 }
 
 fn ms(us: f64) -> String {
