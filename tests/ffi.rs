@@ -233,25 +233,44 @@ fn static_lib() -> PathBuf {
                 )
             })
     };
-    // The archive is built after the library it wraps: one much older than
-    // the newest library rlib beside it is left from another build.
-    let newest_rlib = fs::read_dir(deps)
-        .expect("target/<profile>/deps")
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| {
-            p.file_name()
-                .and_then(|n| n.to_str())
-                .is_some_and(|n| n.starts_with("libherdless-") && n.ends_with(".rlib"))
-        })
-        .map(|p| built(&p))
-        .max()
-        .expect("the herdless library's rlib beside the archive");
+    // The archive is built after the sources it is made of: one older
+    // than any of them is left from another build. (The herdless library's
+    // rlibs beside it are no measure: each set of features the workspace
+    // is built with has its own, and the newest may be of another.)
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let newest_source = [
+        "crates/herdless/src",
+        "crates/platform/src",
+        "crates/ffi/src",
+    ]
+    .iter()
+    .flat_map(|dir| files_under(&root.join(dir)))
+    .map(|p| built(&p))
+    .max()
+    .expect("the library's sources");
     assert!(
-        built(&lib) + Duration::from_secs(60) >= newest_rlib,
-        "{} is older than the herdless library beside it",
+        built(&lib) >= newest_source,
+        "{} is older than the library's sources",
         lib.display()
     );
     lib
+}
+
+/// Every file under `dir`, however deep.
+fn files_under(dir: &Path) -> Vec<PathBuf> {
+    let mut files = Vec::new();
+    let mut dirs = vec![dir.to_path_buf()];
+    while let Some(d) = dirs.pop() {
+        for entry in fs::read_dir(&d).unwrap_or_else(|e| panic!("{}: {e}", d.display())) {
+            let path = entry.expect("a directory entry").path();
+            if path.is_dir() {
+                dirs.push(path);
+            } else {
+                files.push(path);
+            }
+        }
+    }
+    files
 }
 
 /// Compiles `tests/c/NAME.c` against the header and the static library,
