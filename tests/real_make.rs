@@ -821,10 +821,9 @@ fn herdless_jobs_under_a_make_group_keep_to_its_limit() {
 /// reader that never came: one job at a time.
 #[test]
 fn a_make_under_a_nested_run_reaches_the_outer_limit() {
-    let herdless_bmake = herdless_bmake();
     let inner_makes = [
         ("herdless GNU make", herdless_make()),
-        ("herdless bmake", herdless_bmake.clone()),
+        ("herdless bmake", herdless_bmake()),
         ("stock GNU make", stock_make()),
         ("Debian's bmake", PathBuf::from("/usr/bin/bmake")),
     ];

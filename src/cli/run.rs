@@ -352,7 +352,6 @@ fn run_joined(args: RunArgs, outer: &std::path::Path) -> Result<u8> {
     // end, as `run`'s own does, and gives its borrowed tokens back as it
     // ends; the cap is lifted and the command's token given back whatever
     // that says.
-    let mut stop_signal = None;
     let ended = match inner {
         Some((dir, stopper, thread, figures)) => {
             let ended = serve_to_the_end(&outcome, &stopper, thread);
@@ -364,13 +363,12 @@ fn run_joined(args: RunArgs, outer: &std::path::Path) -> Result<u8> {
     let uncapped = control.cap(me, None);
     drop(token);
     drop(client);
-    let report = match ended {
+    let (report, stop_signal) = match ended {
         Some((ended, figures)) => {
             let (status, got) = ended?;
-            stop_signal = got;
-            Some((status, figures))
+            (Some((status, figures)), got)
         }
-        None => None,
+        None => (None, None),
     };
     let outcome = outcome?;
     if let Err(e) = uncapped {
