@@ -2485,3 +2485,232 @@ fn cargo_in_a_recipe_shares_the_make_limit() {
     assert!(figure(&brokers[0], "classic_offered") > 0, "{brokers:?}");
     assert_no_leftovers(&t);
 }
+
+/// How a random tree's recipe calls the make below it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Call {
+    /// `$(MAKE)`: the same make.
+    Sub,
+    /// A stock make of the tree's family (GNU make 4.4.1 on the FIFO with
+    /// `+`, Debian's bmake on the pipe as a `.MAKE` target).
+    Stock,
+    /// `herdless run -j K --` with a make with herdless inside.
+    NestedHerdless,
+    /// `herdless run -j K --` with the stock make.
+    NestedStock,
+    /// `timeout 120 $(MAKE)`.
+    Timeout,
+    /// Two sub-makes from `xargs -P 2`.
+    Xargs,
+    /// Two sub-makes in a pipeline.
+    Pipe,
+    /// Two sub-makes in the background, waited for.
+    Background,
+    /// `herdless exec` jobs: one, then two from `xargs -P 2`.
+    Exec,
+}
+
+/// A small deterministic generator (xorshift), so that a failing tree is
+/// made again from its seed.
+struct Rng(u64);
+
+impl Rng {
+    /// Seeds it through SplitMix64, so nearby seeds start far apart.
+    fn new(seed: u64) -> Rng {
+        let mut z = seed.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        Rng((z ^ (z >> 31)) | 1)
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0 % n
+    }
+
+    fn pick<T: Copy>(&mut self, from: &[T]) -> T {
+        from[self.below(from.len() as u64) as usize]
+    }
+}
+
+/// Writes one makefile of a random tree, `name.mk` in `t`, and those
+/// below it; returns how many jobs they hold in all. `herdless_here`:
+/// the make that reads it has herdless inside (only such a make keeps
+/// `-j` when one recipe starts two sub-makes; a stock one takes the
+/// recipe's token for each).
+fn random_makefile(
+    t: &Tree,
+    rng: &mut Rng,
+    gnu: bool,
+    name: &str,
+    depth: u32,
+    herdless_here: bool,
+) -> usize {
+    let d = t.dir.display();
+    let sub = if gnu { "$(MAKE)" } else { "${MAKE}" };
+    let mut targets = Vec::new();
+    let mut rules = String::new();
+    let mut total = 0;
+    for i in 0..=rng.below(4) {
+        targets.push(format!("{name}j{i}"));
+        rules += &format!("{name}j{i}:\n\t@sh {d}/job.sh {d}\n");
+        total += 1;
+    }
+    let mut calls = vec![
+        Call::Sub,
+        Call::Sub,
+        Call::Stock,
+        Call::NestedHerdless,
+        Call::NestedStock,
+        Call::Timeout,
+        Call::Exec,
+    ];
+    if herdless_here {
+        calls.extend([Call::Xargs, Call::Pipe, Call::Background]);
+    }
+    let (herdless, stock) = if gnu {
+        (herdless_make(), stock_make())
+    } else {
+        (herdless_bmake(), PathBuf::from("/usr/bin/bmake"))
+    };
+    for k in 0..if depth < 3 { rng.below(4) } else { 0 } {
+        let call = rng.pick(&calls);
+        let below = format!("{name}s{k}");
+        let herdless_below = match call {
+            Call::Stock | Call::NestedStock => false,
+            Call::NestedHerdless => true,
+            _ => herdless_here,
+        };
+        let mut two = |total: &mut usize| {
+            for half in ["a", "b"] {
+                *total += random_makefile(
+                    t,
+                    rng,
+                    gnu,
+                    &format!("{below}{half}"),
+                    depth + 1,
+                    herdless_below,
+                );
+            }
+        };
+        let (deps, recipe) = match call {
+            Call::Xargs => {
+                two(&mut total);
+                (
+                    "",
+                    format!("@printf 'a\\nb\\n' | xargs -P 2 -I@ {sub} -f {d}/{below}@.mk"),
+                )
+            }
+            Call::Pipe => {
+                two(&mut total);
+                (
+                    "",
+                    format!(
+                        "@{sub} -f {d}/{below}a.mk >/dev/null | {sub} -f {d}/{below}b.mk | cat"
+                    ),
+                )
+            }
+            Call::Background => {
+                two(&mut total);
+                (
+                    "",
+                    format!("@{sub} -f {d}/{below}a.mk & {sub} -f {d}/{below}b.mk & wait"),
+                )
+            }
+            Call::Exec => {
+                total += 3;
+                (
+                    "",
+                    format!(
+                        "@{BIN} exec -- sh {d}/job.sh {d}; \
+                         printf '1\\n2\\n' | xargs -P 2 -I@ {BIN} exec -- sh {d}/job.sh {d}"
+                    ),
+                )
+            }
+            _ => {
+                total += random_makefile(t, rng, gnu, &below, depth + 1, herdless_below);
+                let f = format!("{d}/{below}.mk");
+                let j = 1 + rng.below(4);
+                match call {
+                    Call::Sub => ("", format!("@{sub} -f {f}")),
+                    Call::Timeout => ("", format!("@timeout 120 {sub} -f {f}")),
+                    Call::Stock if gnu => ("", format!("+@{} -f {f}", stock.display())),
+                    Call::Stock => (" .MAKE", format!("@{} -f {f}", stock.display())),
+                    Call::NestedHerdless => (
+                        "",
+                        format!("@{BIN} run -j {j} -- {} -f {f}", herdless.display()),
+                    ),
+                    _ => (
+                        "",
+                        format!("@{BIN} run -j {j} -- {} -f {f}", stock.display()),
+                    ),
+                }
+            }
+        };
+        targets.push(below.clone());
+        rules += &format!("{below}:{deps}\n\t{recipe}\n");
+    }
+    fs::write(
+        t.path(&format!("{name}.mk")),
+        format!("all: {}\n{rules}", targets.join(" ")),
+    )
+    .unwrap();
+    total
+}
+
+/// Random trees of makes, made again from fixed seeds: GNU make or bmake
+/// with herdless inside at the top (`make -jN`, or as `herdless run -j N`'s
+/// command), and below it, at random, sub-makes of the same make, stock
+/// makes of its family, nested `herdless run`s of either, `timeout`,
+/// `herdless exec` jobs, and, below a make with herdless inside, two
+/// sub-makes in one recipe from `xargs -P 2`, a pipeline or `&`. Every
+/// job runs, at most N at once, the tree succeeds and no broker loses a
+/// token. (N reached is not asserted: a tree may hold fewer jobs that can
+/// run at once.)
+#[test]
+fn random_trees_of_makes_keep_the_limit() {
+    for seed in 1..=24u64 {
+        let mut rng = Rng::new(seed);
+        let gnu = rng.below(2) == 0;
+        let under_run = rng.below(2) == 0;
+        let n = if gnu && !under_run {
+            2 + rng.below(3)
+        } else {
+            1 + rng.below(4)
+        };
+        let t = Tree::new(&format!("real-make-random-{seed}"));
+        let total = random_makefile(&t, &mut rng, gnu, "top", 0, true);
+        let make = if gnu {
+            herdless_make()
+        } else {
+            herdless_bmake()
+        };
+        let mut cmd = if under_run {
+            let mut c = make_cmd(&t, Path::new(BIN));
+            c.args(["run", "-j", &n.to_string(), "--"]).arg(&make);
+            c
+        } else {
+            let mut c = make_cmd(&t, &make);
+            c.arg(format!("-j{n}"));
+            c
+        };
+        cmd.arg("-f").arg(t.path("top.mk")).env("JOB_SLEEP", "0.05");
+        let out = run(cmd);
+        let what = format!(
+            "seed {seed}: {} at -j{n}{}",
+            if gnu { "GNU make" } else { "bmake" },
+            if under_run { " under herdless run" } else { "" }
+        );
+        let report = text(&out);
+        assert!(out.status.success(), "{what}: {report}");
+        let (done, most) = t.counts();
+        eprintln!("{what}: {done} of {total} jobs, at most {most} at once");
+        assert_eq!(done, total, "{what}: {report}");
+        assert!(most as u64 <= n, "{what}: {most} jobs at once\n{report}");
+        for line in broker_lines(&t) {
+            assert_eq!(figure(&line, "lost"), 0, "{what}: {line:?}");
+        }
+    }
+}
