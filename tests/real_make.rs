@@ -2668,10 +2668,14 @@ fn random_makefile(
 /// sub-makes in one recipe from `xargs -P 2`, a pipeline or `&`. Every
 /// job runs, at most N at once, the tree succeeds and no broker loses a
 /// token. (N reached is not asserted: a tree may hold fewer jobs that can
-/// run at once.)
+/// run at once.) 24 seeds; `HERDLESS_TEST_RANDOM_TREES=500` tries 500.
 #[test]
 fn random_trees_of_makes_keep_the_limit() {
-    for seed in 1..=24u64 {
+    let seeds: u64 = std::env::var("HERDLESS_TEST_RANDOM_TREES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(24);
+    for seed in 1..=seeds {
         let mut rng = Rng::new(seed);
         let gnu = rng.below(2) == 0;
         let under_run = rng.below(2) == 0;
