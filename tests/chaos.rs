@@ -18,30 +18,13 @@ use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{Helper, Serve, PATIENCE};
+use common::{Helper, Rng, Serve, PATIENCE};
 use herdless::client::{Client, ErrorKind, Options};
 use herdless::protocol::{AbortReason, Request};
 
 #[test]
 fn helper_process() {
     common::helper_main();
-}
-
-/// SplitMix64: small, seedable, good enough to pick operations.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
 }
 
 const JOBS: u32 = 4;

@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{Helper, Serve, PATIENCE};
+use common::{Helper, Rng, Serve, PATIENCE};
 use herdless::client::{Client, Options};
 
 const ROLE: &str = "HERDLESS_FAST_TEST_ROLE";
@@ -197,28 +197,15 @@ fn all_back(serve: Serve, free: u32) -> (herdless::status::Status, String) {
     (s, log)
 }
 
-/// A small xorshift generator: the kills land at reproducible points for
-/// one seed, and the seed is printed.
-struct Rng(u64);
-
-impl Rng {
-    /// Seeded from the clock; the seed is printed, to replay a failure.
-    fn seeded() -> Rng {
-        let seed = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_nanos() as u64
-            | 1;
-        eprintln!("seed {seed}");
-        Rng(seed)
-    }
-
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
+/// The kills land at reproducible points for one seed, taken from the
+/// clock and printed, to replay a failure.
+fn seeded() -> Rng {
+    let seed = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos() as u64;
+    eprintln!("seed {seed}");
+    Rng(seed)
 }
 
 #[test]
@@ -304,7 +291,7 @@ fn kill_mixed_churners(jobs: u32, churners: usize, socket: usize, name: &str) {
     let dir = tempfile_dir(&format!("fast-kill-{name}"));
     std::fs::create_dir_all(dir.join("held")).unwrap();
     std::fs::write(dir.join("peaks"), b"").unwrap();
-    let mut rng = Rng::seeded();
+    let mut rng = seeded();
     let mut workers: Vec<Child> = (0..churners)
         .map(|i| churner(&serve, &dir, i < socket))
         .collect();
@@ -762,7 +749,7 @@ fn a_client_scribbling_over_the_whole_table_cannot_crash_the_broker_or_overdraw_
     std::fs::create_dir_all(dir.join("held")).unwrap();
     std::fs::write(dir.join("peaks"), b"").unwrap();
     let mut honest: Vec<Child> = (0..4).map(|_| churner(&serve, &dir, true)).collect();
-    let mut rng = Rng::seeded();
+    let mut rng = seeded();
     let mut rounds = 0;
     let mut scribblers = 0;
     let start = Instant::now();

@@ -16,7 +16,7 @@ use std::process::{Command, Output, Stdio};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use common::{stat, JobTree as Tree, BIN, PATIENCE};
+use common::{stat, JobTree as Tree, Rng, BIN, PATIENCE};
 
 fn repo_file(rel: &str, var: &str, how: &str) -> PathBuf {
     let path = std::env::var_os(var)
@@ -1845,13 +1845,8 @@ fn stop_and_continue(name: &str, make: &Path) {
             .count()
     };
     // Where each stop comes: 1 to 6 jobs after the last, varied by pid.
-    let mut seed = u64::from(child.id()) | 1;
-    let mut next_gap = move || {
-        seed ^= seed << 13;
-        seed ^= seed >> 7;
-        seed ^= seed << 17;
-        1 + (seed % 6) as usize
-    };
+    let mut rng = Rng(u64::from(child.id()));
+    let mut next_gap = move || 1 + rng.below(6) as usize;
     // Five short stops, the third one long.
     for round in 0..5 {
         let at = t.counts().0 + next_gap();
@@ -2510,31 +2505,6 @@ enum Call {
     Exec,
 }
 
-/// A small deterministic generator (xorshift), so that a failing tree is
-/// made again from its seed.
-struct Rng(u64);
-
-impl Rng {
-    /// Seeds it through SplitMix64, so nearby seeds start far apart.
-    fn new(seed: u64) -> Rng {
-        let mut z = seed.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        Rng((z ^ (z >> 31)) | 1)
-    }
-
-    fn below(&mut self, n: u64) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0 % n
-    }
-
-    fn pick<T: Copy>(&mut self, from: &[T]) -> T {
-        from[self.below(from.len() as u64) as usize]
-    }
-}
-
 /// Writes one makefile of a random tree, `name.mk` in `t`, and those
 /// below it; returns how many jobs they hold in all. `herdless_here`:
 /// the make that reads it has herdless inside (only such a make keeps
@@ -2676,7 +2646,7 @@ fn random_trees_of_makes_keep_the_limit() {
         .and_then(|v| v.parse().ok())
         .unwrap_or(24);
     for seed in 1..=seeds {
-        let mut rng = Rng::new(seed);
+        let mut rng = Rng(seed);
         let gnu = rng.below(2) == 0;
         let under_run = rng.below(2) == 0;
         let n = if gnu && !under_run {
