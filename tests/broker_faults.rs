@@ -201,6 +201,56 @@ fn a_second_serve_leaves_the_first_one_alone() {
     std::fs::remove_file(&file).unwrap();
 }
 
+/// A socket path longer than a socket address holds (107 bytes on Linux):
+/// on Linux the broker binds it and clients reach it through its
+/// directory, so clients in several processes share its tokens as with
+/// any path; elsewhere `serve` refuses it and says the limit.
+#[test]
+fn a_socket_path_too_long_for_an_address_is_served_or_refused_with_the_limit() {
+    let base = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("long-socket-{}", std::process::id()));
+    let socket = base
+        .join("d".repeat(70))
+        .join("e".repeat(70))
+        .join("b.sock");
+    std::fs::create_dir_all(socket.parent().unwrap()).unwrap();
+    std::fs::set_permissions(
+        socket.parent().unwrap(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o700),
+    )
+    .unwrap();
+    if !cfg!(target_os = "linux") {
+        let out = std::process::Command::new(common::BIN)
+            .args(["serve", "-j", "2", "--socket"])
+            .arg(&socket)
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(125));
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains("at most"), "{stderr}");
+        return;
+    }
+    let serve = Serve::start_with(2, |c| {
+        c.arg("--socket").arg(&socket);
+    });
+    assert_eq!(serve.socket, socket);
+    let holder = {
+        let mut h = Helper::spawn(&socket, "hold", 1);
+        assert_eq!(h.line(), "held 1");
+        h
+    };
+    let mut waiter = Helper::spawn(&socket, "acquire", 1);
+    assert_eq!(waiter.line(), "waiting");
+    serve.wait_for("1 waiter", |s| s.waiting == 1 && s.in_use == 1);
+    assert!(holder.finish().success());
+    assert_eq!(waiter.line(), "got");
+    assert!(waiter.finish().success());
+    let status = serve.status();
+    assert_eq!((status.grants, status.in_use), (2, 0));
+    drop(serve);
+    let _ = std::fs::remove_dir_all(&base);
+}
+
 #[test]
 fn replies_a_client_is_slow_to_read_all_arrive() {
     use herdless::protocol::{decode_reply, Reply, Request};

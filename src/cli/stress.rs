@@ -78,7 +78,7 @@ fn hello() -> Vec<u8> {
 
 /// Writes `unit` over and over until `stop`, never reading.
 fn flood(socket: &Path, unit: &Request, stop: Arc<AtomicBool>, sent: Arc<AtomicU64>) {
-    let Ok(mut s) = UnixStream::connect(socket) else {
+    let Ok(mut s) = herdless::rundir::connect(socket) else {
         return;
     };
     let _ = s.set_write_timeout(Some(Duration::from_millis(50)));
@@ -208,7 +208,7 @@ pub fn stress(args: StressArgs) -> Result<u8> {
                 Request::Acquire.encode(&mut queued);
             }
             for _ in 0..200 {
-                let mut s = UnixStream::connect(socket)?;
+                let mut s = herdless::rundir::connect(socket)?;
                 s.write_all(&hello())?;
                 s.write_all(&queued)?;
                 held.push(s);
@@ -216,7 +216,7 @@ pub fn stress(args: StressArgs) -> Result<u8> {
         }
         Case::Silent => {
             for _ in 0..args.connections {
-                match UnixStream::connect(socket) {
+                match herdless::rundir::connect(socket) {
                     Ok(s) => held.push(s),
                     Err(_) => break,
                 }
@@ -224,7 +224,7 @@ pub fn stress(args: StressArgs) -> Result<u8> {
         }
         Case::IdleStatus => {
             for _ in 0..args.connections {
-                let Ok(mut s) = UnixStream::connect(socket) else {
+                let Ok(mut s) = herdless::rundir::connect(socket) else {
                     break;
                 };
                 if s.write_all(&hello()).is_err() {

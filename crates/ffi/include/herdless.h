@@ -325,9 +325,11 @@ void herdless_connect_abandon(herdless_connecting *p);
  *
  * Returns a new handle, owned by the caller (free it with
  * `herdless_client_free`), or NULL with `errno` set: `EINVAL` when
- * `socket_path` is NULL or empty, `ENAMETOOLONG` when it does not fit in a
- * `sockaddr_un`, `ENOENT` when it does not exist, `ECONNREFUSED` when
- * nobody listens there or the broker refuses this client.
+ * `socket_path` is NULL or empty, `ENAMETOOLONG` when it cannot be reached
+ * for its length (a socket address holds 107 bytes on Linux and 103 on the
+ * BSDs and macOS; on Linux a longer path is reached through its directory,
+ * `/proc/self/fd/N/NAME`), `ENOENT` when it does not exist, `ECONNREFUSED`
+ * when nobody listens there or the broker refuses this client.
  *
  * # Safety
  *
@@ -679,7 +681,9 @@ const char *herdless_strerror(int code);
  *
  * `parent_dir`, when not NULL, is where the private directory is made
  * (a make passes its own temporary directory, so that its users'
- * settings apply); NULL picks the default above.
+ * settings apply), unless the socket's path there would be too long for
+ * a socket address: then in the first of the defaults above where it
+ * fits. NULL picks the default above.
  *
  * Call it before starting threads that read the environment: it sets
  * `HERDLESS_SOCKET` with `setenv`, and `HERDLESS_CLASSIC` (which classic

@@ -54,11 +54,6 @@ pub const HERDLESS_WAIT_FOREVER: c_int = -1;
 /// What a caught panic returns: a bug in herdless, not in the caller.
 const PANICKED: c_int = -libc::ENOTRECOVERABLE;
 
-/// The room for a path in `sockaddr_un` (108 bytes on Linux, 104 on the
-/// BSDs and macOS), terminating NUL included.
-const SUN_PATH_LEN: usize =
-    std::mem::size_of::<libc::sockaddr_un>() - std::mem::offset_of!(libc::sockaddr_un, sun_path);
-
 /// A connection to the jobserver, and the count of tokens taken through it.
 ///
 /// Opaque: made by `herdless_client_from_env` or `herdless_client_connect`,
@@ -423,9 +418,11 @@ pub unsafe extern "C" fn herdless_connect_abandon(p: *mut herdless_connecting) {
 ///
 /// Returns a new handle, owned by the caller (free it with
 /// `herdless_client_free`), or NULL with `errno` set: `EINVAL` when
-/// `socket_path` is NULL or empty, `ENAMETOOLONG` when it does not fit in a
-/// `sockaddr_un`, `ENOENT` when it does not exist, `ECONNREFUSED` when
-/// nobody listens there or the broker refuses this client.
+/// `socket_path` is NULL or empty, `ENAMETOOLONG` when it cannot be reached
+/// for its length (a socket address holds 107 bytes on Linux and 103 on the
+/// BSDs and macOS; on Linux a longer path is reached through its directory,
+/// `/proc/self/fd/N/NAME`), `ENOENT` when it does not exist, `ECONNREFUSED`
+/// when nobody listens there or the broker refuses this client.
 ///
 /// # Safety
 ///
@@ -446,9 +443,6 @@ pub unsafe extern "C" fn herdless_client_connect(
     into_handle(catch_unwind(|| {
         if path.is_empty() {
             return Err(libc::EINVAL);
-        }
-        if path.len() >= SUN_PATH_LEN {
-            return Err(libc::ENAMETOOLONG);
         }
         Client::connect_with(path, options()).map_err(|e| e.errno())
     }))
@@ -1101,7 +1095,9 @@ pub struct herdless_broker_report {
 ///
 /// `parent_dir`, when not NULL, is where the private directory is made
 /// (a make passes its own temporary directory, so that its users'
-/// settings apply); NULL picks the default above.
+/// settings apply), unless the socket's path there would be too long for
+/// a socket address: then in the first of the defaults above where it
+/// fits. NULL picks the default above.
 ///
 /// Call it before starting threads that read the environment: it sets
 /// `HERDLESS_SOCKET` with `setenv`, and `HERDLESS_CLASSIC` (which classic
@@ -1173,7 +1169,7 @@ fn start_broker(
         return Err(libc::EINVAL);
     }
     let mut dir = match parent {
-        Some(p) => RunDir::create_in(p),
+        Some(p) => RunDir::create_near(p),
         None => RunDir::create(),
     }
     .map_err(|e| io_errno(&e))?;

@@ -371,7 +371,7 @@ impl Broker {
                     format!("{} exists and is not a socket", socket.display()),
                 ));
             }
-            if std::os::unix::net::UnixStream::connect(socket).is_ok() {
+            if crate::rundir::connect(socket).is_ok() {
                 return Err(io::Error::new(
                     io::ErrorKind::AddrInUse,
                     format!("a broker is already listening on {}", socket.display()),
@@ -380,12 +380,17 @@ impl Broker {
             // A socket nobody listens on: left by a broker that died.
             std::fs::remove_file(socket)?;
         }
-        let listener = UnixListener::bind(socket).map_err(|e| {
-            io::Error::new(
-                e.kind(),
-                format!("cannot listen on {}: {e}", socket.display()),
-            )
-        })?;
+        let listener = crate::rundir::bind(socket)
+            .and_then(|l| {
+                l.set_nonblocking(true)?;
+                Ok(UnixListener::from_std(l))
+            })
+            .map_err(|e| {
+                io::Error::new(
+                    e.kind(),
+                    format!("cannot listen on {}: {e}", socket.display()),
+                )
+            })?;
         // A second `listen` on a listening socket sets its queue length.
         nix::sys::socket::listen(
             &listener,

@@ -40,12 +40,105 @@ pub const SOCKET_NAME: &str = "broker.sock";
 /// Where this user's private directories go: `$XDG_RUNTIME_DIR`, `$TMPDIR`
 /// or `/tmp`, the first that is set and exists.
 pub(crate) fn runtime_base() -> PathBuf {
+    runtime_bases()
+        .next()
+        .unwrap_or_else(|| PathBuf::from("/tmp"))
+}
+
+/// `$XDG_RUNTIME_DIR`, `$TMPDIR` and `/tmp`, those set and existing, in
+/// that order.
+fn runtime_bases() -> impl Iterator<Item = PathBuf> {
     ["XDG_RUNTIME_DIR", "TMPDIR"]
         .iter()
         .filter_map(std::env::var_os)
         .map(PathBuf::from)
-        .find(|p| p.is_dir())
-        .unwrap_or_else(|| PathBuf::from("/tmp"))
+        .chain(std::iter::once(PathBuf::from("/tmp")))
+        .filter(|p| p.is_dir())
+}
+
+/// The most bytes a socket's path may have: `sockaddr_un`'s `sun_path`
+/// less its terminating NUL (107 on Linux, 103 on the BSDs and macOS).
+pub const SOCKET_PATH_MAX: usize = std::mem::size_of::<libc::sockaddr_un>()
+    - std::mem::offset_of!(libc::sockaddr_un, sun_path)
+    - 1;
+
+fn path_len(path: &Path) -> usize {
+    std::os::unix::ffi::OsStrExt::as_bytes(path.as_os_str()).len()
+}
+
+/// The path by which the socket `path` is bound or reached: `path` itself
+/// when it fits in a socket address; on Linux, a longer one through an
+/// `O_PATH` descriptor of its directory, `/proc/self/fd/N/NAME`, with the
+/// descriptor (to be kept open until the call is made). Elsewhere a path
+/// too long is an `InvalidInput` error that says so.
+fn reachable(path: &Path) -> io::Result<(PathBuf, Option<File>)> {
+    if path_len(path) <= SOCKET_PATH_MAX {
+        return Ok((path.to_path_buf(), None));
+    }
+    let too_long = || {
+        io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!(
+                "socket path {} is {} bytes; a socket address holds at most {SOCKET_PATH_MAX} \
+                 (set TMPDIR, or the socket's path, to a shorter one)",
+                path.display(),
+                path_len(path)
+            ),
+        )
+    };
+    if !cfg!(target_os = "linux") {
+        return Err(too_long());
+    }
+    let (Some(dir), Some(name)) = (path.parent(), path.file_name()) else {
+        return Err(too_long());
+    };
+    let dir = if dir.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        dir
+    };
+    #[cfg(target_os = "linux")]
+    let flags = libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC;
+    #[cfg(not(target_os = "linux"))]
+    let flags = libc::O_DIRECTORY | libc::O_CLOEXEC;
+    let handle = fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(flags)
+        .open(dir)
+        .map_err(|e| {
+            io::Error::new(
+                e.kind(),
+                format!(
+                    "cannot open {}, the directory of a socket path too long to use \
+                     as it is: {e}",
+                    dir.display()
+                ),
+            )
+        })?;
+    let short = Path::new("/proc/self/fd")
+        .join(std::os::fd::AsRawFd::as_raw_fd(&handle).to_string())
+        .join(name);
+    if path_len(&short) > SOCKET_PATH_MAX || !Path::new("/proc/self/fd").is_dir() {
+        return Err(too_long());
+    }
+    Ok((short, Some(handle)))
+}
+
+/// Connects to the socket at `path`, however long (see [`reachable`]).
+pub fn connect(path: &Path) -> io::Result<std::os::unix::net::UnixStream> {
+    let (reach, _dir) = reachable(path)?;
+    std::os::unix::net::UnixStream::connect(reach)
+}
+
+/// Binds a socket at `path`, however long (see [`reachable`]).
+pub fn bind(path: &Path) -> io::Result<std::os::unix::net::UnixListener> {
+    let (reach, _dir) = reachable(path)?;
+    std::os::unix::net::UnixListener::bind(reach)
+}
+
+/// Whether `path` can be bound or connected to as it is.
+fn fits(path: &Path) -> bool {
+    path_len(path) <= SOCKET_PATH_MAX
 }
 
 /// What [`RunDir`] calls its directory in errors.
@@ -117,9 +210,28 @@ pub(crate) fn open_private_dir(dir: &Path, what: &str) -> io::Result<File> {
 impl RunDir {
     /// Makes a fresh private directory under `$XDG_RUNTIME_DIR`, `$TMPDIR`
     /// or `/tmp` (the first that is set and exists), e.g.
-    /// `/tmp/herdless-1234-Ab12Cd/broker.sock`.
+    /// `/tmp/herdless-1234-Ab12Cd/broker.sock`; see [`RunDir::create_near`].
     pub fn create() -> io::Result<RunDir> {
-        RunDir::create_in(&runtime_base())
+        RunDir::create_near(&runtime_base())
+    }
+
+    /// Makes a fresh private directory in `base`, or, when the socket's
+    /// path there would not fit in a socket address (a deep `$TMPDIR`,
+    /// say), in the first of `$XDG_RUNTIME_DIR`, `$TMPDIR` and `/tmp` where
+    /// it fits: any client on any system can then reach the socket by the
+    /// path it is given.
+    pub fn create_near(base: &Path) -> io::Result<RunDir> {
+        let example = |base: &Path| {
+            base.join(format!("herdless-{}-XXXXXX", std::process::id()))
+                .join(SOCKET_NAME)
+        };
+        if fits(&example(base)) {
+            return RunDir::create_in(base);
+        }
+        match runtime_bases().find(|b| fits(&example(b))) {
+            Some(short) => RunDir::create_in(&short),
+            None => RunDir::create_in(base),
+        }
     }
 
     /// Makes a fresh private directory in `base`, e.g.
@@ -267,6 +379,56 @@ mod tests {
         let dir = d.dir().to_path_buf();
         drop(d);
         assert!(!dir.exists());
+    }
+
+    #[test]
+    fn a_base_too_deep_for_a_socket_is_passed_over() {
+        let d = RunDir::create().unwrap();
+        let deep = d.dir().join("d".repeat(80)).join("e".repeat(80));
+        fs::create_dir_all(&deep).unwrap();
+        let near = RunDir::create_near(&deep).unwrap();
+        assert!(fits(near.socket()), "{}", near.socket().display());
+        assert!(!near.dir().starts_with(&deep));
+        // A base where it fits is kept.
+        let here = RunDir::create_near(d.dir()).unwrap();
+        assert_eq!(here.dir().parent(), Some(d.dir()));
+        drop((near, here));
+        fs::remove_dir_all(d.dir().join("d".repeat(80))).unwrap();
+    }
+
+    #[test]
+    fn long_socket_paths_are_bound_and_reached_or_refused_with_the_limit() {
+        use std::io::{Read, Write};
+        let d = RunDir::create().unwrap();
+        let deep = d.dir().join("d".repeat(80)).join("e".repeat(80));
+        fs::create_dir_all(&deep).unwrap();
+        let path = deep.join("s.sock");
+        assert!(!fits(&path));
+        match (bind(&path), cfg!(target_os = "linux")) {
+            (Ok(listener), true) => {
+                let mut client = connect(&path).unwrap();
+                let (mut server, _) = listener.accept().unwrap();
+                client.write_all(b"hi").unwrap();
+                let mut got = [0u8; 2];
+                server.read_exact(&mut got).unwrap();
+                assert_eq!(&got, b"hi");
+                // The socket is where the long path says.
+                assert!(path.exists());
+            }
+            (Err(e), false) => {
+                assert_eq!(e.kind(), io::ErrorKind::InvalidInput);
+                assert!(e.to_string().contains("at most"), "{e}");
+            }
+            (bound, linux) => panic!("on Linux: {linux}, bound: {:?}", bound.map(|_| ())),
+        }
+        // A name that alone is too long cannot be reached anywhere.
+        let err = connect(&deep.join("n".repeat(120))).unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::InvalidInput);
+        assert!(
+            err.to_string().contains(&SOCKET_PATH_MAX.to_string()),
+            "{err}"
+        );
+        fs::remove_dir_all(d.dir().join("d".repeat(80))).unwrap();
     }
 
     #[test]

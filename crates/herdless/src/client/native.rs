@@ -346,20 +346,22 @@ impl Native {
 
     /// Connects, checks the broker is this user's, and sends the hello.
     fn hello(path: &Path, flags: HelloFlags, slot: u64, version: u16) -> Result<Native> {
-        if let Err(e) = std::os::unix::net::SocketAddr::from_pathname(path) {
+        if std::os::unix::ffi::OsStrExt::as_bytes(path.as_os_str()).contains(&0) {
             return Err(Error::io(
                 ErrorKind::Connect,
                 format!("cannot use {} as a socket address", path.display()),
-                if std::os::unix::ffi::OsStrExt::as_bytes(path.as_os_str()).contains(&0) {
-                    io::Error::from_raw_os_error(libc::EINVAL)
-                } else if e.kind() == io::ErrorKind::InvalidInput {
-                    io::Error::from_raw_os_error(libc::ENAMETOOLONG)
-                } else {
-                    e
-                },
+                io::Error::from_raw_os_error(libc::EINVAL),
             ));
         }
-        let stream = UnixStream::connect(path).map_err(|e| {
+        let stream = crate::rundir::connect(path).map_err(|e| {
+            if e.kind() == io::ErrorKind::InvalidInput {
+                // Too long to reach (crate::rundir::connect says why).
+                return Error::io(
+                    ErrorKind::Connect,
+                    e.to_string(),
+                    io::Error::from_raw_os_error(libc::ENAMETOOLONG),
+                );
+            }
             let what = match e.kind() {
                 io::ErrorKind::NotFound => "no herdless broker: socket {} does not exist",
                 io::ErrorKind::ConnectionRefused => {
