@@ -624,54 +624,72 @@ fn herdless_makes_are_native_clients_of_herdless_run() {
     }
 }
 
-/// A `TMPDIR` too deep for a socket's path (a socket address holds 107
-/// bytes on Linux): the makes' own brokers and `herdless run`'s put their
-/// sockets in the next base where the path fits, and the tree still runs
-/// on herdless (native grants), at most N, N reached, nothing lost. They
-/// used to fall back silently to the stock jobserver, and `run` to fail.
+/// Temporary directories a broker cannot use as they are: a `TMPDIR` too
+/// deep for a socket's path (a socket address holds 107 bytes on Linux),
+/// and on Linux an `XDG_RUNTIME_DIR` where nothing can be made (`/sys`, as
+/// one left by `su` for another user would be). The makes' own brokers and
+/// `herdless run`'s go to the next base that works, and the tree still
+/// runs on herdless (native grants), at most N, N reached, nothing lost.
+/// They used to fall back silently to the stock jobserver, and `run` to
+/// fail.
 #[test]
-fn a_tmpdir_too_deep_for_a_socket_keeps_the_tree_on_herdless() {
+fn unusable_temporary_directories_keep_the_tree_on_herdless() {
     let makes: [(&str, PathBuf, TreeBuilder); 2] = [
         ("gnu", herdless_make(), tree_of),
         ("bmake", herdless_bmake(), bmake_tree_of),
     ];
+    let mut bases = vec!["deep-tmpdir"];
+    if cfg!(target_os = "linux") {
+        bases.push("sys-runtime-dir");
+    }
     for (name, make, build) in makes {
-        for under_run in [false, true] {
-            let what = format!("{name}, under run: {under_run}");
-            let t = Tree::new(&format!("real-make-deep-tmp-{name}-{under_run}"));
-            let total = build(&t, 6);
-            let deep = t.path("tmp").join("d".repeat(70)).join("e".repeat(70));
-            fs::create_dir_all(&deep).unwrap();
-            let n = 4;
-            let mut cmd = if under_run {
-                let mut c = make_cmd(&t, Path::new(BIN));
-                c.args(["run", "-j", &n.to_string(), "--stats", "--"])
-                    .arg(&make);
-                c
-            } else {
-                let mut c = make_cmd(&t, &make);
-                c.arg(format!("-j{n}"));
-                c
-            };
-            cmd.env("TMPDIR", &deep).env("JOB_SLEEP", "0.15");
-            let out = run(cmd);
-            let report = text(&out);
-            assert!(out.status.success(), "{what}: {report}");
-            let (done, most) = t.counts();
-            assert_eq!(done, total, "{what}: {report}");
-            assert_eq!(most, n, "{what}: {most} jobs at once\n{report}");
-            if under_run {
-                let stderr = String::from_utf8_lossy(&out.stderr);
-                let grants = stat(&stderr, "grants");
-                let native: u64 = grants.split_whitespace().next().unwrap().parse().unwrap();
-                assert!(native > 0, "{what}: {report}");
-                assert_eq!(stat(&stderr, "tokens lost"), "0", "{what}: {report}");
-                assert!(broker_lines(&t).is_empty(), "{what}: {report}");
-            } else {
-                let b = only_broker_lost_none(&t, &what);
-                assert!(figure(&b, "native_grants") > 0, "{what}: {b:?}");
+        for base in &bases {
+            for under_run in [false, true] {
+                let what = format!("{name}, {base}, under run: {under_run}");
+                let t = Tree::new(&format!("real-make-{base}-{name}-{under_run}"));
+                let total = build(&t, 6);
+                let n = 4;
+                let mut cmd = if under_run {
+                    let mut c = make_cmd(&t, Path::new(BIN));
+                    c.args(["run", "-j", &n.to_string(), "--stats", "--"])
+                        .arg(&make);
+                    c
+                } else {
+                    let mut c = make_cmd(&t, &make);
+                    c.arg(format!("-j{n}"));
+                    c
+                };
+                let deep = t.path("tmp").join("d".repeat(70)).join("e".repeat(70));
+                if *base == "deep-tmpdir" {
+                    fs::create_dir_all(&deep).unwrap();
+                    cmd.env("TMPDIR", &deep);
+                } else {
+                    cmd.env("XDG_RUNTIME_DIR", "/sys");
+                }
+                cmd.env("JOB_SLEEP", "0.15");
+                let out = run(cmd);
+                let report = text(&out);
+                assert!(out.status.success(), "{what}: {report}");
+                let (done, most) = t.counts();
+                assert_eq!(done, total, "{what}: {report}");
+                assert_eq!(most, n, "{what}: {most} jobs at once\n{report}");
+                if under_run {
+                    let stderr = String::from_utf8_lossy(&out.stderr);
+                    let grants = stat(&stderr, "grants");
+                    let native: u64 = grants.split_whitespace().next().unwrap().parse().unwrap();
+                    assert!(native > 0, "{what}: {report}");
+                    assert_eq!(stat(&stderr, "tokens lost"), "0", "{what}: {report}");
+                    assert!(broker_lines(&t).is_empty(), "{what}: {report}");
+                } else {
+                    let b = only_broker_lost_none(&t, &what);
+                    assert!(figure(&b, "native_grants") > 0, "{what}: {b:?}");
+                }
+                if *base == "deep-tmpdir" {
+                    assert_eq!(fs::read_dir(&deep).unwrap().count(), 0, "{what}");
+                } else {
+                    assert_no_leftovers(&t);
+                }
             }
-            assert_eq!(fs::read_dir(&deep).unwrap().count(), 0, "{what}");
         }
     }
 }

@@ -47,7 +47,7 @@ pub(crate) fn runtime_base() -> PathBuf {
 
 /// `$XDG_RUNTIME_DIR`, `$TMPDIR` and `/tmp`, those set and existing, in
 /// that order.
-fn runtime_bases() -> impl Iterator<Item = PathBuf> {
+pub(crate) fn runtime_bases() -> impl Iterator<Item = PathBuf> {
     ["XDG_RUNTIME_DIR", "TMPDIR"]
         .iter()
         .filter_map(std::env::var_os)
@@ -219,19 +219,32 @@ impl RunDir {
     /// path there would not fit in a socket address (a deep `$TMPDIR`,
     /// say), in the first of `$XDG_RUNTIME_DIR`, `$TMPDIR` and `/tmp` where
     /// it fits: any client on any system can then reach the socket by the
-    /// path it is given.
+    /// path it is given. A base where the directory cannot be made (an
+    /// `$XDG_RUNTIME_DIR` left by `su` for another user, say) is passed
+    /// over for the next; the error is the first base's when none works.
     pub fn create_near(base: &Path) -> io::Result<RunDir> {
         let example = |base: &Path| {
             base.join(format!("herdless-{}-XXXXXX", std::process::id()))
                 .join(SOCKET_NAME)
         };
-        if fits(&example(base)) {
-            return RunDir::create_in(base);
+        let mut bases: Vec<PathBuf> = Vec::new();
+        for b in std::iter::once(base.to_path_buf()).chain(runtime_bases()) {
+            if !bases.contains(&b) {
+                bases.push(b);
+            }
         }
-        match runtime_bases().find(|b| fits(&example(b))) {
-            Some(short) => RunDir::create_in(&short),
-            None => RunDir::create_in(base),
+        // Where the path fits first (a stable sort keeps the order).
+        bases.sort_by_key(|b| !fits(&example(b)));
+        let mut first_error = None;
+        for b in &bases {
+            match RunDir::create_in(b) {
+                Ok(dir) => return Ok(dir),
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                }
+            }
         }
+        Err(first_error.expect("at least the base given"))
     }
 
     /// Makes a fresh private directory in `base`, e.g.
@@ -392,7 +405,10 @@ mod tests {
         // A base where it fits is kept.
         let here = RunDir::create_near(d.dir()).unwrap();
         assert_eq!(here.dir().parent(), Some(d.dir()));
-        drop((near, here));
+        // One where nothing can be made is passed over.
+        let elsewhere = RunDir::create_near(&d.dir().join("gone")).unwrap();
+        assert!(!elsewhere.dir().starts_with(d.dir().join("gone")));
+        drop((near, here, elsewhere));
         fs::remove_dir_all(d.dir().join("d".repeat(80))).unwrap();
     }
 

@@ -98,12 +98,32 @@ pub(crate) fn this_slot_owner() -> Owner {
 }
 
 /// The private directory for slot lock files: `herdless-slots-UID` under
-/// `$XDG_RUNTIME_DIR`, `$TMPDIR` or `/tmp`, mode 0700, owned by this user
-/// (checked by [`open_private_dir`](crate::rundir::open_private_dir)).
+/// `$XDG_RUNTIME_DIR`, `$TMPDIR` or `/tmp`, the first where it can be made
+/// (or is there), mode 0700, owned by this user (checked by
+/// [`open_private_dir`](crate::rundir::open_private_dir)). Every process
+/// of a tree sees the same environment, so they all choose the same one.
+/// The error is the first base's when none works.
 fn slot_dir() -> io::Result<PathBuf> {
     let uid = nix::unistd::geteuid().as_raw();
-    let dir = crate::rundir::runtime_base().join(format!("herdless-slots-{uid}"));
-    match DirBuilder::new().mode(0o700).create(&dir) {
+    let mut first_error = None;
+    for base in crate::rundir::runtime_bases() {
+        match private_slot_dir(&base.join(format!("herdless-slots-{uid}"))) {
+            Ok(dir) => return Ok(dir),
+            Err(e) => {
+                first_error.get_or_insert(e);
+            }
+        }
+    }
+    Err(first_error.unwrap_or_else(|| {
+        io::Error::new(
+            io::ErrorKind::NotFound,
+            "no directory for slot lock files: none of $XDG_RUNTIME_DIR, $TMPDIR and /tmp exists",
+        )
+    }))
+}
+
+fn private_slot_dir(dir: &Path) -> io::Result<PathBuf> {
+    match DirBuilder::new().mode(0o700).create(dir) {
         Ok(()) => {}
         Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
         Err(e) => {
@@ -115,8 +135,8 @@ fn slot_dir() -> io::Result<PathBuf> {
     }
     // Checked through a descriptor: a link or a directory of another
     // user put in its place is refused.
-    crate::rundir::open_private_dir(&dir, "slot directory")?;
-    Ok(dir)
+    crate::rundir::open_private_dir(dir, "slot directory")?;
+    Ok(dir.to_path_buf())
 }
 
 /// A held slot lock. Dropping it unlinks the file, then unlocks it.
