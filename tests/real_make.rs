@@ -694,6 +694,62 @@ fn unusable_temporary_directories_keep_the_tree_on_herdless() {
     }
 }
 
+/// Sub-makes started with standard streams closed (`2>&-`, `<&- >&-`)
+/// that write to stderr as they read their makefiles. The descriptors
+/// herdless opens must not take those numbers: a herdless bmake wrote its
+/// warning into its connection (the broker cut it off as malformed and
+/// took back its token while its jobs ran), and GNU make, stock too, puts
+/// its jobserver FIFO on descriptor 2 and writes its messages into it,
+/// where they count as tokens. At most N, N reached, every job run, no
+/// token taken back from a make and none lost.
+#[test]
+fn sub_makes_with_standard_streams_closed_keep_the_limit() {
+    let makes: [(&str, PathBuf, &str); 2] = [
+        ("gnu", herdless_make(), "$(warning this goes to stderr)"),
+        ("bmake", herdless_bmake(), ".warning this goes to stderr"),
+    ];
+    for (name, make, warning) in makes {
+        let t = Tree::new(&format!("real-make-closed-streams-{name}"));
+        let closings = ["2>&-", "<&- >&-", "<&- >&- 2>&-", "2>&-"];
+        let per = 6;
+        let mut top = String::from("all:");
+        for b in 1..=closings.len() {
+            top += &format!(" branch{b}");
+        }
+        top += "\n";
+        for (b, closing) in closings.iter().enumerate() {
+            let file = format!("sub{}.mk", b + 1);
+            t.flat_makefile(&file, &format!("b{}j", b + 1), per);
+            let mk = fs::read_to_string(t.path(&file)).unwrap();
+            fs::write(t.path(&file), format!("{warning}\n{mk}")).unwrap();
+            top += &format!(
+                "branch{}:\n\t@${{MAKE}} -f {} {closing}\n",
+                b + 1,
+                t.path(&file).display()
+            );
+        }
+        fs::write(t.path("Makefile"), top).unwrap();
+        let n = 4;
+        let mut cmd = make_cmd(&t, &make);
+        cmd.arg(format!("-j{n}"))
+            .env("JOB_SLEEP", "0.15")
+            .env("HERDLESS_LOG", "info");
+        let out = run(cmd);
+        let what = name;
+        let report = text(&out);
+        assert!(out.status.success(), "{what}: {report}");
+        assert!(!report.contains("malformed"), "{what}: {report}");
+        let (done, most) = t.counts();
+        assert_eq!(done, closings.len() * per, "{what}: {report}");
+        assert!(most <= n, "{what}: {most} jobs at once\n{report}");
+        assert_eq!(most, n, "{what}: never {n} jobs at once\n{report}");
+        let b = only_broker_lost_none(&t, what);
+        assert!(figure(&b, "native_grants") > 0, "{what}: {b:?}");
+        assert_eq!(figure(&b, "reclaimed"), 0, "{what}: {b:?}\n{report}");
+        assert_no_leftovers(&t);
+    }
+}
+
 /// A make that starts a group of its own (GNU make given `-j 4` under
 /// `herdless run -j 16`, "-jN forced in submake"; a bmake with `-j 4` and
 /// no job pipe in `MAKEFLAGS`, as from a shell where `herdless serve`

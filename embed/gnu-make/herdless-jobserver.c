@@ -362,6 +362,10 @@ __wrap_jobserver_parse_auth (const char *auth)
       || !*getenv ("HERDLESS_SOCKET"))
     return __real_jobserver_parse_auth (auth);
 
+  /* Before the FIFO is opened: a make started with 2>&- would have it as
+     its stderr, and write its messages into it as tokens (stock make
+     does), or, opened later, the connection to the broker. */
+  (void) herdless_open_standard_fds ();
   /* The classic jobserver still decides whether this make may run jobs in
      parallel at all (a parent that did not mark the recipe as recursive
      hands down -2,-2), and stays open for stock children. */

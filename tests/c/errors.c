@@ -11,6 +11,8 @@
 #include <limits.h>
 #include <string.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "check.h"
@@ -251,6 +253,44 @@ static void short_of_descriptors(void) {
     herdless_client_free(c);
 }
 
+/* Started with stdin and stderr closed, a process connects: the
+ * connection must not take descriptor 0 or 2 (its stderr messages would
+ * go to the broker), which now hold /dev/null. In a child, whose checks
+ * come back as its exit status (its stderr is gone). */
+static int closed_streams_child(void) {
+    struct stat null_st, st;
+    if (close(0) != 0 || close(2) != 0)
+        return 10;
+    herdless_client *c = herdless_client_from_env();
+    if (c == NULL)
+        return 11;
+    if (herdless_fd(c) <= 2)
+        return 12;
+    if (stat("/dev/null", &null_st) != 0)
+        return 13;
+    for (int fd = 0; fd <= 2; fd += 2) {
+        if (fstat(fd, &st) != 0)
+            return 14;
+        if (st.st_rdev != null_st.st_rdev || !S_ISCHR(st.st_mode))
+            return 15;
+    }
+    herdless_client_free(c);
+    return herdless_open_standard_fds() == 0 ? 0 : 16;
+}
+
+static void closed_standard_streams(void) {
+    CHECK_EQ(herdless_open_standard_fds(), 0);
+    fflush(NULL);
+    pid_t pid = fork();
+    REQUIRE(pid >= 0);
+    if (pid == 0)
+        _exit(closed_streams_child());
+    int status;
+    REQUIRE(waitpid(pid, &status, 0) == pid);
+    CHECK(WIFEXITED(status));
+    CHECK_EQ(WEXITSTATUS(status), 0);
+}
+
 int main(int argc, char **argv) {
     (void)argc;
     signatures();
@@ -258,6 +298,7 @@ int main(int argc, char **argv) {
     strerror_always_answers();
     bad_connections(argv[0]);
     short_of_descriptors();
+    closed_standard_streams();
 
     herdless_client *c = herdless_client_from_env();
     REQUIRE(c != NULL);

@@ -260,6 +260,23 @@ herdless_client *herdless_client_native_from_env_as(unsigned int flags);
 int herdless_fds_free(unsigned int n);
 
 /**
+ * Makes sure descriptors 0, 1 and 2 are open, opening `/dev/null` on each
+ * one that is closed, so that no descriptor opened later takes a standard
+ * stream's number: a make started with `2>&-` would otherwise write its
+ * messages into its connection to the broker, or into a jobserver FIFO,
+ * whichever it opened first. Every function here that opens a descriptor
+ * (`herdless_client_from_env`, `herdless_client_native_from_env`,
+ * `herdless_connect_begin`, `herdless_client_connect`,
+ * `herdless_broker_start`) does this first; call it yourself before
+ * opening descriptors of your own ahead of those (GNU make opens its
+ * jobserver FIFO first).
+ *
+ * Returns 0, or a negative errno value (`/dev/null` cannot be opened,
+ * say); nothing is left half done.
+ */
+int herdless_open_standard_fds(void);
+
+/**
  * Begins `herdless_client_native_from_env`: connects to the broker named
  * in `HERDLESS_SOCKET` and sends the hello, without waiting for the
  * broker's answer. A make that begins as it starts (before it reads its

@@ -181,6 +181,7 @@ unsafe fn handle<'a>(c: *const herdless_client) -> Option<&'a herdless_client> {
 #[no_mangle]
 pub extern "C" fn herdless_client_from_env() -> *mut herdless_client {
     into_handle(catch_unwind(|| {
+        standard_fds();
         match own_broker() {
             Some(path) => Client::connect_with(&path, options()),
             None => Client::from_env_with(options()),
@@ -226,6 +227,7 @@ pub extern "C" fn herdless_client_native_from_env() -> *mut herdless_client {
 #[no_mangle]
 pub extern "C" fn herdless_client_native_from_env_as(flags: c_uint) -> *mut herdless_client {
     into_handle(catch_unwind(|| {
+        standard_fds();
         let options = options_as(flags)?;
         match broker_from_env() {
             Some(path) => {
@@ -296,6 +298,34 @@ pub extern "C" fn herdless_fds_free(n: c_uint) -> c_int {
     catch_unwind(|| c_int::from(herdless_platform::descriptors_free(n as usize))).unwrap_or(1)
 }
 
+/// Makes sure descriptors 0, 1 and 2 are open, opening `/dev/null` on each
+/// one that is closed, so that no descriptor opened later takes a standard
+/// stream's number: a make started with `2>&-` would otherwise write its
+/// messages into its connection to the broker, or into a jobserver FIFO,
+/// whichever it opened first. Every function here that opens a descriptor
+/// (`herdless_client_from_env`, `herdless_client_native_from_env`,
+/// `herdless_connect_begin`, `herdless_client_connect`,
+/// `herdless_broker_start`) does this first; call it yourself before
+/// opening descriptors of your own ahead of those (GNU make opens its
+/// jobserver FIFO first).
+///
+/// Returns 0, or a negative errno value (`/dev/null` cannot be opened,
+/// say); nothing is left half done.
+#[no_mangle]
+pub extern "C" fn herdless_open_standard_fds() -> c_int {
+    catch_unwind(|| match herdless_platform::open_standard_fds() {
+        Ok(()) => 0,
+        Err(e) => -e.raw_os_error().unwrap_or(libc::EIO),
+    })
+    .unwrap_or(PANICKED)
+}
+
+/// Before a call that opens descriptors: see `herdless_open_standard_fds`
+/// (a failure leaves the streams as they were, as without it).
+fn standard_fds() {
+    let _ = herdless_platform::open_standard_fds();
+}
+
 /// A connection to a broker begun by `herdless_connect_begin`: the hello
 /// is sent, the broker's answer not read yet. Opaque: ended by
 /// `herdless_connect_finish` or `herdless_connect_abandon`.
@@ -333,6 +363,7 @@ pub extern "C" fn herdless_connect_begin() -> *mut herdless_connecting {
 #[no_mangle]
 pub extern "C" fn herdless_connect_begin_as(flags: c_uint) -> *mut herdless_connecting {
     let made = catch_unwind(|| {
+        standard_fds();
         let options = options_as(flags)?;
         match broker_from_env() {
             Some(path) => {
@@ -444,6 +475,7 @@ pub unsafe extern "C" fn herdless_client_connect(
         if path.is_empty() {
             return Err(libc::EINVAL);
         }
+        standard_fds();
         Client::connect_with(path, options()).map_err(|e| e.errno())
     }))
 }
@@ -1123,7 +1155,10 @@ pub unsafe extern "C" fn herdless_broker_start(
         let dir = unsafe { CStr::from_ptr(parent_dir) };
         Some(std::path::PathBuf::from(OsStr::from_bytes(dir.to_bytes())))
     };
-    let made = catch_unwind(|| start_broker(jobs, flags, parent.as_deref()));
+    let made = catch_unwind(|| {
+        standard_fds();
+        start_broker(jobs, flags, parent.as_deref())
+    });
     match made {
         Ok(Ok(b)) => Box::into_raw(Box::new(b)),
         Ok(Err(errno)) => {

@@ -38,15 +38,7 @@ pub struct RunDir {
 pub const SOCKET_NAME: &str = "broker.sock";
 
 /// Where this user's private directories go: `$XDG_RUNTIME_DIR`, `$TMPDIR`
-/// or `/tmp`, the first that is set and exists.
-pub(crate) fn runtime_base() -> PathBuf {
-    runtime_bases()
-        .next()
-        .unwrap_or_else(|| PathBuf::from("/tmp"))
-}
-
-/// `$XDG_RUNTIME_DIR`, `$TMPDIR` and `/tmp`, those set and existing, in
-/// that order.
+/// and `/tmp`, those set and existing, in that order.
 pub(crate) fn runtime_bases() -> impl Iterator<Item = PathBuf> {
     ["XDG_RUNTIME_DIR", "TMPDIR"]
         .iter()
@@ -141,6 +133,13 @@ fn fits(path: &Path) -> bool {
     path_len(path) <= SOCKET_PATH_MAX
 }
 
+/// The socket's path in a directory [`RunDir::create_in`] would make in
+/// `base`, for its length.
+fn example_socket(base: &Path) -> PathBuf {
+    base.join(format!("herdless-{}-XXXXXX", std::process::id()))
+        .join(SOCKET_NAME)
+}
+
 /// What [`RunDir`] calls its directory in errors.
 const SOCKET_DIR: &str = "socket directory";
 
@@ -209,32 +208,36 @@ pub(crate) fn open_private_dir(dir: &Path, what: &str) -> io::Result<File> {
 
 impl RunDir {
     /// Makes a fresh private directory under `$XDG_RUNTIME_DIR`, `$TMPDIR`
-    /// or `/tmp` (the first that is set and exists), e.g.
-    /// `/tmp/herdless-1234-Ab12Cd/broker.sock`; see [`RunDir::create_near`].
+    /// or `/tmp`: the first that is set, exists, lets it make the directory
+    /// and leaves the socket's path short enough for a socket address (a
+    /// deep `$TMPDIR`, or an `$XDG_RUNTIME_DIR` left by `su` for another
+    /// user, is passed over), e.g. `/tmp/herdless-1234-Ab12Cd/broker.sock`.
+    /// The error is the first base's when none works.
     pub fn create() -> io::Result<RunDir> {
-        RunDir::create_near(&runtime_base())
+        RunDir::create_first(runtime_bases().collect())
     }
 
     /// Makes a fresh private directory in `base`, or, when the socket's
     /// path there would not fit in a socket address (a deep `$TMPDIR`,
     /// say), in the first of `$XDG_RUNTIME_DIR`, `$TMPDIR` and `/tmp` where
-    /// it fits: any client on any system can then reach the socket by the
-    /// path it is given. A base where the directory cannot be made (an
-    /// `$XDG_RUNTIME_DIR` left by `su` for another user, say) is passed
-    /// over for the next; the error is the first base's when none works.
+    /// it fits and can be made, and in `base` if none: any client on any
+    /// system can then reach the socket by the path it is given. A `base`
+    /// where the directory cannot be made is an error, as the caller chose
+    /// it.
     pub fn create_near(base: &Path) -> io::Result<RunDir> {
-        let example = |base: &Path| {
-            base.join(format!("herdless-{}-XXXXXX", std::process::id()))
-                .join(SOCKET_NAME)
-        };
-        let mut bases: Vec<PathBuf> = Vec::new();
-        for b in std::iter::once(base.to_path_buf()).chain(runtime_bases()) {
-            if !bases.contains(&b) {
-                bases.push(b);
-            }
+        if fits(&example_socket(base)) {
+            return RunDir::create_in(base);
         }
-        // Where the path fits first (a stable sort keeps the order).
-        bases.sort_by_key(|b| !fits(&example(b)));
+        let mut bases: Vec<PathBuf> = runtime_bases().collect();
+        bases.push(base.to_path_buf());
+        RunDir::create_first(bases)
+    }
+
+    /// Makes the directory in the first of `bases` that works, those where
+    /// the socket's path fits first (otherwise in order); the error is the
+    /// first one's when none works.
+    fn create_first(mut bases: Vec<PathBuf>) -> io::Result<RunDir> {
+        bases.sort_by_key(|b| !fits(&example_socket(b)));
         let mut first_error = None;
         for b in &bases {
             match RunDir::create_in(b) {
@@ -244,7 +247,12 @@ impl RunDir {
                 }
             }
         }
-        Err(first_error.expect("at least the base given"))
+        Err(first_error.unwrap_or_else(|| {
+            io::Error::new(
+                io::ErrorKind::NotFound,
+                "none of $XDG_RUNTIME_DIR, $TMPDIR and /tmp is a directory",
+            )
+        }))
     }
 
     /// Makes a fresh private directory in `base`, e.g.
@@ -405,10 +413,14 @@ mod tests {
         // A base where it fits is kept.
         let here = RunDir::create_near(d.dir()).unwrap();
         assert_eq!(here.dir().parent(), Some(d.dir()));
-        // One where nothing can be made is passed over.
-        let elsewhere = RunDir::create_near(&d.dir().join("gone")).unwrap();
-        assert!(!elsewhere.dir().starts_with(d.dir().join("gone")));
-        drop((near, here, elsewhere));
+        // One where nothing can be made is the caller's error.
+        let gone = RunDir::create_near(&d.dir().join("gone")).unwrap_err();
+        assert_eq!(gone.kind(), io::ErrorKind::NotFound, "{gone}");
+        // Among the defaults, one where nothing can be made is passed
+        // over for the next.
+        let next = RunDir::create_first(vec![d.dir().join("gone"), d.dir().to_path_buf()]).unwrap();
+        assert_eq!(next.dir().parent(), Some(d.dir()));
+        drop((near, here, next));
         fs::remove_dir_all(d.dir().join("d".repeat(80))).unwrap();
     }
 

@@ -87,8 +87,8 @@ pub use clock::monotonic;
 pub use cred::{peer_cred, PeerCred};
 pub use kernel::{kernel, parse_release, Kernel};
 pub use nofile::{
-    child_nofile_limit, descriptors_free, descriptors_free_by_opening, raise_nofile_limit,
-    DescriptorCount, NofileLimit,
+    child_nofile_limit, descriptors_free, descriptors_free_by_opening, open_standard_fds,
+    raise_nofile_limit, DescriptorCount, NofileLimit,
 };
 pub use pipe::{
     access_mode, bytes_readable, fd_access_mode, fd_path, fifo_identity, is_nonblocking,

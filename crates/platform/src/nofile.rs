@@ -286,3 +286,43 @@ pub fn descriptors_free_by_opening(n: usize) -> bool {
     }
     true
 }
+
+/// Makes sure descriptors 0, 1 and 2 are open: each one that is closed is
+/// opened on `/dev/null` (read and write, kept across `exec`), so that a
+/// descriptor opened later (a socket, a FIFO, a directory) never takes a
+/// standard stream's number and receives what the program writes to
+/// stderr, or hands it what the program reads. A program started with
+/// `2>&-` would otherwise write its messages into whatever it opened
+/// first. Errors other than the descriptor being closed are returned,
+/// and so is a failure to open `/dev/null` (a chroot without it).
+pub fn open_standard_fds() -> io::Result<()> {
+    for fd in 0..=2 {
+        loop {
+            // SAFETY: F_GETFD only reads the flags of descriptor `fd`; an
+            // unused number gives EBADF.
+            if unsafe { libc::fcntl(fd, libc::F_GETFD) } != -1 {
+                break;
+            }
+            let e = io::Error::last_os_error();
+            if e.raw_os_error() != Some(libc::EBADF) {
+                return Err(e);
+            }
+            // SAFETY: a NUL-terminated path; `open` returns a new
+            // descriptor, the lowest free one, or -1.
+            let got = unsafe { libc::open(c"/dev/null".as_ptr(), libc::O_RDWR) };
+            if got == -1 {
+                return Err(io::Error::last_os_error());
+            }
+            if got > 2 {
+                // Another thread took the number meanwhile: its own now.
+                // SAFETY: `got` was opened just above and nothing else
+                // knows it.
+                unsafe { libc::close(got) };
+                break;
+            }
+            // `got` is `fd`, or a lower standard one closed meanwhile (kept:
+            // it is a standard stream too); look at `fd` again.
+        }
+    }
+    Ok(())
+}
