@@ -2215,22 +2215,32 @@ fn a_top_make_short_of_descriptors_runs_where_a_stock_one_does() {
         // At its lowest limit a stock make passes or not as its jobs'
         // timing decides how many pipes are open at once: the limit taken
         // is the lowest at which it passes three times running.
+        let stock_runs = |n: u32| {
+            (0..3).all(|_| {
+                thirty_sub_makes(&format!("{name}-stock"), &stock, n, bmake)
+                    .1
+                    .status
+                    .success()
+            })
+        };
         let least = (24..=128)
             .step_by(8)
-            .find(|&n| {
-                (0..3).all(|_| {
-                    thirty_sub_makes(&format!("{name}-stock"), &stock, n, bmake)
-                        .1
-                        .status
-                        .success()
-                })
-            })
+            .find(|&n| stock_runs(n))
             .unwrap_or_else(|| panic!("stock {name} never ran 30 sub-makes under ulimit -n 128"));
         eprintln!("stock {name}: 30 sub-makes at -j16 run under ulimit -n {least}");
         let mut mixed = false;
         for limit in (least..=least + 96).step_by(16) {
             let (t, out) = thirty_sub_makes(name, &make, limit, bmake);
             let report = text(&out);
+            if !out.status.success() && limit == least && !stock_runs(limit) {
+                // The lowest limit is where the jobs' timing decides for
+                // the stock make too (under load, Debian's bmake failed 7
+                // of 8 runs at the limit where it had just passed 3 of 3):
+                // a failure counts only where the stock make, asked again
+                // now, runs three times running.
+                eprintln!("{name} at {limit}: failed, and so did the stock make asked again");
+                continue;
+            }
             assert!(out.status.success(), "{name} at {limit}: {report}");
             let (done, most) = t.counts();
             assert_eq!(done, 120, "{name} at {limit}: {report}");
