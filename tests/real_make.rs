@@ -694,6 +694,80 @@ fn unusable_temporary_directories_keep_the_tree_on_herdless() {
     }
 }
 
+/// A relative `TMPDIR`, and sub-makes that change directory first (`cd
+/// dN && $(MAKE)`): the socket and the classic FIFO are named by absolute
+/// paths, so every sub-make reaches them, herdless and stock GNU make
+/// alike. Stock GNU make 4.4.1 names its FIFO as `TMPDIR` gives it, and
+/// its sub-makes there run one job at a time ("cannot open jobserver").
+/// At most N, N reached, native grants, nothing lost.
+#[test]
+fn a_relative_tmpdir_reaches_sub_makes_that_change_directory() {
+    let stock = stock_make();
+    let cases: [(&str, PathBuf, bool); 3] = [
+        ("gnu", herdless_make(), false),
+        ("bmake", herdless_bmake(), false),
+        ("gnu-run", herdless_make(), true),
+    ];
+    for (name, make, under_run) in cases {
+        let t = Tree::new(&format!("real-make-relative-tmp-{name}"));
+        let per = 6;
+        let branches = 4;
+        let mut top = String::from("all:");
+        for b in 1..=branches {
+            top += &format!(" branch{b}");
+        }
+        top += "\n";
+        for b in 1..=branches {
+            let file = format!("sub{b}.mk");
+            t.flat_makefile(&file, &format!("b{b}j"), per);
+            fs::create_dir_all(t.path(&format!("d{b}"))).unwrap();
+            let path = t.path(&file);
+            let p = path.display();
+            top += &match (name.starts_with("gnu"), b) {
+                (true, 4) => format!("branch{b}:\n\t+@cd d{b} && {} -f {p}\n", stock.display()),
+                (true, _) => format!("branch{b}:\n\t+@cd d{b} && $(MAKE) -f {p}\n"),
+                (false, _) => format!("branch{b}:\n\t@cd d{b} && ${{MAKE}} -f {p}\n"),
+            };
+        }
+        fs::write(t.path("Makefile"), top).unwrap();
+        fs::create_dir_all(t.path("reltmp")).unwrap();
+        let n = 4;
+        let mut cmd = if under_run {
+            let mut c = make_cmd(&t, Path::new(BIN));
+            c.args(["run", "-j", &n.to_string(), "--stats", "--"])
+                .arg(&make);
+            c
+        } else {
+            let mut c = make_cmd(&t, &make);
+            c.arg(format!("-j{n}"));
+            c
+        };
+        cmd.env("TMPDIR", "reltmp").env("JOB_SLEEP", "0.15");
+        let out = run(cmd);
+        let report = text(&out);
+        assert!(out.status.success(), "{name}: {report}");
+        assert!(
+            !report.contains("cannot open jobserver"),
+            "{name}: {report}"
+        );
+        let (done, most) = t.counts();
+        assert_eq!(done, branches * per, "{name}: {report}");
+        assert!(most <= n, "{name}: {most} jobs at once\n{report}");
+        assert_eq!(most, n, "{name}: never {n} jobs at once\n{report}");
+        if under_run {
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            let grants = stat(&stderr, "grants");
+            let native: u64 = grants.split_whitespace().next().unwrap().parse().unwrap();
+            assert!(native > 0, "{name}: {report}");
+            assert_eq!(stat(&stderr, "tokens lost"), "0", "{name}: {report}");
+        } else {
+            let b = only_broker_lost_none(&t, name);
+            assert!(figure(&b, "native_grants") > 0, "{name}: {b:?}");
+        }
+        assert_eq!(fs::read_dir(t.path("reltmp")).unwrap().count(), 0, "{name}");
+    }
+}
+
 /// Sub-makes started with standard streams closed (`2>&-`, `<&- >&-`)
 /// that write to stderr as they read their makefiles. The descriptors
 /// herdless opens must not take those numbers: a herdless bmake wrote its

@@ -257,7 +257,11 @@ impl RunDir {
 
     /// Makes a fresh private directory in `base`, e.g.
     /// `BASE/herdless-1234-Ab12Cd/broker.sock`.
+    /// A relative `base` is taken from the current directory, and the
+    /// paths kept are absolute: the processes that are given them may
+    /// change directory (a sub-make run as `cd sub && $(MAKE)`).
     pub fn create_in(base: &Path) -> io::Result<RunDir> {
+        let base = std::path::absolute(base)?;
         let template = base.join(format!("herdless-{}-XXXXXX", std::process::id()));
         // mkdtemp creates the directory with mode 0700.
         let dir = nix::unistd::mkdtemp(&template).map_err(|e| {
@@ -292,7 +296,11 @@ impl RunDir {
     /// symbolic link to one, belong to this user and let no one else in (no
     /// group or other permission bits), otherwise this fails with
     /// `PermissionDenied` and says why.
+    ///
+    /// A relative `socket` is taken from the current directory, and kept
+    /// as an absolute path (see [`RunDir::create_in`]).
     pub fn at(socket: &Path) -> io::Result<RunDir> {
+        let socket = &std::path::absolute(socket)?;
         let dir = match socket.parent() {
             Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
             _ => PathBuf::from("."),
