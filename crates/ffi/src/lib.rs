@@ -1231,12 +1231,11 @@ fn start_broker(
         id = classic_env_value(bridge.id());
         broker = broker.with_bridge(bridge).map_err(|e| io_errno(&e))?;
     }
-    // Children may change directory: the socket, the FIFO and the
-    // directory are named by absolute paths even when `parent_dir` is
-    // relative (`RunDir`), where stock GNU make's FIFO keeps a relative
-    // TMPDIR's form, and its sub-makes run as `cd sub && $(MAKE)` cannot
-    // open it.
-    let socket = dir.socket().to_path_buf();
+    // Children may change directory: the variable names the socket by an
+    // absolute path even when `parent_dir` is relative (the FIFO keeps the
+    // caller's form, as a make's own FIFO would: GNU make's test suite
+    // checks that form).
+    let socket = std::path::absolute(dir.socket()).map_err(|e| io_errno(&e))?;
     let socket = CString::new(socket.into_os_string().into_vec()).map_err(|_| libc::EINVAL)?;
     let dir_path = CString::new(dir.dir().as_os_str().as_bytes()).map_err(|_| libc::EINVAL)?;
     // Everything the broker and its bridge made is there now; nothing is

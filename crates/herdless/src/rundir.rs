@@ -38,7 +38,10 @@ pub struct RunDir {
 pub const SOCKET_NAME: &str = "broker.sock";
 
 /// Where this user's private directories go: `$XDG_RUNTIME_DIR`, `$TMPDIR`
-/// and `/tmp`, those set and existing, in that order.
+/// and `/tmp`, those set and existing, in that order, as absolute paths (a
+/// relative one is taken from the current directory): the processes given
+/// the paths made there may change directory (a sub-make run as `cd sub &&
+/// $(MAKE)`).
 pub(crate) fn runtime_bases() -> impl Iterator<Item = PathBuf> {
     ["XDG_RUNTIME_DIR", "TMPDIR"]
         .iter()
@@ -46,6 +49,7 @@ pub(crate) fn runtime_bases() -> impl Iterator<Item = PathBuf> {
         .map(PathBuf::from)
         .chain(std::iter::once(PathBuf::from("/tmp")))
         .filter(|p| p.is_dir())
+        .filter_map(|p| std::path::absolute(p).ok())
 }
 
 /// The most bytes a socket's path may have: `sockaddr_un`'s `sun_path`
@@ -257,11 +261,9 @@ impl RunDir {
 
     /// Makes a fresh private directory in `base`, e.g.
     /// `BASE/herdless-1234-Ab12Cd/broker.sock`.
-    /// A relative `base` is taken from the current directory, and the
-    /// paths kept are absolute: the processes that are given them may
-    /// change directory (a sub-make run as `cd sub && $(MAKE)`).
+    /// The paths kept have `base`'s form, relative if it is (a make's own
+    /// FIFO keeps the form of its `TMPDIR`, as stock GNU make's does).
     pub fn create_in(base: &Path) -> io::Result<RunDir> {
-        let base = std::path::absolute(base)?;
         let template = base.join(format!("herdless-{}-XXXXXX", std::process::id()));
         // mkdtemp creates the directory with mode 0700.
         let dir = nix::unistd::mkdtemp(&template).map_err(|e| {
