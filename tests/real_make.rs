@@ -624,6 +624,48 @@ fn herdless_makes_are_native_clients_of_herdless_run() {
     }
 }
 
+/// `make -jN` alone (its own broker), or under `herdless run -j N`
+/// (`--stats` when `stats`).
+fn make_or_run(
+    t: &Tree,
+    make: &Path,
+    n: impl std::fmt::Display,
+    under_run: bool,
+    stats: bool,
+) -> Command {
+    if under_run {
+        let mut c = make_cmd(t, Path::new(BIN));
+        c.args(["run", "-j", &n.to_string()]);
+        if stats {
+            c.arg("--stats");
+        }
+        c.arg("--").arg(make);
+        c
+    } else {
+        let mut c = make_cmd(t, make);
+        c.arg(format!("-j{n}"));
+        c
+    }
+}
+
+/// The tree of [`make_or_run`] ran on herdless: native grants, and no
+/// token lost, by `run`'s `--stats` or by the one broker the top make
+/// started.
+fn assert_on_herdless(t: &Tree, out: &Output, under_run: bool, what: &str) {
+    let report = text(out);
+    if under_run {
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let grants = stat(&stderr, "grants");
+        let native: u64 = grants.split_whitespace().next().unwrap().parse().unwrap();
+        assert!(native > 0, "{what}: {report}");
+        assert_eq!(stat(&stderr, "tokens lost"), "0", "{what}: {report}");
+        assert!(broker_lines(t).is_empty(), "{what}: {report}");
+    } else {
+        let b = only_broker_lost_none(t, what);
+        assert!(figure(&b, "native_grants") > 0, "{what}: {b:?}");
+    }
+}
+
 /// Temporary directories a broker cannot use as they are: a `TMPDIR` too
 /// deep for a socket's path (a socket address holds 107 bytes on Linux),
 /// and on Linux an `XDG_RUNTIME_DIR` where nothing can be made (`/sys`, as
@@ -649,16 +691,7 @@ fn unusable_temporary_directories_keep_the_tree_on_herdless() {
                 let t = Tree::new(&format!("real-make-{base}-{name}-{under_run}"));
                 let total = build(&t, 6);
                 let n = 4;
-                let mut cmd = if under_run {
-                    let mut c = make_cmd(&t, Path::new(BIN));
-                    c.args(["run", "-j", &n.to_string(), "--stats", "--"])
-                        .arg(&make);
-                    c
-                } else {
-                    let mut c = make_cmd(&t, &make);
-                    c.arg(format!("-j{n}"));
-                    c
-                };
+                let mut cmd = make_or_run(&t, &make, n, under_run, true);
                 let deep = t.path("tmp").join("d".repeat(70)).join("e".repeat(70));
                 if *base == "deep-tmpdir" {
                     fs::create_dir_all(&deep).unwrap();
@@ -673,17 +706,7 @@ fn unusable_temporary_directories_keep_the_tree_on_herdless() {
                 let (done, most) = t.counts();
                 assert_eq!(done, total, "{what}: {report}");
                 assert_eq!(most, n, "{what}: {most} jobs at once\n{report}");
-                if under_run {
-                    let stderr = String::from_utf8_lossy(&out.stderr);
-                    let grants = stat(&stderr, "grants");
-                    let native: u64 = grants.split_whitespace().next().unwrap().parse().unwrap();
-                    assert!(native > 0, "{what}: {report}");
-                    assert_eq!(stat(&stderr, "tokens lost"), "0", "{what}: {report}");
-                    assert!(broker_lines(&t).is_empty(), "{what}: {report}");
-                } else {
-                    let b = only_broker_lost_none(&t, &what);
-                    assert!(figure(&b, "native_grants") > 0, "{what}: {b:?}");
-                }
+                assert_on_herdless(&t, &out, under_run, &what);
                 if *base == "deep-tmpdir" {
                     assert_eq!(fs::read_dir(&deep).unwrap().count(), 0, "{what}");
                 } else {
@@ -733,16 +756,7 @@ fn a_relative_tmpdir_reaches_sub_makes_that_change_directory() {
         fs::write(t.path("Makefile"), top).unwrap();
         fs::create_dir_all(t.path("reltmp")).unwrap();
         let n = 4;
-        let mut cmd = if under_run {
-            let mut c = make_cmd(&t, Path::new(BIN));
-            c.args(["run", "-j", &n.to_string(), "--stats", "--"])
-                .arg(&make);
-            c
-        } else {
-            let mut c = make_cmd(&t, &make);
-            c.arg(format!("-j{n}"));
-            c
-        };
+        let mut cmd = make_or_run(&t, &make, n, under_run, true);
         cmd.env("TMPDIR", "reltmp").env("JOB_SLEEP", "0.15");
         let out = run(cmd);
         let report = text(&out);
@@ -755,16 +769,7 @@ fn a_relative_tmpdir_reaches_sub_makes_that_change_directory() {
         assert_eq!(done, branches * per, "{name}: {report}");
         assert!(most <= n, "{name}: {most} jobs at once\n{report}");
         assert_eq!(most, n, "{name}: never {n} jobs at once\n{report}");
-        if under_run {
-            let stderr = String::from_utf8_lossy(&out.stderr);
-            let grants = stat(&stderr, "grants");
-            let native: u64 = grants.split_whitespace().next().unwrap().parse().unwrap();
-            assert!(native > 0, "{name}: {report}");
-            assert_eq!(stat(&stderr, "tokens lost"), "0", "{name}: {report}");
-        } else {
-            let b = only_broker_lost_none(&t, name);
-            assert!(figure(&b, "native_grants") > 0, "{name}: {b:?}");
-        }
+        assert_on_herdless(&t, &out, under_run, name);
         assert_eq!(fs::read_dir(t.path("reltmp")).unwrap().count(), 0, "{name}");
     }
 }
@@ -2872,15 +2877,7 @@ fn random_trees_of_makes_keep_the_limit() {
         } else {
             herdless_bmake()
         };
-        let mut cmd = if under_run {
-            let mut c = make_cmd(&t, Path::new(BIN));
-            c.args(["run", "-j", &n.to_string(), "--"]).arg(&make);
-            c
-        } else {
-            let mut c = make_cmd(&t, &make);
-            c.arg(format!("-j{n}"));
-            c
-        };
+        let mut cmd = make_or_run(&t, &make, n, under_run, false);
         cmd.arg("-f").arg(t.path("top.mk")).env("JOB_SLEEP", "0.05");
         let out = run(cmd);
         let what = format!(

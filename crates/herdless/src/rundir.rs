@@ -52,6 +52,29 @@ pub(crate) fn runtime_bases() -> impl Iterator<Item = PathBuf> {
         .filter_map(|p| std::path::absolute(p).ok())
 }
 
+/// What `make` gives for the first of `bases` where it succeeds; the first
+/// error when it succeeds nowhere.
+pub(crate) fn first_that_works<T>(
+    bases: impl IntoIterator<Item = PathBuf>,
+    mut make: impl FnMut(&Path) -> io::Result<T>,
+) -> io::Result<T> {
+    let mut first_error = None;
+    for base in bases {
+        match make(&base) {
+            Ok(made) => return Ok(made),
+            Err(e) => {
+                first_error.get_or_insert(e);
+            }
+        }
+    }
+    Err(first_error.unwrap_or_else(|| {
+        io::Error::new(
+            io::ErrorKind::NotFound,
+            "none of $XDG_RUNTIME_DIR, $TMPDIR and /tmp is a directory",
+        )
+    }))
+}
+
 /// The most bytes a socket's path may have: `sockaddr_un`'s `sun_path`
 /// less its terminating NUL (107 on Linux, 103 on the BSDs and macOS).
 pub const SOCKET_PATH_MAX: usize = std::mem::size_of::<libc::sockaddr_un>()
@@ -242,21 +265,7 @@ impl RunDir {
     /// first one's when none works.
     fn create_first(mut bases: Vec<PathBuf>) -> io::Result<RunDir> {
         bases.sort_by_key(|b| !fits(&example_socket(b)));
-        let mut first_error = None;
-        for b in &bases {
-            match RunDir::create_in(b) {
-                Ok(dir) => return Ok(dir),
-                Err(e) => {
-                    first_error.get_or_insert(e);
-                }
-            }
-        }
-        Err(first_error.unwrap_or_else(|| {
-            io::Error::new(
-                io::ErrorKind::NotFound,
-                "none of $XDG_RUNTIME_DIR, $TMPDIR and /tmp is a directory",
-            )
-        }))
+        first_that_works(bases, |b| RunDir::create_in(b))
     }
 
     /// Makes a fresh private directory in `base`, e.g.

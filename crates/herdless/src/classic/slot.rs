@@ -105,21 +105,9 @@ pub(crate) fn this_slot_owner() -> Owner {
 /// The error is the first base's when none works.
 fn slot_dir() -> io::Result<PathBuf> {
     let uid = nix::unistd::geteuid().as_raw();
-    let mut first_error = None;
-    for base in crate::rundir::runtime_bases() {
-        match private_slot_dir(&base.join(format!("herdless-slots-{uid}"))) {
-            Ok(dir) => return Ok(dir),
-            Err(e) => {
-                first_error.get_or_insert(e);
-            }
-        }
-    }
-    Err(first_error.unwrap_or_else(|| {
-        io::Error::new(
-            io::ErrorKind::NotFound,
-            "no directory for slot lock files: none of $XDG_RUNTIME_DIR, $TMPDIR and /tmp exists",
-        )
-    }))
+    crate::rundir::first_that_works(crate::rundir::runtime_bases(), |base| {
+        private_slot_dir(&base.join(format!("herdless-slots-{uid}")))
+    })
 }
 
 fn private_slot_dir(dir: &Path) -> io::Result<PathBuf> {
