@@ -265,7 +265,7 @@ impl RunDir {
     /// first one's when none works.
     fn create_first(mut bases: Vec<PathBuf>) -> io::Result<RunDir> {
         bases.sort_by_key(|b| !fits(&example_socket(b)));
-        first_that_works(bases, |b| RunDir::create_in(b))
+        first_that_works(bases, RunDir::create_in)
     }
 
     /// Makes a fresh private directory in `base`, e.g.
