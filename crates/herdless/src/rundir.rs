@@ -94,35 +94,41 @@ fn reachable(path: &Path) -> io::Result<(PathBuf, Option<File>)> {
     if path_len(path) <= SOCKET_PATH_MAX {
         return Ok((path.to_path_buf(), None));
     }
-    let too_long = || {
-        io::Error::new(
-            io::ErrorKind::InvalidInput,
-            format!(
-                "socket path {} is {} bytes; a socket address holds at most {SOCKET_PATH_MAX} \
-                 (set TMPDIR, or the socket's path, to a shorter one)",
-                path.display(),
-                path_len(path)
-            ),
-        )
-    };
-    if !cfg!(target_os = "linux") {
-        return Err(too_long());
+    #[cfg(target_os = "linux")]
+    if let Some((short, dir)) = through_proc_fd(path)? {
+        return Ok((short, Some(dir)));
     }
+    Err(io::Error::new(
+        io::ErrorKind::InvalidInput,
+        format!(
+            "socket path {} is {} bytes; a socket address holds at most {SOCKET_PATH_MAX} \
+             (set TMPDIR, or the socket's path, to a shorter one)",
+            path.display(),
+            path_len(path)
+        ),
+    ))
+}
+
+/// `/proc/self/fd/N/NAME` for `path`, N an `O_PATH` descriptor of its
+/// directory, returned with it; `None` when that is still too long (a
+/// long NAME) or `/proc` is not mounted.
+#[cfg(target_os = "linux")]
+fn through_proc_fd(path: &Path) -> io::Result<Option<(PathBuf, File)>> {
     let (Some(dir), Some(name)) = (path.parent(), path.file_name()) else {
-        return Err(too_long());
+        return Ok(None);
     };
     let dir = if dir.as_os_str().is_empty() {
         Path::new(".")
     } else {
         dir
     };
-    #[cfg(target_os = "linux")]
-    let flags = libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC;
-    #[cfg(not(target_os = "linux"))]
-    let flags = libc::O_DIRECTORY | libc::O_CLOEXEC;
+    let proc_fd = Path::new("/proc/self/fd");
+    if path_len(&proc_fd.join("2147483647").join(name)) > SOCKET_PATH_MAX || !proc_fd.is_dir() {
+        return Ok(None);
+    }
     let handle = fs::OpenOptions::new()
         .read(true)
-        .custom_flags(flags)
+        .custom_flags(libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC)
         .open(dir)
         .map_err(|e| {
             io::Error::new(
@@ -134,13 +140,10 @@ fn reachable(path: &Path) -> io::Result<(PathBuf, Option<File>)> {
                 ),
             )
         })?;
-    let short = Path::new("/proc/self/fd")
+    let short = proc_fd
         .join(std::os::fd::AsRawFd::as_raw_fd(&handle).to_string())
         .join(name);
-    if path_len(&short) > SOCKET_PATH_MAX || !Path::new("/proc/self/fd").is_dir() {
-        return Err(too_long());
-    }
-    Ok((short, Some(handle)))
+    Ok(Some((short, handle)))
 }
 
 /// Connects to the socket at `path`, however long (see [`reachable`]).
@@ -270,6 +273,7 @@ impl RunDir {
 
     /// Makes a fresh private directory in `base`, e.g.
     /// `BASE/herdless-1234-Ab12Cd/broker.sock`.
+    ///
     /// The paths kept have `base`'s form, relative if it is (a make's own
     /// FIFO keeps the form of its `TMPDIR`, as stock GNU make's does).
     pub fn create_in(base: &Path) -> io::Result<RunDir> {
