@@ -774,6 +774,60 @@ fn a_relative_tmpdir_reaches_sub_makes_that_change_directory() {
     }
 }
 
+/// GNU make's flags reach a bmake below `herdless run`: GNU make writes
+/// them as a first `MAKEFLAGS` word without a dash (`k`), which bmake took
+/// for a target ("don't know how to make k"); `run` writes them for a
+/// bmake as `-k`, keeping only the letters bmake reads the same way. With
+/// `-k` a failing job leaves the others to run, in Debian's bmake and the
+/// herdless one; without it the bmake stops.
+#[test]
+fn gnu_make_s_flags_reach_a_bmake_below_herdless_run() {
+    for bmake in [PathBuf::from("/usr/bin/bmake"), herdless_bmake()] {
+        for keep_going in [true, false] {
+            let what = format!("{}, -k: {keep_going}", bmake.display());
+            let t = Tree::new("real-make-gnu-flags-to-bmake");
+            let d = t.dir.display();
+            fs::write(
+                t.path("sub.mk"),
+                format!(
+                    "all: bad good1 good2\nbad:\n\t@false\n\
+                     good1 good2:\n\t@sleep 0.3; touch {d}/$@\n"
+                ),
+            )
+            .unwrap();
+            fs::write(
+                t.path("Makefile"),
+                format!(
+                    "all:\n\t+@{BIN} run -j 2 -- {} -f {d}/sub.mk\n",
+                    bmake.display()
+                ),
+            )
+            .unwrap();
+            let mut cmd = make_cmd(&t, &herdless_make());
+            cmd.arg("-j2");
+            if keep_going {
+                cmd.arg("-k");
+            }
+            let out = run(cmd);
+            let report = text(&out);
+            assert!(!out.status.success(), "{what}: {report}");
+            assert!(
+                !report.contains("don't know how to make"),
+                "{what}: {report}"
+            );
+            let ran = ["good1", "good2"]
+                .iter()
+                .filter(|g| t.path(g).exists())
+                .count();
+            if keep_going {
+                assert_eq!(ran, 2, "{what}: {report}");
+            } else {
+                assert!(ran < 2, "{what}: {report}");
+            }
+        }
+    }
+}
+
 /// Sub-makes started with standard streams closed (`2>&-`, `<&- >&-`)
 /// that write to stderr as they read their makefiles. The descriptors
 /// herdless opens must not take those numbers: a herdless bmake wrote its

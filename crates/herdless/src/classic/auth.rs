@@ -315,6 +315,10 @@ impl Jobserver {
             Some(i) => (words[..i].join(" "), Some(words[i..].join(" "))),
             None => (kept.clone(), None),
         };
+        let options = match self.flavor {
+            Flavor::Bmake => gnu_flag_word_for_bmake(&options),
+            Flavor::Gnu => options,
+        };
         let mut words: Vec<String> = Vec::new();
         if !options.is_empty() {
             words.push(options);
@@ -492,6 +496,46 @@ pub fn without_jobserver(makeflags: &str) -> String {
         }
     }
     kept.join(" ")
+}
+
+/// The flags bmake reads as GNU make does, with no argument: environment
+/// overrides, ignore errors, keep going, no execute, question, no builtin
+/// rules, silent, touch, print the directory.
+const SHARED_FLAGS: &str = "eiknqrstw";
+
+/// `options` (MAKEFLAGS options, without the jobserver's) for a bmake:
+/// GNU make's first word, its single-letter flags without a dash (`ks`),
+/// would be a target to bmake ("don't know how to make k"); it is written
+/// `-ks`, keeping only the letters bmake reads the same way
+/// ([`SHARED_FLAGS`]: not `B`, always make to GNU make but compat mode to
+/// bmake, nor `d`, which takes an argument in bmake), and dropped when
+/// none is left. Anything else is kept as it is.
+fn gnu_flag_word_for_bmake(options: &str) -> String {
+    let words = raw_words(options);
+    let Some(first) = words.first() else {
+        return options.to_owned();
+    };
+    if first.is_empty() || !first.bytes().all(|b| b.is_ascii_alphabetic()) {
+        return options.to_owned();
+    }
+    let shared: String = first
+        .chars()
+        .filter(|c| SHARED_FLAGS.contains(*c))
+        .collect();
+    let next_reads_as_flags = words
+        .get(1)
+        .is_some_and(|w| !w.is_empty() && w.bytes().all(|b| b.is_ascii_alphabetic()));
+    if shared.is_empty() && next_reads_as_flags {
+        // Dropping the word would make the next one the first, read as
+        // flags in its turn (no make writes that; kept as it is).
+        return options.to_owned();
+    }
+    let mut out: Vec<String> = Vec::new();
+    if !shared.is_empty() {
+        out.push(format!("-{shared}"));
+    }
+    out.extend(words[1..].iter().map(|w| w.to_string()));
+    out.join(" ")
 }
 
 /// A raw word with its escapes undone, as the parser reads it.
@@ -817,6 +861,20 @@ mod tests {
                 Flavor::Gnu,
                 "-j2 --jobserver-auth=1,2",
                 "-j4 --jobserver-auth=fifo:/t/f",
+            ),
+            // GNU make's flag word, for a bmake: a dash, and only the
+            // letters bmake reads the same way.
+            (
+                Auth::Fds { read: 5, write: 6 },
+                Flavor::Bmake,
+                "kBs -j2 --jobserver-auth=3,4 -- X=1",
+                "-ks -j 4 -J 5,6 -- X=1",
+            ),
+            (
+                Auth::Fds { read: 5, write: 6 },
+                Flavor::Bmake,
+                "B -j2 --jobserver-auth=3,4",
+                "-j 4 -J 5,6",
             ),
         ];
         for (auth, flavor, outer, want) in cases {
