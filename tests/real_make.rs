@@ -774,6 +774,48 @@ fn a_relative_tmpdir_reaches_sub_makes_that_change_directory() {
     }
 }
 
+/// Makes started side by side by the command of `herdless run` (`sh -c
+/// 'make & make & make & herdless exec job & wait'`): the command's token
+/// is one, so they share it, with the exec job, as sub-makes of one recipe
+/// share theirs. Each used to take it as its own: 6 jobs at once at `-j 4`.
+/// At most N, N reached, every job, nothing lost.
+#[test]
+fn makes_side_by_side_as_run_s_command_keep_the_limit() {
+    for (name, make, flavor) in [
+        ("gnu", herdless_make(), "gnu"),
+        ("bmake", herdless_bmake(), "bmake"),
+    ] {
+        for n in [1u32, 2, 4] {
+            let what = format!("{name} at -j {n}");
+            let t = Tree::new(&format!("real-make-side-by-side-{name}-{n}"));
+            let per = 4;
+            for b in 1..=3 {
+                t.flat_makefile(&format!("sub{b}.mk"), &format!("b{b}j"), per);
+            }
+            let d = t.dir.display();
+            let m = make.display();
+            let script = format!(
+                "{m} -f {d}/sub1.mk & {m} -f {d}/sub2.mk & {m} -f {d}/sub3.mk & \
+                 {BIN} exec -- sh {d}/job.sh {d} & wait"
+            );
+            let mut cmd = make_cmd(&t, Path::new(BIN));
+            cmd.args([
+                "run",
+                "-j",
+                &n.to_string(),
+                "--flavor",
+                flavor,
+                "--stats",
+                "--",
+            ])
+            .args(["sh", "-c", &script])
+            .env("JOB_SLEEP", "0.15");
+            let out = run(cmd);
+            assert_ran(&t, 3 * per + 1, n, &out, &what);
+        }
+    }
+}
+
 /// GNU make's flags reach a bmake below `herdless run`: GNU make writes
 /// them as a first `MAKEFLAGS` word without a dash (`k`), which bmake took
 /// for a target ("don't know how to make k"); `run` writes them for a

@@ -1402,6 +1402,7 @@ impl Broker {
             ));
         }
         let observer = flags.contains(HelloFlags::OBSERVER);
+        let (command, top_slot) = (self.command.load(Ordering::SeqCst), self.top_slot);
         let borrows = match (
             flags.contains(HelloFlags::JOB),
             flags.contains(HelloFlags::RECIPE_JOB),
@@ -1410,7 +1411,11 @@ impl Broker {
             // A job that names no runner is a job of the top.
             (true, false) if slot == 0 => Some(SlotKey::Minted(self.top_slot)),
             (true, false) => Some(SlotKey::Minted(slot)),
+            // The command of `run` as a recipe root: a runner it started
+            // beside others shares the command's slot, the top one, with
+            // the command's other jobs.
             (false, true) => match u32::try_from(slot) {
+                Ok(root) if root > 1 && command == root => Some(SlotKey::Minted(top_slot)),
                 Ok(root) if root > 1 => Some(SlotKey::Recipe(root)),
                 _ => return Err(format!("hello names recipe root {slot}, not a process id")),
             },

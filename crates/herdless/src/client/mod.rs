@@ -122,6 +122,19 @@ pub(crate) fn parse_slot_env(value: &str) -> Option<(u64, &str)> {
     (id != 0).then_some((id, level))
 }
 
+/// Whether `HERDLESS_SLOT` names a slot at the top level (no `MAKELEVEL`):
+/// a `herdless run` or `exec` above handed its command's slot down.
+fn slot_handed_down_at_top() -> bool {
+    make_level().is_empty()
+        && std::env::var_os(SLOT_ENV)
+            .and_then(|v| {
+                v.to_str()
+                    .and_then(parse_slot_env)
+                    .map(|(_, at)| at.is_empty())
+            })
+            .unwrap_or(false)
+}
+
 pub(crate) fn borrow_from_env() -> Borrow {
     let level = make_level();
     if let Some(value) = std::env::var_os(SLOT_ENV) {
@@ -528,12 +541,16 @@ fn hello_for(options: &mut Options) -> (HelloFlags, u64) {
         }
     } else if options.runner_in_recipe
         && cfg!(any(target_os = "linux", target_os = "android"))
-        && !make_level().is_empty()
+        && (!make_level().is_empty() || slot_handed_down_at_top())
     {
         // Found from the process tree, whatever `HERDLESS_SLOT` says (a
         // bmake names its own slot there at its children's level). A
         // runner that the make started itself owns its token, and one
-        // with no make above it has no recipe: both name nothing.
+        // with no make above it has no recipe: both name nothing. At the
+        // top (no make above), a runner started by the command of a
+        // `herdless run` or an `exec` beside others (`sh -c 'make & make &
+        // wait'`) shares that command's token in the same way: the root
+        // is the command, whose parent is the `herdless` that runs it.
         if let crate::classic::slot::Owner::Shared(root) = crate::classic::slot::this_slot_owner() {
             flags |= HelloFlags::RECIPE_JOB | HelloFlags::RUNNER;
             slot = u64::from(root);
