@@ -816,6 +816,80 @@ fn makes_side_by_side_as_run_s_command_keep_the_limit() {
     }
 }
 
+/// Whether this machine lets a process start a PID namespace of its own
+/// (`unshare --pid`: root, or a container that allows it).
+fn pid_namespaces_allowed() -> bool {
+    Command::new("unshare")
+        .args(["--pid", "--fork", "true"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+/// Sub-makes and `herdless exec` jobs in a PID namespace of their own
+/// below a make with herdless inside, or below `herdless run` (a recipe
+/// that sandboxes its commands: `unshare --pid`, `bwrap --unshare-pid`).
+/// From there the broker has no process id, and the process tree ends at
+/// the namespace's first process: a sub-make that is that process named
+/// recipe root 0 and was refused ("hello names recipe root 0", once per
+/// sub-make, on the make's stderr), and fell back to the stock jobserver;
+/// an `exec` job below a shell that is that process found no make above,
+/// waited for a shared token while the make held the recipe's for it,
+/// and two such recipes at -j 2 waited for good. Now such a client names
+/// root 0 and the broker finds the root in its own process table: every
+/// job runs, at most N at once and N reached, on herdless, nothing lost,
+/// no warning.
+#[test]
+fn jobs_in_a_pid_namespace_of_their_own_keep_the_limit() {
+    if !pid_namespaces_allowed() {
+        eprintln!("skipped: `unshare --pid --fork` is not allowed here");
+        return;
+    }
+    for (name, make) in [("gnu", herdless_make()), ("bmake", herdless_bmake())] {
+        for under_run in [false, true] {
+            for n in [2u32, 4] {
+                let what = format!("{name}, under run: {under_run}, -j {n}");
+                let t = Tree::new(&format!("real-make-pid-ns-{name}-{under_run}-{n}"));
+                let per = 4;
+                for b in 1..=3 {
+                    t.flat_makefile(&format!("sub{b}.mk"), &format!("b{b}j"), per);
+                }
+                let d = t.dir.display();
+                // One sub-make as the namespace's first process; two
+                // side by side and an exec job below a shell that is.
+                fs::write(
+                    t.path("Makefile"),
+                    format!(
+                        "all: alone beside
+                         alone:
+	@unshare --pid --fork ${{MAKE}} -f {d}/sub1.mk
+                         beside:
+	@unshare --pid --fork sh -c '${{MAKE}} -f {d}/sub2.mk & \
+                         	${{MAKE}} -f {d}/sub3.mk & {BIN} exec -- sh {d}/job.sh {d}; wait'
+"
+                    ),
+                )
+                .unwrap();
+                let mut cmd = make_or_run(&t, &make, n, under_run, true);
+                cmd.env("JOB_SLEEP", "0.15");
+                let out = run(cmd);
+                let report = text(&out);
+                assert!(out.status.success(), "{what}: {report}");
+                for word in ["warn:", "not a process id", "needs a jobserver"] {
+                    assert!(!report.contains(word), "{what}: {report}");
+                }
+                let (done, most) = t.counts();
+                assert_eq!(done, 3 * per + 1, "{what}: {report}");
+                assert!(most <= n, "{what}: {most} jobs at once\n{report}");
+                assert_eq!(most, n, "{what}: never {n} jobs at once\n{report}");
+                assert_on_herdless(&t, &out, under_run, &what);
+                assert_no_leftovers(&t);
+            }
+        }
+    }
+}
+
 /// GNU make's flags reach a bmake below `herdless run`: GNU make writes
 /// them as a first `MAKEFLAGS` word without a dash (`k`), which bmake took
 /// for a target ("don't know how to make k"); `run` writes them for a

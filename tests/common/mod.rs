@@ -480,14 +480,16 @@ pub fn helper_main() {
 
 /// The job every Makefile runs: registers itself, records how many jobs
 /// run at once, works a little, unregisters, counts itself done. The counts
-/// only ever under-estimate concurrency, so "at most N" is exact.
+/// only ever under-estimate concurrency, so "at most N" is exact. Each
+/// registers under a name of its own (`mktemp`), not its process id: jobs
+/// in PID namespaces of their own may share one.
 pub const JOB_SH: &str = r#"#!/bin/sh
 dir=$1
-mkdir "$dir/running/$$"
+me=$(mktemp -d "$dir/running/job.XXXXXXXX") || exit 1
 set -- "$dir"/running/*
 echo "$#" >> "$dir/peaks"
 sleep ${JOB_SLEEP:-0.15}
-rmdir "$dir/running/$$"
+rmdir "$me"
 echo x >> "$dir/done"
 "#;
 

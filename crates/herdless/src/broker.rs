@@ -229,6 +229,39 @@ impl Stopper {
     }
 }
 
+/// The recipe root a `RECIPE_JOB` hello stands for, in the broker's own
+/// numbering of processes: `Some(Some(root))`, or `Some(None)` for a job
+/// that no make's recipe holds (orphaned: it borrows no slot); `None` for
+/// a hello that names no process.
+///
+/// `peer`: the client's process id as the broker sees it; `said`: the
+/// one its hello gives; `slot`: the root it names. A client in another
+/// PID namespace (the two ids differ, or it names root 0 because its own
+/// view of the tree ends at that namespace's first process: see
+/// `client::hello_elsewhere`) numbers processes as that namespace does,
+/// so the broker finds the root itself, from the process table it sees:
+/// the highest ancestor below a job runner. A client whose own parent is
+/// the runner, and a runner that no recipe holds, get a slot of their
+/// own: the token the make holds for it, or the implicit token a runner
+/// started outside any recipe owns.
+fn recipe_root(peer: Option<u32>, said: u32, slot: u64, flags: HelloFlags) -> Option<Option<u32>> {
+    let named = u32::try_from(slot).ok().filter(|&root| root > 1);
+    let Some(peer) = peer.filter(|&p| p != said || named.is_none()) else {
+        return named.map(Some);
+    };
+    use crate::classic::slot::Owner;
+    let table = herdless_platform::ProcessTable::read();
+    let ps = |pid: u32| table.parent_and_name(pid);
+    let (ppid, _) = ps(peer)?;
+    Some(match crate::classic::slot::slot_owner(ppid, ps) {
+        Owner::Shared(root) if root > 1 => Some(root),
+        Owner::Shared(_) => None,
+        Owner::Own => Some(peer),
+        Owner::Orphaned if flags.contains(HelloFlags::RUNNER) => Some(peer),
+        Owner::Orphaned => None,
+    })
+}
+
 /// A fresh, unguessable slot id: 64 bits from the standard library's
 /// randomly keyed hasher (seeded by the OS), never 0.
 fn random_slot_id(counter: u64) -> u64 {
@@ -1414,10 +1447,11 @@ impl Broker {
             // The command of `run` as a recipe root: a runner it started
             // beside others shares the command's slot, the top one, with
             // the command's other jobs.
-            (false, true) => match u32::try_from(slot) {
-                Ok(root) if root > 1 && command == root => Some(SlotKey::Minted(top_slot)),
-                Ok(root) if root > 1 => Some(SlotKey::Recipe(root)),
-                _ => return Err(format!("hello names recipe root {slot}, not a process id")),
+            (false, true) => match recipe_root(conn.pid, pid, slot, flags) {
+                Some(Some(root)) if command == root => Some(SlotKey::Minted(top_slot)),
+                Some(Some(root)) => Some(SlotKey::Recipe(root)),
+                Some(None) => None,
+                None => return Err(format!("hello names recipe root {slot}, not a process id")),
             },
             (false, false) => None,
         };

@@ -73,7 +73,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 pub use crate::error::{Error, ErrorKind, Result};
-use native::Native;
+use native::{Ask, Native};
 
 use crate::protocol::{AbortReason, HelloFlags};
 
@@ -112,6 +112,32 @@ pub(crate) enum Borrow {
     Unnamed,
 }
 
+/// What the environment alone says a job borrows: the slot
+/// `HERDLESS_SLOT` names at this make level, nothing at the top (no
+/// `MAKELEVEL`), none for a name that is not a slot (told when `warn`).
+/// `None` when a make lies between the runner and this job: the recipe's
+/// slot, found from the process tree.
+fn borrow_named_in_env(warn: bool) -> Option<Borrow> {
+    let level = make_level();
+    if let Some(value) = std::env::var_os(SLOT_ENV) {
+        match value.to_str().and_then(parse_slot_env) {
+            Some((id, at)) if at == level => return Some(Borrow::Slot(id)),
+            Some(_) => {}
+            None => {
+                if warn {
+                    crate::log!(
+                        crate::log::Level::Warn,
+                        "{SLOT_ENV}={value:?} is not a slot (16 hex digits, '/', MAKELEVEL); \
+                         this job borrows none"
+                    );
+                }
+                return Some(Borrow::Unnamed);
+            }
+        }
+    }
+    level.is_empty().then_some(Borrow::Nothing)
+}
+
 /// Parses `HERDLESS_SLOT`: `(id, MAKELEVEL)`.
 pub(crate) fn parse_slot_env(value: &str) -> Option<(u64, &str)> {
     let (id, level) = value.split_once('/')?;
@@ -136,23 +162,8 @@ fn slot_handed_down_at_top() -> bool {
 }
 
 pub(crate) fn borrow_from_env() -> Borrow {
-    let level = make_level();
-    if let Some(value) = std::env::var_os(SLOT_ENV) {
-        match value.to_str().and_then(parse_slot_env) {
-            Some((id, at)) if at == level => return Borrow::Slot(id),
-            Some(_) => {}
-            None => {
-                crate::log!(
-                    crate::log::Level::Warn,
-                    "{SLOT_ENV}={value:?} is not a slot (16 hex digits, '/', MAKELEVEL); \
-                     this job borrows none"
-                );
-                return Borrow::Unnamed;
-            }
-        }
-    }
-    if level.is_empty() {
-        return Borrow::Nothing;
+    if let Some(borrow) = borrow_named_in_env(true) {
+        return borrow;
     }
     // A make lies between the runner and this job: the recipe's slot.
     match crate::classic::slot::this_slot_owner() {
@@ -437,9 +448,10 @@ impl Client {
     }
 
     /// Connects to the broker listening on `path`.
-    pub fn connect_with(path: impl AsRef<Path>, mut options: Options) -> Result<Client> {
-        let (flags, slot) = hello_for(&mut options);
-        let native = Native::connect(path.as_ref(), flags, slot)?;
+    pub fn connect_with(path: impl AsRef<Path>, options: Options) -> Result<Client> {
+        let (ask, options, elsewhere) = Ask::for_options(options);
+        let native = Native::connect(path.as_ref(), ask)?;
+        let options = native.options_seen(options, elsewhere);
         Ok(Client::with_backend(Backend::Native(native), options))
     }
 
@@ -452,11 +464,12 @@ impl Client {
     /// switch. Errors of the connection itself (no socket, nobody
     /// listening, another user's broker) come here; the broker's refusal
     /// comes from `finish`.
-    pub fn begin_connect_with(path: impl AsRef<Path>, mut options: Options) -> Result<Connecting> {
-        let (flags, slot) = hello_for(&mut options);
+    pub fn begin_connect_with(path: impl AsRef<Path>, options: Options) -> Result<Connecting> {
+        let (ask, tree, elsewhere) = Ask::for_options(options);
+        let started = Native::start(path.as_ref(), ask)?;
         Ok(Connecting {
-            started: Native::start(path.as_ref(), flags, slot)?,
-            options,
+            options: started.options_seen(tree, elsewhere),
+            started,
             pid: std::process::id(),
         })
     }
@@ -560,6 +573,58 @@ fn hello_for(options: &mut Options) -> (HelloFlags, u64) {
     (flags, slot)
 }
 
+/// What a job or a runner of a make recipe says instead of
+/// [`hello_for`]'s hello when the broker runs in another PID namespace
+/// (its process id reads 0 here: `unshare --pid`, `bwrap --unshare-pid`
+/// or a container lies between the make and this process): the process
+/// tree seen from here ends at that namespace's first process, above
+/// which the recipe's root lies, so the hello names root 0, and the broker
+/// finds the root in its own process table. `None` where the hello names
+/// no recipe however the tree is seen (no make above, or a slot named in
+/// `HERDLESS_SLOT`, which is the same in every namespace).
+fn hello_elsewhere(options: Options) -> Option<(HelloFlags, Options)> {
+    let mut options = options;
+    options.borrows_recipe_slot = false;
+    if options.job_of_runner_above {
+        if borrow_named_in_env(false).is_some() {
+            return None;
+        }
+        options.implicit_token = false;
+        return Some((HelloFlags::RECIPE_JOB, options));
+    }
+    if options.runner_in_recipe
+        && cfg!(any(target_os = "linux", target_os = "android"))
+        && (!make_level().is_empty() || slot_handed_down_at_top())
+    {
+        options.borrows_recipe_slot = true;
+        return Some((HelloFlags::RECIPE_JOB | HelloFlags::RUNNER, options));
+    }
+    None
+}
+
+impl Ask {
+    /// The hello a client with `options` says, with the options it then
+    /// has as the process tree here shows its recipe, and as they are
+    /// where it says [`hello_elsewhere`]'s.
+    fn for_options(options: Options) -> (Ask, Options, Options) {
+        let mut tree = options;
+        let (flags, slot) = hello_for(&mut tree);
+        let (elsewhere, other) = match hello_elsewhere(options) {
+            Some((flags, other)) => (Some(flags), other),
+            None => (None, tree),
+        };
+        (
+            Ask {
+                flags,
+                slot,
+                elsewhere,
+            },
+            tree,
+            other,
+        )
+    }
+}
+
 impl Client {
     /// Whether this runner shares its make recipe's token with other
     /// processes of that recipe ([`Options::runner_in_recipe`]): it must
@@ -609,7 +674,7 @@ impl Client {
 
     /// Connects as an observer, which may only ask for status.
     pub fn observe(path: impl AsRef<Path>) -> Result<Observer> {
-        let native = Native::connect(path.as_ref(), HelloFlags::OBSERVER, 0)?;
+        let native = Native::connect(path.as_ref(), Ask::plain(HelloFlags::OBSERVER, 0))?;
         Ok(Observer { native })
     }
 
@@ -617,8 +682,7 @@ impl Client {
     pub fn control(path: impl AsRef<Path>) -> Result<Control> {
         let native = Native::connect_version(
             path.as_ref(),
-            HelloFlags::OBSERVER,
-            0,
+            Ask::plain(HelloFlags::OBSERVER, 0),
             crate::protocol::CONTROL_VERSION,
         )?;
         Ok(Control { native })

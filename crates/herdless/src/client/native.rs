@@ -89,6 +89,20 @@ pub(crate) struct Native {
     version: u16,
     /// The shared token table, when the broker gave this client one.
     fast: Option<Fast>,
+    /// The hello said [`Ask::elsewhere`]: the broker runs in another PID
+    /// namespace.
+    elsewhere: bool,
+}
+
+impl Ask {
+    /// This hello with `extra` flags too.
+    fn with(self, extra: HelloFlags) -> Ask {
+        Ask {
+            flags: self.flags | extra,
+            elsewhere: self.elsewhere.map(|f| f | extra),
+            ..self
+        }
+    }
 }
 
 /// This client's part of the shared token table (`crate::fast`).
@@ -210,11 +224,31 @@ fn is_no_room(e: &Error) -> bool {
 /// ([`Native::start`]).
 pub(crate) struct Started {
     native: Native,
-    /// The flags asked for, without `FAST`.
-    flags: HelloFlags,
-    slot: u64,
+    /// What was asked for, without `FAST`.
+    ask: Ask,
     /// Whether the hello asked for the shared table.
     fast: bool,
+}
+
+/// What a client names in its hello: its flags and slot, and the flags it
+/// says instead, naming recipe root 0, where the broker runs in another
+/// PID namespace (`crate::client::hello_elsewhere`).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Ask {
+    pub(crate) flags: HelloFlags,
+    pub(crate) slot: u64,
+    pub(crate) elsewhere: Option<HelloFlags>,
+}
+
+impl Ask {
+    /// A hello the same in every namespace.
+    pub(crate) fn plain(flags: HelloFlags, slot: u64) -> Ask {
+        Ask {
+            flags,
+            slot,
+            elsewhere: None,
+        }
+    }
 }
 
 impl Started {
@@ -223,25 +257,29 @@ impl Started {
         &self.native.path
     }
 
+    /// See [`Native::options_seen`].
+    pub(crate) fn options_seen(
+        &self,
+        tree: crate::client::Options,
+        elsewhere: crate::client::Options,
+    ) -> crate::client::Options {
+        self.native.options_seen(tree, elsewhere)
+    }
+
     /// Reads the broker's answer, as [`Native::connect`] does after its
     /// hello. A broker that turned this hello away, busy or older than
     /// the shared table, is asked again as `connect` asks: with growing
     /// pauses while it is busy, and without the table when it does not
     /// know it.
     pub(crate) fn finish(self) -> Result<Native> {
-        let Started {
-            native,
-            flags,
-            slot,
-            fast,
-        } = self;
+        let Started { native, ask, fast } = self;
         let path = native.path.clone();
         match native.handshake(fast) {
             Ok(native) => Ok(native),
             Err(e) if fast && e.kind() == ErrorKind::Refused && !is_busy(&e) && !is_no_room(&e) => {
-                Native::connect_version(&path, flags, slot, PROTOCOL_VERSION)
+                Native::connect_version(&path, ask, PROTOCOL_VERSION)
             }
-            Err(e) if is_busy(&e) => Native::connect(&path, flags, slot),
+            Err(e) if is_busy(&e) => Native::connect(&path, ask),
             Err(e) => Err(e),
         }
     }
@@ -251,19 +289,33 @@ impl Native {
     /// Connects, checks the broker is this user's, and shakes hands. A
     /// broker that is busy (see [`is_busy`]) is tried again with growing
     /// pauses for up to [`BUSY_RETRY_FOR`].
-    pub(crate) fn connect(path: &Path, flags: HelloFlags, slot: u64) -> Result<Native> {
-        if !Native::asks_for_table(flags) {
-            return Native::connect_version(path, flags, slot, PROTOCOL_VERSION);
+    pub(crate) fn connect(path: &Path, ask: Ask) -> Result<Native> {
+        if !Native::asks_for_table(ask.flags) {
+            return Native::connect_version(path, ask, PROTOCOL_VERSION);
         }
-        match Native::connect_version(path, flags | HelloFlags::FAST, slot, FAST_VERSION) {
+        match Native::connect_version(path, ask.with(HelloFlags::FAST), FAST_VERSION) {
             // A broker older than the table refuses the hello (by its
             // version, or by the flag `FAST`, which its decoder does not
             // know): ask again as a client of the socket alone. A refusal
             // for any other reason comes again, and is reported then.
             Err(e) if e.kind() == ErrorKind::Refused && !is_no_room(&e) => {
-                Native::connect_version(path, flags, slot, PROTOCOL_VERSION)
+                Native::connect_version(path, ask, PROTOCOL_VERSION)
             }
             other => other,
+        }
+    }
+
+    /// The options this client has (`tree`, or `elsewhere` where it said
+    /// the hello of a client whose broker is in another PID namespace).
+    pub(crate) fn options_seen(
+        &self,
+        tree: crate::client::Options,
+        elsewhere: crate::client::Options,
+    ) -> crate::client::Options {
+        if self.elsewhere {
+            elsewhere
+        } else {
+            tree
         }
     }
 
@@ -287,17 +339,12 @@ impl Native {
     /// Connects speaking protocol `version` (the broker must speak it),
     /// naming `slot` as the one this client may borrow, trying again while
     /// the broker is busy.
-    pub(crate) fn connect_version(
-        path: &Path,
-        flags: HelloFlags,
-        slot: u64,
-        version: u16,
-    ) -> Result<Native> {
+    pub(crate) fn connect_version(path: &Path, ask: Ask, version: u16) -> Result<Native> {
         let start = Instant::now();
         let mut pause = Duration::from_millis(1);
         let mut attempt: u32 = 0;
         loop {
-            let err = match Native::connect_once(path, flags, slot, version) {
+            let err = match Native::connect_once(path, ask, version) {
                 Ok(native) => return Ok(native),
                 Err(e) if is_busy(&e) => e,
                 Err(e) => return Err(e),
@@ -324,28 +371,26 @@ impl Native {
     /// answer: [`Started::finish`] reads it. A process that has work of
     /// its own to do meanwhile (a make reading its makefiles) does not
     /// sleep for the answer, which has come by then.
-    pub(crate) fn start(path: &Path, flags: HelloFlags, slot: u64) -> Result<Started> {
-        let fast = Native::asks_for_table(flags);
-        let (flags_sent, version) = if fast {
-            (flags | HelloFlags::FAST, FAST_VERSION)
+    pub(crate) fn start(path: &Path, ask: Ask) -> Result<Started> {
+        let fast = Native::asks_for_table(ask.flags);
+        let (sent, version) = if fast {
+            (ask.with(HelloFlags::FAST), FAST_VERSION)
         } else {
-            (flags, PROTOCOL_VERSION)
+            (ask, PROTOCOL_VERSION)
         };
-        let native = Native::hello(path, flags_sent, slot, version)?;
-        Ok(Started {
-            native,
-            flags,
-            slot,
-            fast,
-        })
+        let native = Native::hello(path, sent, version)?;
+        Ok(Started { native, ask, fast })
     }
 
-    fn connect_once(path: &Path, flags: HelloFlags, slot: u64, version: u16) -> Result<Native> {
-        Native::hello(path, flags, slot, version)?.handshake(flags.contains(HelloFlags::FAST))
+    fn connect_once(path: &Path, ask: Ask, version: u16) -> Result<Native> {
+        Native::hello(path, ask, version)?.handshake(ask.flags.contains(HelloFlags::FAST))
     }
 
-    /// Connects, checks the broker is this user's, and sends the hello.
-    fn hello(path: &Path, flags: HelloFlags, slot: u64, version: u16) -> Result<Native> {
+    /// Connects, checks the broker is this user's, and sends the hello:
+    /// `ask`'s, or where the broker's process id reads 0 here (it runs in
+    /// another PID namespace, which Linux alone has), what `ask` says
+    /// instead.
+    fn hello(path: &Path, ask: Ask, version: u16) -> Result<Native> {
         if std::os::unix::ffi::OsStrExt::as_bytes(path.as_os_str()).contains(&0) {
             return Err(Error::io(
                 ErrorKind::Connect,
@@ -376,7 +421,8 @@ impl Native {
             )
         })?;
         let uid = nix::unistd::geteuid().as_raw();
-        match herdless_platform::peer_cred(stream.as_fd()) {
+        // A broker in another PID namespace has no process id here.
+        let elsewhere = match herdless_platform::peer_cred(stream.as_fd()) {
             Ok(c) if c.uid != uid => {
                 return Err(Error::new(
                     ErrorKind::Connect,
@@ -387,7 +433,7 @@ impl Native {
                     ),
                 ))
             }
-            Ok(_) => {}
+            Ok(c) => cfg!(target_os = "linux") && c.pid.is_none(),
             Err(e) => {
                 return Err(Error::io(
                     ErrorKind::Connect,
@@ -395,11 +441,11 @@ impl Native {
                     e,
                 ))
             }
-        }
+        };
         stream
             .set_nonblocking(true)
             .map_err(|e| Error::io(ErrorKind::Io, "cannot make the socket non-blocking", e))?;
-        let native = Native {
+        let mut native = Native {
             stream,
             path: path.to_path_buf(),
             state: Mutex::new(State::default()),
@@ -410,6 +456,14 @@ impl Native {
             slot: 0,
             version,
             fast: None,
+            elsewhere: false,
+        };
+        let (flags, slot) = match ask.elsewhere {
+            Some(flags) if elsewhere => {
+                native.elsewhere = true;
+                (flags, 0)
+            }
+            _ => (ask.flags, ask.slot),
         };
         let sent = native.send(&Request::Hello {
             version,
