@@ -8,6 +8,7 @@
 //! it; none passes without running.
 
 mod classic_client_support;
+mod common;
 
 use std::fmt::Write as _;
 use std::process::Command;
@@ -24,6 +25,10 @@ enum Recipe {
     /// A shell loop that starts `n` `herdless exec` in parallel, each in a
     /// subshell that records a failure.
     Parallel { n: u32 },
+    /// `herdless exec -- JOB` in a PID namespace of its own (`unshare
+    /// --pid --fork`), marked: with `/proc` mounted for it or not, the
+    /// namespace's first process or below a shell that is.
+    InPidNamespace { mount_proc: bool, shell: bool },
 }
 
 fn makefile(make: Make, jobs: &Jobs, want: u32, targets: &[Recipe]) -> String {
@@ -36,7 +41,7 @@ fn makefile(make: Make, jobs: &Jobs, want: u32, targets: &[Recipe]) -> String {
     for (name, recipe) in names.iter().zip(targets) {
         let marked = match recipe {
             Recipe::Exec { marked } => *marked,
-            Recipe::Parallel { .. } => true,
+            Recipe::Parallel { .. } | Recipe::InPidNamespace { .. } => true,
         };
         if make == Make::Bmake && marked {
             writeln!(mk, "{name}: .MAKE").unwrap();
@@ -57,6 +62,15 @@ fn makefile(make: Make, jobs: &Jobs, want: u32, targets: &[Recipe]) -> String {
                     .collect::<Vec<_>>()
                     .join(" "),
                 failed.display()
+            ),
+            Recipe::InPidNamespace { mount_proc, shell } => format!(
+                "unshare --pid --fork{} {}",
+                if *mount_proc { " --mount-proc" } else { "" },
+                if *shell {
+                    format!("sh -c '{exec}'")
+                } else {
+                    exec.clone()
+                }
             ),
         };
         writeln!(mk, "\t{plus}{line}").unwrap();
@@ -163,6 +177,56 @@ fn no_deadlock_at_j1_and_j2(make: Make) {
     let ran = run_make(make, Server::Direct { jobs: 2 }, &jobs, 1, &targets);
     check_ran(&ran, &jobs, 7);
     assert!(jobs.peak() <= 2, "-j2: peak {}", jobs.peak());
+}
+
+/// `herdless exec` jobs in PID namespaces of their own, one per recipe
+/// (a recipe that sandboxes its command: `unshare --pid`, `bwrap
+/// --unshare-pid`), at -j 2 and 3: the job cannot see the make above it
+/// (its parent reads 0, or `/proc` is another namespace's, or its tree ends
+/// at the namespace's first process), and runs in the token the make took
+/// for its recipe, as a stock sub-make would. Taken as orphaned, it
+/// waited for a pipe token while the make held the recipe's for it, and
+/// two such recipes at -j 2 waited for good. Every job runs, at most N at
+/// once and N reached, every token back.
+fn exec_jobs_in_pid_namespaces(make: Make) {
+    if !common::pid_namespaces_allowed() {
+        eprintln!("skipped: `unshare --pid --fork --mount-proc` is not allowed here");
+        return;
+    }
+    let _serial = serial();
+    let targets: Vec<Recipe> = [(false, true), (false, false), (true, true), (true, false)]
+        .into_iter()
+        .map(|(mount_proc, shell)| Recipe::InPidNamespace { mount_proc, shell })
+        .collect();
+    for tokens in [1, 2] {
+        let jobs = Jobs::new("pid-namespace");
+        let n = tokens as u32 + 1;
+        let ran = run_make(make, Server::External { tokens }, &jobs, n, &targets);
+        check_ran(&ran, &jobs, targets.len());
+        assert!(jobs.peak() <= n, "-j{n}: peak {}", jobs.peak());
+        assert_eq!(
+            jobs.peak(),
+            n,
+            "-j{n}: never {n} at once\n{}",
+            text(&ran.out)
+        );
+        check_tokens_back(make, ran.left, tokens);
+    }
+}
+
+#[test]
+fn gnu_make_43_pipe_exec_jobs_in_pid_namespaces() {
+    exec_jobs_in_pid_namespaces(Make::Gnu43);
+}
+
+#[test]
+fn gnu_make_441_fifo_exec_jobs_in_pid_namespaces() {
+    exec_jobs_in_pid_namespaces(Make::Gnu441);
+}
+
+#[test]
+fn bmake_exec_jobs_in_pid_namespaces() {
+    exec_jobs_in_pid_namespaces(Make::Bmake);
 }
 
 #[test]

@@ -816,17 +816,6 @@ fn makes_side_by_side_as_run_s_command_keep_the_limit() {
     }
 }
 
-/// Whether this machine lets a process start a PID namespace of its own
-/// (`unshare --pid`: root, or a container that allows it).
-fn pid_namespaces_allowed() -> bool {
-    Command::new("unshare")
-        .args(["--pid", "--fork", "true"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success())
-}
-
 /// Sub-makes and `herdless exec` jobs in a PID namespace of their own
 /// below a make with herdless inside, or below `herdless run` (a recipe
 /// that sandboxes its commands: `unshare --pid`, `bwrap --unshare-pid`).
@@ -842,7 +831,7 @@ fn pid_namespaces_allowed() -> bool {
 /// no warning.
 #[test]
 fn jobs_in_a_pid_namespace_of_their_own_keep_the_limit() {
-    if !pid_namespaces_allowed() {
+    if !common::pid_namespaces_allowed() {
         eprintln!("skipped: `unshare --pid --fork` is not allowed here");
         return;
     }

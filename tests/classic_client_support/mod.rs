@@ -154,7 +154,9 @@ impl TokenFifo {
 
 /// A job that records how many jobs run at once.
 ///
-/// Each job creates `run/PID` on start and removes it before it ends, both
+/// Each job creates a file of its own in `run/` on start (`mktemp`: jobs
+/// in PID namespaces of their own may share a process id) and removes it
+/// before it ends, both
 /// inside its token's hold, so the number of files it counts never exceeds
 /// the number of jobs that hold tokens: a count above the limit is a real
 /// breach. To show the limit is also *reached*, a job started before any
@@ -174,7 +176,7 @@ impl Jobs {
             r#"#!/bin/sh
 # job.sh DIR WANT
 d=$1; want=$2
-: > "$d/run/$$"
+me=$(mktemp "$d/run/job.XXXXXXXX") || exit 1
 count() { ls "$d/run" | wc -l | tr -d ' '; }
 n=$(count)
 echo "$n" >> "$d/peaks"
@@ -187,7 +189,7 @@ while [ ! -e "$d/reached" ] && [ $i -lt 400 ]; do
   if [ "$n" -ge "$want" ]; then : > "$d/reached"; fi
   i=$((i+1))
 done
-rm -f "$d/run/$$"
+rm -f "$me"
 echo "$$" >> "$d/done"
 "#,
         )

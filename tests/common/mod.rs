@@ -478,6 +478,18 @@ pub fn helper_main() {
     std::process::exit(0);
 }
 
+/// Whether this machine lets a process start a PID namespace of its own
+/// (`unshare --pid --fork --mount-proc`: root, or a container that allows
+/// it).
+pub fn pid_namespaces_allowed() -> bool {
+    std::process::Command::new("unshare")
+        .args(["--pid", "--fork", "--mount-proc", "true"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
 /// The job every Makefile runs: registers itself, records how many jobs
 /// run at once, works a little, unregisters, counts itself done. The counts
 /// only ever under-estimate concurrency, so "at most N" is exact. Each

@@ -98,8 +98,8 @@ pub use poll_wake::{
     poll_wake_support, send_wake, valid_wake_pid, PollWake, MAX_POLL_WAKES, PID_LIMIT, WAKE_SIGNAL,
 };
 pub use process::{
-    current_tid, die_with_parent, parse_stat, pid_namespace, process_exit_fd, process_state,
-    resident_kib, sched_count, ProcessTable, SchedCount,
+    current_tid, die_with_parent, in_child_pid_namespace, parse_stat, pid_namespace,
+    process_exit_fd, process_state, resident_kib, sched_count, ProcessTable, SchedCount,
 };
 pub use segment::{
     fork_generation, recv_with_fd, segment_support, send_with_fd, DeathGuard, Segment,

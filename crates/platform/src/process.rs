@@ -33,6 +33,39 @@ impl ProcessTable {
         }
     }
 
+    /// Whether the table numbers processes as this process does: on
+    /// Linux, a `/proc` mounted for another PID namespace (an `unshare
+    /// --pid` without `--mount-proc`) names this process by another id,
+    /// and the parent ids this process reads name other processes there.
+    pub fn numbers_as_we_do(&self) -> bool {
+        match &self.snapshot {
+            None => std::fs::read_to_string("/proc/self/stat")
+                .ok()
+                .and_then(|s| s.split_whitespace().next()?.parse::<u32>().ok())
+                .is_some_and(|pid| pid == std::process::id()),
+            Some(_) => true,
+        }
+    }
+
+    /// Whether any process in the table but this one has a command name
+    /// for which `wanted` holds.
+    pub fn any_other_named(&self, wanted: impl Fn(&str) -> bool) -> bool {
+        let me = std::process::id();
+        match &self.snapshot {
+            None => std::fs::read_dir("/proc").is_ok_and(|dir| {
+                dir.flatten().any(|e| {
+                    e.file_name()
+                        .to_str()
+                        .and_then(|n| n.parse::<u32>().ok())
+                        .filter(|&pid| pid != me)
+                        .and_then(|pid| self.parent_and_name(pid))
+                        .is_some_and(|(_, name)| wanted(&name))
+                })
+            }),
+            Some(rows) => rows.iter().any(|(pid, _, name)| *pid != me && wanted(name)),
+        }
+    }
+
     /// `(ppid, command name)` of `pid`, or `None` when it is not there (or
     /// not readable).
     pub fn parent_and_name(&self, pid: u32) -> Option<(u32, String)> {
@@ -183,6 +216,14 @@ pub fn die_with_parent() -> io::Result<()> {
 /// `Unsupported` error: see the BSD backend.
 pub fn process_exit_fd(pid: u32) -> io::Result<std::os::fd::OwnedFd> {
     crate::sys::process_exit_fd(pid)
+}
+
+/// Whether this process runs in a PID namespace below the initial one
+/// (a container's, an `unshare --pid`'s): Linux numbers the initial one
+/// with a fixed inode (`PROC_PID_INIT_INO`). `false` where there are none.
+pub fn in_child_pid_namespace() -> bool {
+    const PROC_PID_INIT_INO: u32 = 0xEFFF_FFFC;
+    pid_namespace().is_some_and(|ns| ns != PROC_PID_INIT_INO)
 }
 
 /// The identity of this process's PID namespace (the inode of

@@ -90,11 +90,33 @@ pub(crate) fn slot_owner(parent: u32, ps: impl Fn(u32) -> Option<(u32, String)>)
 
 /// The slot owner for this process, read from the process table (see
 /// [`ProcessTable`]).
+///
+/// A job in a PID namespace of its own (a recipe's `unshare --pid`,
+/// `bwrap --unshare-pid`), with the make outside it, cannot see its
+/// recipe: its parent reads 0 (it is the namespace's first process), or
+/// `/proc` belongs to another namespace and names other processes, or the
+/// tree it sees ends at the namespace's first process with no job runner
+/// but itself anywhere in sight. It is then taken as started by the make directly
+/// (`Own`: it runs in the token the make holds for its recipe, as a stock
+/// sub-make would), not as orphaned: waiting for a shared token while the
+/// make holds the recipe's for it, two such recipes at `-j 2` would wait
+/// for good. (A client of a broker outside the namespace asks the broker,
+/// which sees the whole tree: `crate::client::hello_elsewhere`.)
 pub(crate) fn this_slot_owner() -> Owner {
     let table = ProcessTable::read();
-    slot_owner(std::os::unix::process::parent_id(), |pid| {
-        table.parent_and_name(pid)
-    })
+    let parent = std::os::unix::process::parent_id();
+    if parent == 0 || !table.numbers_as_we_do() {
+        return Owner::Own;
+    }
+    match slot_owner(parent, |pid| table.parent_and_name(pid)) {
+        Owner::Orphaned
+            if herdless_platform::in_child_pid_namespace()
+                && !table.any_other_named(runs_each_job_in_a_slot) =>
+        {
+            Owner::Own
+        }
+        owner => owner,
+    }
 }
 
 /// The private directory for slot lock files: `herdless-slots-UID` under
