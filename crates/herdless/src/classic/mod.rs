@@ -84,6 +84,21 @@
 //! The ancestors are read from `/proc/PID/stat` on Linux and from one `ps
 //! -A -o pid= -o ppid= -o comm=` elsewhere, once, when the client is made.
 //!
+//! A job in a PID namespace of its own, below a make outside it (a recipe
+//! that sandboxes its command: `unshare --pid --fork`, `bwrap
+//! --unshare-pid`), cannot see the make: its parent reads 0 (it is the
+//! namespace's first process), or `/proc` is another namespace's and names
+//! other processes, or the ancestors it sees end at the namespace's first
+//! process with no job runner but itself in the whole table. It is then
+//! taken as in 1 (the make runs the sandbox in a slot of its own), not as
+//! orphaned: orphaned, it would wait for a pipe token while the make holds
+//! the recipe's for it, and two such recipes at `-j2` would wait for good
+//! (`tests/classic_client_make.rs`, `*_exec_jobs_in_pid_namespaces`). Two
+//! such jobs in one sandbox then each run in that slot, one more than the
+//! limit, as two stock sub-makes there would. (With a broker outside the
+//! namespace, the broker finds the recipe itself: `docs/PROTOCOL.md`,
+//! section 6.)
+//!
 //! Limits: job runners are recognised by name, so a make-like program of
 //! another name is taken for part of a recipe (its jobs then share one slot
 //! plus the pipe tokens: slower, never over the limit, never deadlocked,
