@@ -749,8 +749,14 @@ pub unsafe extern "C" fn herdless_cancel(c: *mut herdless_client) -> c_int {
 /// queued by `herdless_take_grant` or by an interrupted acquire, for a
 /// caller that no longer wants the token (a make with nothing left to
 /// start, say). A grant that had arrived already goes back to the broker,
-/// and so does one that races the withdrawal, when it arrives: the caller
-/// holds nothing new afterwards and no token idles in this process. On a
+/// and so does one that races the withdrawal (the broker granted the
+/// request before it read the withdrawal): the caller holds nothing new
+/// afterwards. That raced grant is read, and given back, at the next call
+/// on this handle that reads the socket (`herdless_pending`,
+/// `herdless_take_grant`, `herdless_release`, …): until then it idles in
+/// this process's socket. A poll loop that keeps `herdless_fd` in its set
+/// after withdrawing, and calls `herdless_pending` when it turns readable,
+/// gives it back at once; one that does not, at its next call. On a
 /// classic jobserver there is nothing to withdraw.
 ///
 /// Returns 0, or `-ECONNRESET`, `-EINVAL` as `herdless_acquire`. After an
