@@ -832,7 +832,7 @@ fn makes_side_by_side_as_run_s_command_keep_the_limit() {
 #[test]
 fn jobs_in_a_pid_namespace_of_their_own_keep_the_limit() {
     if !common::pid_namespaces_allowed() {
-        eprintln!("skipped: `unshare --pid --fork` is not allowed here");
+        eprintln!("skipped: `unshare --pid --fork --mount-proc` is not allowed here");
         return;
     }
     for (name, make) in [("gnu", herdless_make()), ("bmake", herdless_bmake())] {

@@ -96,12 +96,13 @@ pub(crate) fn slot_owner(parent: u32, ps: impl Fn(u32) -> Option<(u32, String)>)
 /// recipe: its parent reads 0 (it is the namespace's first process), or
 /// `/proc` belongs to another namespace and names other processes, or the
 /// tree it sees ends at the namespace's first process with no job runner
-/// but itself anywhere in sight. It is then taken as started by the make directly
-/// (`Own`: it runs in the token the make holds for its recipe, as a stock
-/// sub-make would), not as orphaned: waiting for a shared token while the
-/// make holds the recipe's for it, two such recipes at `-j 2` would wait
-/// for good. (A client of a broker outside the namespace asks the broker,
-/// which sees the whole tree: `crate::client::hello_elsewhere`.)
+/// but itself anywhere in sight. It is then taken as started by the make
+/// directly (`Own`: it runs in the token the make holds for its recipe,
+/// as a stock sub-make would), not as orphaned: waiting for a shared
+/// token while the make holds the recipe's for it, two such recipes at
+/// `-j 2` would wait for good. (A client of a broker outside the
+/// namespace asks the broker, which sees the whole tree:
+/// `crate::client::hello_elsewhere`.)
 pub(crate) fn this_slot_owner() -> Owner {
     let table = ProcessTable::read();
     let parent = std::os::unix::process::parent_id();
