@@ -65,8 +65,10 @@
 //!   the process id of its command ([`crate::broker::Stopper::command_started`];
 //!   a make that starts its own broker names itself). When a native client
 //!   of that process id says hello (a make with herdless inside, `herdless
-//!   exec`, a nested `herdless run`), the broker calls
-//!   [`Bridge::command_is_native`]: unless a classic client was already
+//!   exec`, a nested `herdless run`), or a make with herdless inside that
+//!   the command started through a wrapper that forks (`timeout`, `time`,
+//!   `unshare --fork`: a runner whose recipe root is the command), the
+//!   broker calls [`Bridge::command_is_native`]: unless a classic client was already
 //!   seen at work, the back-off starts at 1, so the bridge relies on its
 //!   back-off from the first ignored offer instead of assuming a reader up
 //!   front. Stock sub-makes, cargo or gcc below a native make still get

@@ -1436,6 +1436,7 @@ impl Broker {
         }
         let observer = flags.contains(HelloFlags::OBSERVER);
         let (command, top_slot) = (self.command.load(Ordering::SeqCst), self.top_slot);
+        let mut below_command = false;
         let borrows = match (
             flags.contains(HelloFlags::JOB),
             flags.contains(HelloFlags::RECIPE_JOB),
@@ -1448,7 +1449,10 @@ impl Broker {
             // beside others shares the command's slot, the top one, with
             // the command's other jobs.
             (false, true) => match recipe_root(conn.pid, pid, slot, flags) {
-                Some(Some(root)) if command == root => Some(SlotKey::Minted(top_slot)),
+                Some(Some(root)) if command == root => {
+                    below_command = true;
+                    Some(SlotKey::Minted(top_slot))
+                }
                 Some(Some(root)) => Some(SlotKey::Recipe(root)),
                 Some(None) => None,
                 None => return Err(format!("hello names recipe root {slot}, not a process id")),
@@ -1497,7 +1501,13 @@ impl Broker {
             let now = self.now();
             self.pool.acquire(id, now).map_err(|e| e.to_string())?;
         }
-        if !observer && self.is_command(pid) {
+        // The command connected natively: itself, or a make it started
+        // through a wrapper that forks (`timeout`, `time`, `unshare
+        // --fork`, a shell that runs it in the background), whose recipe
+        // root is the command.
+        if !observer
+            && (self.is_command(pid) || (below_command && flags.contains(HelloFlags::RUNNER)))
+        {
             self.command_connected();
         }
         self.send(
