@@ -93,7 +93,8 @@ struct RunArgs {
     #[arg(long, default_value = "pipe", value_parser = style_parser())]
     style: Style,
     /// Whose flags to export: GNU make's MAKEFLAGS and CARGO_MAKEFLAGS, or
-    /// bmake's -J (default: bmake when CMD is bmake or bsdmake).
+    /// bmake's -J (default: bmake when CMD is bmake or bsdmake, also behind
+    /// a wrapper such as timeout, nice, env or unshare).
     #[arg(long, value_parser = flavor_parser())]
     flavor: Option<Flavor>,
     /// Export no classic jobserver: only native clients take tokens.

@@ -184,8 +184,9 @@ fn classic_side(
     // (bmake reads `-J`, the rest `--jobserver-auth`). Whether the command
     // reads the pipe at all is not: the broker sees whether it connects as
     // a native client (`Stopper::command_started`).
-    let program = &args.command[0];
-    let flavor = args.flavor.unwrap_or_else(|| Flavor::for_command(program));
+    let flavor = args
+        .flavor
+        .unwrap_or_else(|| Flavor::for_command_line(&args.command));
     let mut bridge = Bridge::create(dir.dir(), args.style, flavor, args.jobs)
         .context("cannot set up the classic jobserver")?;
     let fds = bridge.take_inheritable_fds()?;

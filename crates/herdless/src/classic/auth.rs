@@ -81,6 +81,45 @@ impl Flavor {
     pub fn for_command(program: &OsStr) -> Flavor {
         Program::of(program).map_or(Flavor::Gnu, Program::flavor)
     }
+
+    /// [`for_command`](Self::for_command) for a command line, looking
+    /// through a wrapper that runs the rest of its arguments as a command
+    /// (`timeout 600 bmake`, `nice -n 5 bmake`, `env X=1 bmake`, `unshare
+    /// --pid --fork bmake`): the first later argument that names a program
+    /// [`Program`] knows decides. A shell's `-c` string is not looked into.
+    pub fn for_command_line<S: AsRef<OsStr>>(argv: &[S]) -> Flavor {
+        const WRAPPERS: [&str; 14] = [
+            "timeout",
+            "nice",
+            "nohup",
+            "setsid",
+            "env",
+            "time",
+            "stdbuf",
+            "ionice",
+            "chrt",
+            "taskset",
+            "unshare",
+            "bwrap",
+            "firejail",
+            "systemd-run",
+        ];
+        let Some(first) = argv.first() else {
+            return Flavor::Gnu;
+        };
+        let first = first.as_ref();
+        if Program::of(first).is_some() {
+            return Flavor::for_command(first);
+        }
+        let name = std::path::Path::new(first).file_name().unwrap_or(first);
+        if !WRAPPERS.iter().any(|w| name == OsStr::new(w)) {
+            return Flavor::Gnu;
+        }
+        argv[1..]
+            .iter()
+            .find_map(|a| Program::of(a.as_ref()))
+            .map_or(Flavor::Gnu, Program::flavor)
+    }
 }
 
 impl std::str::FromStr for Flavor {
@@ -928,6 +967,26 @@ mod tests {
         assert!(!Program::Rustc.runs_each_job_in_a_slot());
         assert_eq!(Flavor::for_command(OsStr::new("bsdmake")), Flavor::Bmake);
         assert_eq!(Flavor::for_command(OsStr::new("./build.sh")), Flavor::Gnu);
+        for (line, want) in [
+            (&["bmake", "-j4"][..], Flavor::Bmake),
+            (&["timeout", "600", "bmake"][..], Flavor::Bmake),
+            (
+                &["/usr/bin/nice", "-n", "5", "/usr/bin/bmake", "-k"][..],
+                Flavor::Bmake,
+            ),
+            (&["env", "X=1", "bsdmake"][..], Flavor::Bmake),
+            (&["unshare", "--pid", "--fork", "gmake"][..], Flavor::Gnu),
+            (
+                &["timeout", "600", "./build.sh", "bmake"][..],
+                Flavor::Bmake,
+            ),
+            (&["sh", "-c", "bmake"][..], Flavor::Gnu),
+            (&["./build.sh", "bmake"][..], Flavor::Gnu),
+            (&["timeout", "600"][..], Flavor::Gnu),
+            (&[][..], Flavor::Gnu),
+        ] {
+            assert_eq!(Flavor::for_command_line(line), want, "{line:?}");
+        }
         for f in Flavor::ALL {
             assert_eq!(f.name().parse::<Flavor>(), Ok(f));
         }
