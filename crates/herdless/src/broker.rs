@@ -737,8 +737,14 @@ impl Broker {
             return;
         }
         self.command_looked = pid;
+        // The command itself, or a make it started through a wrapper that
+        // forks, whose recipe root it is (see `handle_hello`).
         let found = self.conns.values().any(|c| {
-            c.client.is_some() && !c.observer && c.pid.is_some_and(|p| self.is_command(p))
+            c.client.is_some_and(|id| {
+                !c.observer
+                    && (c.pid.is_some_and(|p| self.is_command(p))
+                        || (c.runner && self.pool.borrows(id) == Some(SlotKey::Recipe(pid))))
+            })
         });
         if found {
             self.command_connected();
