@@ -68,10 +68,10 @@
 //!   exec`, a nested `herdless run`), or a make with herdless inside that
 //!   the command started through a wrapper that forks (`timeout`, `time`,
 //!   `unshare --fork`: a runner whose recipe root is the command), the
-//!   broker calls [`Bridge::command_is_native`]: unless a classic client was already
-//!   seen at work, the back-off starts at 1, so the bridge relies on its
-//!   back-off from the first ignored offer instead of assuming a reader up
-//!   front. Stock sub-makes, cargo or gcc below a native make still get
+//!   broker calls [`Bridge::command_is_native`]: unless a classic client
+//!   was already seen at work, the back-off starts at 1, so the bridge
+//!   relies on its back-off from the first ignored offer instead of
+//!   assuming a reader up front. Stock sub-makes, cargo or gcc below a native make still get
 //!   offers, within the back-off's bound.
 //! - **A classic client is seen at work**: fewer bytes in the pipe than the
 //!   bridge put there (an offer was read), or a token written back. The

@@ -85,8 +85,11 @@ impl Flavor {
     /// [`for_command`](Self::for_command) for a command line, looking
     /// through a wrapper that runs the rest of its arguments as a command
     /// (`timeout 600 bmake`, `nice -n 5 bmake`, `env X=1 bmake`, `unshare
-    /// --pid --fork bmake`): the first later argument that names a program
-    /// [`Program`] knows decides. A shell's `-c` string is not looked into.
+    /// --pid --fork bmake`): the wrapped command is the first later
+    /// argument that names a program [`Program`] knows, or a path, or a
+    /// file on `PATH` (then not a make: GNU's flags); the wrapper's options
+    /// and their values come before it. A shell's `-c` string is not
+    /// looked into.
     pub fn for_command_line<S: AsRef<OsStr>>(argv: &[S]) -> Flavor {
         const WRAPPERS: [&str; 14] = [
             "timeout",
@@ -115,11 +118,29 @@ impl Flavor {
         if !WRAPPERS.iter().any(|w| name == OsStr::new(w)) {
             return Flavor::Gnu;
         }
-        argv[1..]
-            .iter()
-            .find_map(|a| Program::of(a.as_ref()))
-            .map_or(Flavor::Gnu, Program::flavor)
+        for arg in &argv[1..] {
+            let arg = arg.as_ref();
+            if let Some(program) = Program::of(arg) {
+                return program.flavor();
+            }
+            if is_command_word(arg) {
+                break;
+            }
+        }
+        Flavor::Gnu
     }
+}
+
+/// Whether `word` names a program to run: a path, or a file in a
+/// directory of `PATH`.
+fn is_command_word(word: &OsStr) -> bool {
+    use std::os::unix::ffi::OsStrExt;
+    if word.as_bytes().contains(&b'/') {
+        return true;
+    }
+    !word.is_empty()
+        && std::env::var_os("PATH")
+            .is_some_and(|paths| std::env::split_paths(&paths).any(|dir| dir.join(word).is_file()))
 }
 
 impl std::str::FromStr for Flavor {
@@ -976,10 +997,8 @@ mod tests {
             ),
             (&["env", "X=1", "bsdmake"][..], Flavor::Bmake),
             (&["unshare", "--pid", "--fork", "gmake"][..], Flavor::Gnu),
-            (
-                &["timeout", "600", "./build.sh", "bmake"][..],
-                Flavor::Bmake,
-            ),
+            (&["timeout", "600", "./build.sh", "bmake"][..], Flavor::Gnu),
+            (&["nice", "-n", "5", "sh", "-c", "bmake"][..], Flavor::Gnu),
             (&["sh", "-c", "bmake"][..], Flavor::Gnu),
             (&["./build.sh", "bmake"][..], Flavor::Gnu),
             (&["timeout", "600"][..], Flavor::Gnu),
