@@ -132,10 +132,16 @@ impl Flavor {
 }
 
 /// Whether `word` names a program to run: a path, or a file in a
-/// directory of `PATH`.
+/// directory of `PATH`; not an assignment (`env PATH=/opt/bin bmake`).
 fn is_command_word(word: &OsStr) -> bool {
     use std::os::unix::ffi::OsStrExt;
-    if word.as_bytes().contains(&b'/') {
+    let bytes = word.as_bytes();
+    if let Some(eq) = bytes.iter().position(|&b| b == b'=') {
+        if !bytes[..eq].contains(&b'/') {
+            return false;
+        }
+    }
+    if bytes.contains(&b'/') {
         return true;
     }
     !word.is_empty()
@@ -996,6 +1002,10 @@ mod tests {
                 Flavor::Bmake,
             ),
             (&["env", "X=1", "bsdmake"][..], Flavor::Bmake),
+            (
+                &["env", "PATH=/opt/bin:/usr/bin", "bmake"][..],
+                Flavor::Bmake,
+            ),
             (&["unshare", "--pid", "--fork", "gmake"][..], Flavor::Gnu),
             (&["timeout", "600", "./build.sh", "bmake"][..], Flavor::Gnu),
             (&["nice", "-n", "5", "sh", "-c", "bmake"][..], Flavor::Gnu),
