@@ -111,8 +111,8 @@ impl Flavor {
             return Flavor::Gnu;
         };
         let first = first.as_ref();
-        if Program::of(first).is_some() {
-            return Flavor::for_command(first);
+        if let Some(program) = Program::of(first) {
+            return program.flavor();
         }
         let name = std::path::Path::new(first).file_name().unwrap_or(first);
         if !WRAPPERS.iter().any(|w| name == OsStr::new(w)) {

@@ -552,10 +552,7 @@ fn hello_for(options: &mut Options) -> (HelloFlags, u64) {
             Borrow::Nothing => flags |= HelloFlags::JOB,
             Borrow::Unnamed => {}
         }
-    } else if options.runner_in_recipe
-        && cfg!(any(target_os = "linux", target_os = "android"))
-        && (!make_level().is_empty() || slot_handed_down_at_top())
-    {
+    } else if may_share_a_recipe(options) {
         // Found from the process tree, whatever `HERDLESS_SLOT` says (a
         // bmake names its own slot there at its children's level). A
         // runner that the make started itself owns its token, and one
@@ -571,6 +568,15 @@ fn hello_for(options: &mut Options) -> (HelloFlags, u64) {
         }
     }
     (flags, slot)
+}
+
+/// Whether a runner with `options` may share the token of a recipe
+/// above it: it asks to (`runner_in_recipe`), the process tree can be
+/// read (Linux), and a make or a `herdless run`'s command lies above.
+fn may_share_a_recipe(options: &Options) -> bool {
+    options.runner_in_recipe
+        && cfg!(any(target_os = "linux", target_os = "android"))
+        && (!make_level().is_empty() || slot_handed_down_at_top())
 }
 
 /// What a job or a runner of a make recipe says instead of
@@ -592,10 +598,7 @@ fn hello_elsewhere(options: Options) -> Option<(HelloFlags, Options)> {
         options.implicit_token = false;
         return Some((HelloFlags::RECIPE_JOB, options));
     }
-    if options.runner_in_recipe
-        && cfg!(any(target_os = "linux", target_os = "android"))
-        && (!make_level().is_empty() || slot_handed_down_at_top())
-    {
+    if may_share_a_recipe(&options) {
         options.borrows_recipe_slot = true;
         return Some((HelloFlags::RECIPE_JOB | HelloFlags::RUNNER, options));
     }
