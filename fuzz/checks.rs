@@ -154,7 +154,13 @@ pub fn pool(data: &[u8]) {
             }
             3 => {
                 if let Some(id) = pick(&clients) {
-                    let _ = pool.cancel(id);
+                    // An odd argument: the withdrawal nobody waits for,
+                    // which takes a raced grant back.
+                    let _ = if arg & 1 == 1 {
+                        pool.cancel_or_take_back(id, now)
+                    } else {
+                        pool.cancel(id)
+                    };
                 }
             }
             4 | 5 => {
@@ -192,6 +198,7 @@ pub fn pool(data: &[u8]) {
                 Effect::Grant { client, .. }
                 | Effect::Denied { client }
                 | Effect::Cancelled { client, .. }
+                | Effect::TakenBack { client }
                 | Effect::Aborted { client, .. }
                 | Effect::Stopped { client } => client,
             };

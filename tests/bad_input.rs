@@ -75,7 +75,7 @@ fn bad_peers_are_cut_off_and_the_rest_go_on() {
     // A wrong protocol version.
     let r = send_raw(&serve, &hello(9), false);
     assert!(
-        error_of(&r).contains("unsupported protocol version 9 (broker speaks 3)"),
+        error_of(&r).contains("unsupported protocol version 9 (broker speaks 3 to 5)"),
         "{r:?}"
     );
 
@@ -86,7 +86,7 @@ fn bad_peers_are_cut_off_and_the_rest_go_on() {
     ];
     let r = send_raw(&serve, &v1, false);
     assert!(
-        error_of(&r).contains("unsupported protocol version 1 (broker speaks 3)"),
+        error_of(&r).contains("unsupported protocol version 1 (broker speaks 3 to 5)"),
         "{r:?}"
     );
 

@@ -633,3 +633,183 @@ fn concurrent_status_calls_each_get_a_reply() {
         assert!(t.join().unwrap());
     }
 }
+
+/// A client of the raw protocol, speaking `version`: what a make's glue
+/// would say, without the library's bookkeeping in between.
+struct Raw {
+    s: std::os::unix::net::UnixStream,
+    rx: herdless::protocol::FrameBuffer,
+}
+
+impl Raw {
+    fn connect(serve: &Serve, version: u16) -> Raw {
+        use herdless::protocol::{HelloFlags, Reply, Request};
+        let s = std::os::unix::net::UnixStream::connect(&serve.socket).unwrap();
+        s.set_read_timeout(Some(common::PATIENCE)).unwrap();
+        let mut raw = Raw {
+            s,
+            rx: herdless::protocol::FrameBuffer::new(),
+        };
+        raw.send(&[Request::Hello {
+            version,
+            flags: HelloFlags::empty(),
+            pid: std::process::id(),
+            slot: 0,
+        }]);
+        match raw.reply() {
+            Reply::Welcome { version: v, .. } => assert_eq!(v, version),
+            other => panic!("no welcome: {other}"),
+        }
+        raw
+    }
+
+    /// Writes `requests` in one write: the broker reads them in one go.
+    fn send(&mut self, requests: &[herdless::protocol::Request]) {
+        use std::io::Write;
+        let mut out = Vec::new();
+        for r in requests {
+            r.encode(&mut out);
+        }
+        self.s.write_all(&out).unwrap();
+    }
+
+    fn reply(&mut self) -> herdless::protocol::Reply {
+        use std::io::Read;
+        loop {
+            if let Some(r) = self.rx.next_reply().unwrap() {
+                return r;
+            }
+            let mut buf = [0u8; 256];
+            let n = self.s.read(&mut buf).expect("a reply in time");
+            assert!(n > 0, "the broker closed the connection");
+            self.rx.extend(&buf[..n]);
+        }
+    }
+}
+
+/// The race of a withdrawal nobody waits for: the broker grants the
+/// request after the client last read its socket, and the withdrawal
+/// comes after that grant. A client that will read the grant only at its
+/// next call (a make asleep in its poll loop, which dropped the socket
+/// from its set) would keep that token idle while another process waits.
+/// Written here as the broker sees it, deterministically: the release
+/// that lets the broker grant the client's second request and the
+/// withdrawal arrive in one read.
+#[test]
+fn a_grant_that_raced_a_withdrawal_nobody_waits_for_goes_on_to_the_next_waiter() {
+    use herdless::protocol::{Reply, Request, PROTOCOL_VERSION, TAKE_BACK_VERSION};
+    for version in [TAKE_BACK_VERSION, PROTOCOL_VERSION] {
+        let serve = Serve::start(2); // one shared token
+        let mut a = Raw::connect(&serve, version);
+        a.send(&[Request::Acquire]);
+        assert_eq!(a.reply(), Reply::Grant);
+        a.send(&[Request::Acquire]);
+        serve.wait_for("a's second request to queue", |s| s.waiting == 1);
+        let b = shared_only(&serve);
+        let waiter = {
+            let b = b.clone();
+            std::thread::spawn(move || b.acquire().map(|t| t.forget()).map_err(|e| e.kind()))
+        };
+        serve.wait_for("b to queue behind a", |s| s.waiting == 2);
+        // The token goes from a's first grant to its second request; the
+        // withdrawal of that request finds it granted.
+        let withdraw = if version == TAKE_BACK_VERSION {
+            Request::CancelNowait
+        } else {
+            Request::Cancel
+        };
+        a.send(&[Request::Release, withdraw]);
+        assert_eq!(a.reply(), Reply::Grant, "version {version}");
+        if version == TAKE_BACK_VERSION {
+            // Taken back at once: b has it while a still holds the grant
+            // unread as far as the broker knows, and a is told.
+            assert_eq!(a.reply(), Reply::TakenBack);
+            assert_eq!(waiter.join().unwrap(), Ok(()));
+            let s = serve.status();
+            assert_eq!((s.taken_back, s.waiting, s.free), (1, 0, 0), "{s:#?}");
+        } else {
+            // Without it the token stays with a, unused, while b waits,
+            // until a reads the grant and gives it back.
+            assert_eq!(a.reply(), Reply::Cancelled { cancelled: false });
+            let s = serve.status();
+            assert_eq!((s.taken_back, s.waiting), (0, 1), "b still waits: {s:#?}");
+            a.send(&[Request::Release]);
+            assert_eq!(waiter.join().unwrap(), Ok(()));
+        }
+        b.release_raw().unwrap();
+        drop(a);
+        let s = serve.wait_for("every token back", |s| s.free == 1 && s.clients_total == 1);
+        // a held nothing when it closed: nothing was taken from a client
+        // that died.
+        assert_eq!((s.reclaimed, s.lost), (0, 0), "{s:#?}");
+    }
+}
+
+/// The client's side of the same race: a grant that the broker says it
+/// took back is void. The broker here is a stand-in that answers the
+/// withdrawal with the grant and `TakenBack` together, and records what
+/// the client sends after: never a `Release` for that token.
+#[test]
+fn a_grant_the_broker_took_back_is_void_in_the_client() {
+    use herdless::protocol::{decode_request, Reply, Request, TAKE_BACK_VERSION};
+    use std::io::{Read, Write};
+    let dir = std::env::temp_dir().join(format!("herdless-takeback-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let socket = dir.join("broker.sock");
+    let listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+    let broker = std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().unwrap();
+        let mut got = Vec::new();
+        let mut seen = Vec::new();
+        let mut buf = [0u8; 256];
+        loop {
+            while let Ok(Some((req, used))) = decode_request(&got) {
+                got.drain(..used);
+                let mut out = Vec::new();
+                match &req {
+                    Request::Hello { version, .. } => {
+                        assert_eq!(*version, TAKE_BACK_VERSION);
+                        Reply::Welcome {
+                            version: *version,
+                            capacity: 1,
+                            client_id: 1,
+                            slot: 9,
+                        }
+                        .encode(&mut out);
+                        // No table from this stand-in.
+                        Reply::Segment { owner: 0, words: 0 }.encode(&mut out);
+                    }
+                    Request::TryAcquire => Reply::Denied.encode(&mut out),
+                    Request::CancelNowait => {
+                        Reply::Grant.encode(&mut out);
+                        Reply::TakenBack.encode(&mut out);
+                    }
+                    Request::Status => Reply::Status { json: "{}".into() }.encode(&mut out),
+                    _ => {}
+                }
+                s.write_all(&out).unwrap();
+                seen.push(req.name());
+            }
+            match s.read(&mut buf) {
+                Ok(0) | Err(_) => return seen,
+                Ok(n) => got.extend_from_slice(&buf[..n]),
+            }
+        }
+    });
+    let c = Client::connect_with(&socket, Options::default().implicit_token(false)).unwrap();
+    assert!(c.take_grant().unwrap().is_none(), "a request pending");
+    c.cancel_pending_nowait().unwrap();
+    // The answers are read (a status round trip reads past them): nothing
+    // is pending, nothing held, nothing owed.
+    let _ = c.status_json();
+    assert!(!c.has_pending().unwrap());
+    drop(c);
+    let seen = broker.join().unwrap();
+    assert!(
+        !seen.contains(&"Release"),
+        "the client gave back a token the broker had taken back: {seen:?}"
+    );
+    assert!(seen.contains(&"CancelNowait"), "{seen:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -712,7 +712,7 @@ fn a_version_1_connection_cannot_send_control() {
         panic!("expected an error, got {error:?}");
     };
     assert!(
-        message.starts_with("unsupported protocol version 1 (broker speaks 3)"),
+        message.starts_with("unsupported protocol version 1 (broker speaks 3 to 5)"),
         "{message}"
     );
     assert_eq!(status_of(&serve.socket).jobs, 3, "nothing changed");

@@ -689,6 +689,7 @@ fn a_broker_that_predates_the_table_is_asked_again_without_it() {
     drop(c);
     let hellos = old.join().unwrap();
     assert!(hellos[0].1.contains(HelloFlags::FAST), "{hellos:?}");
+    assert_eq!(hellos[0].0, herdless::protocol::TAKE_BACK_VERSION);
     assert_eq!(hellos[1], (PROTOCOL_VERSION, HelloFlags::empty()));
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -540,13 +540,14 @@ int herdless_cancel(herdless_client *c);
  * start, say). A grant that had arrived already goes back to the broker,
  * and so does one that races the withdrawal (the broker granted the
  * request before it read the withdrawal): the caller holds nothing new
- * afterwards. That raced grant is read, and given back, at the next call
- * on this handle that reads the socket (`herdless_pending`,
- * `herdless_take_grant`, `herdless_release`, …): until then it idles in
- * this process's socket. A poll loop that keeps `herdless_fd` in its set
- * after withdrawing, and calls `herdless_pending` when it turns readable,
- * gives it back at once; one that does not, at its next call. On a
- * classic jobserver there is nothing to withdraw.
+ * afterwards. The broker takes that raced grant back itself the moment it
+ * reads the withdrawal, and the token goes on to the next waiter; the
+ * grant, read at this handle's next call, is void (protocol version 5).
+ * Against a broker of an older herdless, the raced grant is read and
+ * given back at the next call on this handle that reads the socket
+ * (`herdless_pending`, `herdless_take_grant`, `herdless_release`, …),
+ * and idles in this process's socket until then. On a classic jobserver
+ * there is nothing to withdraw.
  *
  * Returns 0, or `-ECONNRESET`, `-EINVAL` as `herdless_acquire`. After an
  * abort it returns 0: the broker ended every request.

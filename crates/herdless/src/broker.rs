@@ -60,7 +60,7 @@ use crate::log::Level;
 use crate::pool::{ClientId, ClientInfo, Effect, Pool, SlotKey};
 use crate::protocol::{
     FrameBuffer, HelloFlags, ProtocolError, Reply, Request, BUSY_PREFIX, CONTROL_VERSION,
-    FAST_VERSION, NO_ROOM_PREFIX, PROTOCOL_VERSION,
+    FAST_VERSION, NO_ROOM_PREFIX, PROTOCOL_VERSION, TAKE_BACK_VERSION,
 };
 use crate::status::{ClientStatus, Status};
 
@@ -1427,9 +1427,10 @@ impl Broker {
         else {
             return Err(format!("expected a hello frame first, got {req}"));
         };
-        if !(PROTOCOL_VERSION..=FAST_VERSION).contains(&version) {
+        if !(PROTOCOL_VERSION..=TAKE_BACK_VERSION).contains(&version) {
             return Err(format!(
-                "unsupported protocol version {version} (broker speaks {PROTOCOL_VERSION}); \
+                "unsupported protocol version {version} (broker speaks {PROTOCOL_VERSION} to \
+                 {TAKE_BACK_VERSION}); \
                  versions before 3 named a job's parent by process id, which this broker \
                  no longer trusts: use a herdless of the same version"
             ));
@@ -1582,6 +1583,19 @@ impl Broker {
                 Ok(())
             }
             Request::Cancel => self.pool.cancel(id),
+            Request::CancelNowait if conn_version < TAKE_BACK_VERSION => {
+                return Err(format!(
+                    "CancelNowait needs protocol version {TAKE_BACK_VERSION}; \
+                     this connection speaks {conn_version}"
+                ));
+            }
+            Request::CancelNowait => {
+                let done = self.pool.cancel_or_take_back(id, now);
+                if self.pool.held_by(id) == Some(0) {
+                    self.unwatch_holder(token);
+                }
+                done
+            }
             Request::Release => {
                 let released = self.pool.release(id, now);
                 if self.pool.held_by(id) == Some(0) {
@@ -1713,6 +1727,7 @@ impl Broker {
                 }
                 Effect::Denied { client }
                 | Effect::Cancelled { client, .. }
+                | Effect::TakenBack { client }
                 | Effect::Aborted { client, .. }
                 | Effect::Stopped { client }
                     if client == table =>
@@ -1740,6 +1755,7 @@ impl Broker {
             (
                 Effect::Denied { client }
                 | Effect::Cancelled { client, .. }
+                | Effect::TakenBack { client }
                 | Effect::Stopped { client },
                 _,
             ) if Some(*client) == bridge_id => {
@@ -1771,6 +1787,7 @@ impl Broker {
                 Effect::Grant { client, .. } => (client, Reply::Grant),
                 Effect::Denied { client } => (client, Reply::Denied),
                 Effect::Cancelled { client, cancelled } => (client, Reply::Cancelled { cancelled }),
+                Effect::TakenBack { client } => (client, Reply::TakenBack),
                 Effect::Aborted { client, reason } => (client, Reply::Aborted { reason }),
                 Effect::Stopped { .. } => unreachable!("handled above"),
             };
@@ -2024,6 +2041,7 @@ impl Broker {
                 .saturating_add(self.fast.as_ref().map_or(0, |f| f.table.handoffs())),
             denied: stats.denied,
             cancelled: stats.cancelled.saturating_add(table_cancelled),
+            taken_back: stats.taken_back,
             reclaimed: stats.reclaimed + table_reclaimed,
             connections: stats.connections - u64::from(self.table_made),
             stopped: self.pool.stopped(),

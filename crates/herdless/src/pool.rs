@@ -121,6 +121,13 @@ pub enum Effect {
         /// Whether an acquire was pending.
         cancelled: bool,
     },
+    /// Answer a cancel nobody waits for, which found no pending acquire:
+    /// the token of the grant that raced it was taken back from `client`
+    /// ([`Pool::cancel_or_take_back`]).
+    TakenBack {
+        /// Who asked.
+        client: ClientId,
+    },
     /// Tell `client` that the tree is aborting.
     Aborted {
         /// Who is told.
@@ -214,6 +221,9 @@ pub struct Stats {
     pub denied: u64,
     /// Pending acquires withdrawn by their client.
     pub cancelled: u64,
+    /// Tokens taken back for a withdrawal that came after its grant was
+    /// sent ([`Pool::cancel_or_take_back`]).
+    pub taken_back: u64,
     /// Tokens taken back from clients that disconnected holding them.
     pub reclaimed: u64,
     /// Acquires refused because the pool had stopped (the waiters told at
@@ -680,6 +690,26 @@ impl Pool {
             client: id,
             cancelled,
         });
+        Ok(())
+    }
+
+    /// Withdraws one pending acquire of the client, as [`Pool::cancel`]; when
+    /// none is pending, the grant that answered it has been sent already,
+    /// and the client, which does not wait for this answer, had not read
+    /// it when it asked: that token is taken back as if the client gave
+    /// it back (it goes to the first waiter), and the answer says so
+    /// ([`Effect::TakenBack`]). Nothing is taken back after an abort or a
+    /// stop (the acquire was answered by those), nor from a client that
+    /// holds nothing.
+    pub fn cancel_or_take_back(&mut self, id: ClientId, now: Duration) -> Result<(), PoolError> {
+        let client = self.client_mut(id)?;
+        let holds = client.pool_held > 0 || client.slot_held;
+        if client.waiting > 0 || !holds || self.aborted.is_some() || self.stopped {
+            return self.cancel(id);
+        }
+        self.release(id, now)?;
+        self.stats.taken_back += 1;
+        self.effects.push(Effect::TakenBack { client: id });
         Ok(())
     }
 

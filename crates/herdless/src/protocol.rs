@@ -1,5 +1,6 @@
-//! The wire format between native clients and the broker (versions 1 and
-//! 2; version 2 adds [`Request::Control`] and [`Reply::Controlled`]).
+//! The wire format between native clients and the broker (versions 3 to
+//! 5: version 4 adds the shared token table, version 5
+//! [`Request::CancelNowait`] and [`Reply::TakenBack`]).
 //!
 //! Every message is one frame: a 5-byte header (`len: u32` little-endian, the
 //! payload length, then `kind: u8`) followed by `len` payload bytes. Frames
@@ -42,6 +43,13 @@ pub const CONTROL_VERSION: u16 = 3;
 /// the table, and otherwise speaks [`PROTOCOL_VERSION`].
 pub const FAST_VERSION: u16 = 4;
 
+/// The version that adds [`Request::CancelNowait`] and [`Reply::TakenBack`]:
+/// a withdrawal nobody waits for, after which no grant that raced it stays
+/// with the client. A broker speaks versions [`PROTOCOL_VERSION`] to this
+/// one; a client asks for it first and speaks [`PROTOCOL_VERSION`] to a
+/// broker that refuses it.
+pub const TAKE_BACK_VERSION: u16 = 5;
+
 /// The message of the `Error` a broker sends, before it closes the
 /// connection, to a client that waits or asks for a token after the broker
 /// stopped granting. A client reports it as the broker going away.
@@ -78,9 +86,9 @@ pub const NO_ROOM_PREFIX: &str = "no room: ";
 
 /// The `kind` byte of each frame.
 ///
-/// Requests use `0x01..=0x09`, replies `0x81..=0x89` (`0x08` and `0x88`
-/// from version 2, `0x09` and `0x89` from version 4); each decoder knows
-/// only its own direction's kinds.
+/// Requests use `0x01..=0x0a`, replies `0x81..=0x8a` (`0x08` and `0x88`
+/// from version 2, `0x09` and `0x89` from version 4, `0x0a` and `0x8a` from
+/// version 5); each decoder knows only its own direction's kinds.
 pub mod kind {
     /// [`Request::Hello`](super::Request::Hello).
     pub const HELLO: u8 = 0x01;
@@ -100,6 +108,8 @@ pub mod kind {
     pub const CONTROL: u8 = 0x08;
     /// [`Request::Returned`](super::Request::Returned) (version 4).
     pub const RETURNED: u8 = 0x09;
+    /// [`Request::CancelNowait`](super::Request::CancelNowait) (version 5).
+    pub const CANCEL_NOWAIT: u8 = 0x0a;
 
     /// [`Reply::Welcome`](super::Reply::Welcome).
     pub const WELCOME: u8 = 0x81;
@@ -119,6 +129,8 @@ pub mod kind {
     pub const CONTROLLED: u8 = 0x88;
     /// [`Reply::Segment`](super::Reply::Segment) (version 4).
     pub const SEGMENT: u8 = 0x89;
+    /// [`Reply::TakenBack`](super::Reply::TakenBack) (version 5).
+    pub const TAKEN_BACK: u8 = 0x8a;
 }
 
 /// Payload length of `Hello`: magic, version, flags, pid, slot.
@@ -228,6 +240,13 @@ pub enum Request {
     TryAcquire,
     /// Withdraw one pending `Acquire`; answered by `Cancelled`.
     Cancel,
+    /// Withdraw one pending `Acquire`, for a client that will not wait for
+    /// the answer (version 5). When none is pending, its `Grant` is on the
+    /// way to a client that had not read it when it asked: the broker
+    /// takes that token back into the pool at once (it goes to the next
+    /// waiter) and answers `TakenBack`, and the client voids the `Grant`.
+    /// Otherwise answered as `Cancel` is.
+    CancelNowait,
     /// Give one held token back. No reply.
     Release,
     /// Abort the build for every client.
@@ -287,12 +306,18 @@ pub enum Reply {
     Grant,
     /// The answer to `TryAcquire` when no token is free.
     Denied,
-    /// The answer to `Cancel`.
+    /// The answer to `Cancel`, and to `CancelNowait` when the broker took
+    /// nothing back.
     Cancelled {
         /// `true`: a pending `Acquire` was withdrawn. `false`: none was
         /// pending; its `Grant` was sent earlier on the stream.
         cancelled: bool,
     },
+    /// The answer to `CancelNowait` when no `Acquire` was pending (version
+    /// 5): the token of a `Grant` sent earlier on the stream, and not read
+    /// by the client when it asked, went back to the pool. The client holds
+    /// one token fewer than the grants it read say.
+    TakenBack,
     /// The build was aborted; no more tokens will be granted.
     Aborted {
         /// Why.
@@ -397,6 +422,7 @@ impl Request {
             Request::Acquire => kind::ACQUIRE,
             Request::TryAcquire => kind::TRY_ACQUIRE,
             Request::Cancel => kind::CANCEL,
+            Request::CancelNowait => kind::CANCEL_NOWAIT,
             Request::Release => kind::RELEASE,
             Request::Abort { .. } => kind::ABORT,
             Request::Status => kind::STATUS,
@@ -412,6 +438,7 @@ impl Request {
             Request::Acquire => "Acquire",
             Request::TryAcquire => "TryAcquire",
             Request::Cancel => "Cancel",
+            Request::CancelNowait => "CancelNowait",
             Request::Release => "Release",
             Request::Abort { .. } => "Abort",
             Request::Status => "Status",
@@ -443,6 +470,7 @@ impl Request {
             Request::Acquire
             | Request::TryAcquire
             | Request::Cancel
+            | Request::CancelNowait
             | Request::Release
             | Request::Returned
             | Request::Status => put_header(out, self.kind(), 0),
@@ -482,6 +510,7 @@ impl Reply {
             Reply::Grant => kind::GRANT,
             Reply::Denied => kind::DENIED,
             Reply::Cancelled { .. } => kind::CANCELLED,
+            Reply::TakenBack => kind::TAKEN_BACK,
             Reply::Aborted { .. } => kind::ABORTED,
             Reply::Status { .. } => kind::STATUS_REPLY,
             Reply::Error { .. } => kind::ERROR,
@@ -497,6 +526,7 @@ impl Reply {
             Reply::Grant => "Grant",
             Reply::Denied => "Denied",
             Reply::Cancelled { .. } => "Cancelled",
+            Reply::TakenBack => "TakenBack",
             Reply::Aborted { .. } => "Aborted",
             Reply::Status { .. } => "Status",
             Reply::Error { .. } => "Error",
@@ -527,7 +557,9 @@ impl Reply {
                 out.extend_from_slice(&client_id.to_le_bytes());
                 out.extend_from_slice(&slot.to_le_bytes());
             }
-            Reply::Grant | Reply::Denied | Reply::Controlled => put_header(out, self.kind(), 0),
+            Reply::Grant | Reply::Denied | Reply::Controlled | Reply::TakenBack => {
+                put_header(out, self.kind(), 0)
+            }
             Reply::Cancelled { cancelled } => {
                 put_header(out, self.kind(), 1);
                 out.push(u8::from(*cancelled));
@@ -598,6 +630,7 @@ fn request_payload_len(kind: u8) -> Option<usize> {
         kind::ACQUIRE
         | kind::TRY_ACQUIRE
         | kind::CANCEL
+        | kind::CANCEL_NOWAIT
         | kind::RELEASE
         | kind::STATUS
         | kind::RETURNED => Some(0),
@@ -616,7 +649,9 @@ enum ReplyLen {
 fn reply_payload_len(kind: u8) -> Option<ReplyLen> {
     match kind {
         kind::WELCOME => Some(ReplyLen::Exact(WELCOME_LEN)),
-        kind::GRANT | kind::DENIED | kind::CONTROLLED => Some(ReplyLen::Exact(0)),
+        kind::GRANT | kind::DENIED | kind::CONTROLLED | kind::TAKEN_BACK => {
+            Some(ReplyLen::Exact(0))
+        }
         kind::CANCELLED | kind::ABORTED => Some(ReplyLen::Exact(1)),
         kind::SEGMENT => Some(ReplyLen::Exact(SEGMENT_LEN)),
         kind::STATUS_REPLY => Some(ReplyLen::AtMost(MAX_REPLY_PAYLOAD)),
@@ -720,6 +755,7 @@ pub fn decode_request(buf: &[u8]) -> Result<Option<(Request, usize)>, ProtocolEr
         kind::ACQUIRE => Request::Acquire,
         kind::TRY_ACQUIRE => Request::TryAcquire,
         kind::CANCEL => Request::Cancel,
+        kind::CANCEL_NOWAIT => Request::CancelNowait,
         kind::RELEASE => Request::Release,
         kind::RETURNED => Request::Returned,
         kind::ABORT => {
@@ -801,6 +837,7 @@ pub fn decode_reply(buf: &[u8]) -> Result<Option<(Reply, usize)>, ProtocolError>
             }
         }
         kind::GRANT => Reply::Grant,
+        kind::TAKEN_BACK => Reply::TakenBack,
         kind::CONTROLLED => Reply::Controlled,
         kind::SEGMENT => {
             let p = fixed::<SEGMENT_LEN>(kind, payload)?;
@@ -952,6 +989,7 @@ mod tests {
             Request::Acquire,
             Request::TryAcquire,
             Request::Cancel,
+            Request::CancelNowait,
             Request::Release,
             Request::Abort {
                 reason: AbortReason::Error,
@@ -975,6 +1013,7 @@ mod tests {
             Reply::Denied,
             Reply::Cancelled { cancelled: true },
             Reply::Cancelled { cancelled: false },
+            Reply::TakenBack,
             Reply::Aborted {
                 reason: AbortReason::Error,
             },
@@ -1234,13 +1273,13 @@ mod tests {
 
     #[test]
     fn unknown_kinds_are_rejected_from_the_header() {
-        for kind in [0x00, 0x0a, 0x7f, 0x80, 0x81, 0x87, 0x88, 0x89, 0xff] {
+        for kind in [0x00, 0x0b, 0x7f, 0x80, 0x81, 0x87, 0x88, 0x89, 0x8a, 0xff] {
             assert_eq!(
                 decode_request(&[0, 0, 0, 0, kind]),
                 Err(ProtocolError::UnknownKind(kind))
             );
         }
-        for kind in [0x00, 0x01, 0x08, 0x09, 0x80, 0x8a, 0xff] {
+        for kind in [0x00, 0x01, 0x08, 0x09, 0x0a, 0x80, 0x8b, 0xff] {
             assert_eq!(
                 decode_reply(&[0, 0, 0, 0, kind]),
                 Err(ProtocolError::UnknownKind(kind))
@@ -1521,6 +1560,7 @@ mod tests {
                 "Acquire",
                 "TryAcquire",
                 "Cancel",
+                "CancelNowait",
                 "Release",
                 "Abort",
                 "Abort",
@@ -1536,6 +1576,7 @@ mod tests {
                 "Denied",
                 "Cancelled",
                 "Cancelled",
+                "TakenBack",
                 "Aborted",
                 "Aborted",
                 "Status",
@@ -1564,6 +1605,7 @@ mod tests {
             Just(Request::Acquire),
             Just(Request::TryAcquire),
             Just(Request::Cancel),
+            Just(Request::CancelNowait),
             Just(Request::Release),
             any_abort_reason().prop_map(|reason| Request::Abort { reason }),
             Just(Request::Status),
@@ -1584,6 +1626,7 @@ mod tests {
             Just(Reply::Grant),
             Just(Reply::Denied),
             any::<bool>().prop_map(|cancelled| Reply::Cancelled { cancelled }),
+            Just(Reply::TakenBack),
             any_abort_reason().prop_map(|reason| Reply::Aborted { reason }),
             ".{0,200}".prop_map(|json| Reply::Status { json }),
             ".{0,600}".prop_map(|message| Reply::Error { message }),
@@ -1598,7 +1641,7 @@ mod tests {
             proptest::collection::vec(any::<u8>(), 0..64),
             (
                 0u32..80,
-                prop_oneof![0x01u8..=0x09, 0x81u8..=0x89, any::<u8>()],
+                prop_oneof![0x01u8..=0x0a, 0x81u8..=0x8a, any::<u8>()],
                 proptest::collection::vec(any::<u8>(), 0..80),
             )
                 .prop_map(|(len, kind, rest)| {

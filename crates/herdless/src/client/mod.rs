@@ -931,9 +931,12 @@ impl Client {
     /// Withdraws, without waiting for the broker's answer, a request left
     /// pending by [`Client::take_grant`] or an interrupted acquire, and
     /// gives back a grant that had arrived for it: the caller holds
-    /// nothing new afterwards, and a grant that races the withdrawal goes
-    /// back to the broker when it arrives. On a classic jobserver there is
-    /// nothing to withdraw.
+    /// nothing new afterwards. A grant that races the withdrawal (sent
+    /// before the broker read it) is taken back by the broker as it reads
+    /// the withdrawal, and goes on to the next waiter (protocol version 5,
+    /// `CancelNowait`); a broker of an older herdless has it given back
+    /// when this client next reads its socket. On a classic jobserver
+    /// there is nothing to withdraw.
     pub fn cancel_pending_nowait(&self) -> Result<()> {
         self.same_process()?;
         match &self.inner.backend {

@@ -22,7 +22,8 @@ use super::Wait;
 use crate::error::{Error, ErrorKind, Result};
 use crate::fast::{PollStep, PollWait, Table, WaitEnd};
 use crate::protocol::{
-    AbortReason, ControlOp, FrameBuffer, HelloFlags, Reply, Request, FAST_VERSION, PROTOCOL_VERSION,
+    AbortReason, ControlOp, FrameBuffer, HelloFlags, Reply, Request, PROTOCOL_VERSION,
+    TAKE_BACK_VERSION,
 };
 use crate::sync::lock;
 
@@ -268,15 +269,15 @@ impl Started {
 
     /// Reads the broker's answer, as [`Native::connect`] does after its
     /// hello. A broker that turned this hello away, busy or older than
-    /// the shared table, is asked again as `connect` asks: with growing
-    /// pauses while it is busy, and without the table when it does not
-    /// know it.
+    /// this client, is asked again as `connect` asks: with growing pauses
+    /// while it is busy, and in [`PROTOCOL_VERSION`], without the table,
+    /// when it does not speak [`TAKE_BACK_VERSION`].
     pub(crate) fn finish(self) -> Result<Native> {
         let Started { native, ask, fast } = self;
         let path = native.path.clone();
         match native.handshake(fast) {
             Ok(native) => Ok(native),
-            Err(e) if fast && e.kind() == ErrorKind::Refused && !is_busy(&e) && !is_no_room(&e) => {
+            Err(e) if e.kind() == ErrorKind::Refused && !is_busy(&e) && !is_no_room(&e) => {
                 Native::connect_version(&path, ask, PROTOCOL_VERSION)
             }
             Err(e) if is_busy(&e) => Native::connect(&path, ask),
@@ -290,14 +291,17 @@ impl Native {
     /// broker that is busy (see [`is_busy`]) is tried again with growing
     /// pauses for up to [`BUSY_RETRY_FOR`].
     pub(crate) fn connect(path: &Path, ask: Ask) -> Result<Native> {
-        if !Native::asks_for_table(ask.flags) {
-            return Native::connect_version(path, ask, PROTOCOL_VERSION);
-        }
-        match Native::connect_version(path, ask.with(HelloFlags::FAST), FAST_VERSION) {
-            // A broker older than the table refuses the hello (by its
-            // version, or by the flag `FAST`, which its decoder does not
-            // know): ask again as a client of the socket alone. A refusal
-            // for any other reason comes again, and is reported then.
+        let first = if Native::asks_for_table(ask.flags) {
+            ask.with(HelloFlags::FAST)
+        } else {
+            ask
+        };
+        match Native::connect_version(path, first, TAKE_BACK_VERSION) {
+            // A broker older than this client refuses the hello (by its
+            // version, or by the flag `FAST`, which its decoder may not
+            // know): ask again in the oldest version, as a client of the
+            // socket alone. A refusal for any other reason comes again,
+            // and is reported then.
             Err(e) if e.kind() == ErrorKind::Refused && !is_no_room(&e) => {
                 Native::connect_version(path, ask, PROTOCOL_VERSION)
             }
@@ -373,12 +377,12 @@ impl Native {
     /// sleep for the answer, which has come by then.
     pub(crate) fn start(path: &Path, ask: Ask) -> Result<Started> {
         let fast = Native::asks_for_table(ask.flags);
-        let (sent, version) = if fast {
-            (ask.with(HelloFlags::FAST), FAST_VERSION)
+        let sent = if fast {
+            ask.with(HelloFlags::FAST)
         } else {
-            (ask, PROTOCOL_VERSION)
+            ask
         };
-        let native = Native::hello(path, sent, version)?;
+        let native = Native::hello(path, sent, TAKE_BACK_VERSION)?;
         Ok(Started { native, ask, fast })
     }
 
@@ -1049,6 +1053,22 @@ impl Native {
                     }
                 }
             }
+            Reply::TakenBack => {
+                // The broker took back the token of a grant read since
+                // the `CancelNowait` was sent: that grant is void. Such a
+                // grant is never handed out before this answer (see
+                // `cancel_nowait`).
+                st.cancels = st.cancels.saturating_sub(1);
+                st.nowait_cancels = st.nowait_cancels.saturating_sub(1);
+                if st.ready > 0 {
+                    st.ready -= 1;
+                } else {
+                    st.dead = Some((
+                        ErrorKind::Protocol,
+                        "the broker took back a token this client had no grant for".into(),
+                    ));
+                }
+            }
             Reply::Aborted { reason } => {
                 st.aborted.get_or_insert(reason);
                 // The broker ends every pending request with the abort.
@@ -1428,8 +1448,18 @@ impl Native {
 
     /// Withdraws, without waiting for the broker's answer, every request
     /// beyond what blocked threads still want, and gives back any grant
-    /// that arrived for them. A grant that races the withdrawal goes back
-    /// to the broker when it arrives. Nothing is held or owed afterwards.
+    /// that arrived for them. Nothing is held or owed afterwards.
+    ///
+    /// A grant that races the withdrawal (sent before the broker read it)
+    /// is taken back by the broker at once where it speaks
+    /// [`TAKE_BACK_VERSION`] (`CancelNowait`, answered `TakenBack`): the
+    /// token goes to the next waiter while this client is still unaware
+    /// of it, and the grant is void when read. Such a grant is never
+    /// handed out first: every caller that takes a spare grant waits for
+    /// the answers to these withdrawals (`settle_nowait`), and blocked
+    /// threads are not withdrawn for, so they take at most the grants
+    /// that stay. With an older broker the grant goes back when it is
+    /// read, at this client's next call that reads the socket.
     pub(crate) fn cancel_nowait(&self) -> Result<()> {
         if self.poll_withdraw()? {
             // Handed over before the withdrawal: it goes on at once.
@@ -1450,8 +1480,13 @@ impl Native {
             // A blocking withdrawal is under way; it withdraws these too.
             return Ok(());
         }
+        let cancel = if self.version >= TAKE_BACK_VERSION {
+            Request::CancelNowait
+        } else {
+            Request::Cancel
+        };
         while st.acquires > st.cancels && st.acquires - st.cancels > st.wanting {
-            self.send(&Request::Cancel)?;
+            self.send(&cancel)?;
             st.cancels += 1;
             st.nowait_cancels += 1;
         }

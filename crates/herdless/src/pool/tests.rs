@@ -185,6 +185,60 @@ fn a_stop_is_a_stop() {
 }
 
 #[test]
+fn a_cancel_that_comes_after_its_grant_takes_the_token_back_for_the_next_waiter() {
+    let mut p = Pool::new(1);
+    let a = p.connect(native(10));
+    let b = p.connect(native(11));
+    p.acquire(a, t(0)).unwrap();
+    p.acquire(b, t(1)).unwrap();
+    assert_eq!(p.take_effects(), vec![grant(a, Source::Pool, false)]);
+    // b's request is still queued: withdrawn as by a cancel.
+    p.cancel_or_take_back(b, t(2)).unwrap();
+    assert_eq!(
+        p.take_effects(),
+        vec![Effect::Cancelled {
+            client: b,
+            cancelled: true
+        }]
+    );
+    // a's was granted before its withdrawal came: the token goes on to the
+    // next waiter at once, and a is told.
+    p.acquire(b, t(3)).unwrap();
+    p.cancel_or_take_back(a, t(4)).unwrap();
+    assert_eq!(
+        p.take_effects(),
+        vec![
+            grant(b, Source::Pool, true),
+            Effect::TakenBack { client: a }
+        ]
+    );
+    assert_eq!(p.held_by(a), Some(0));
+    assert_eq!(p.held_by(b), Some(1));
+    assert_eq!(p.stats().taken_back, 1);
+    // Holding nothing, a has nothing taken back.
+    p.cancel_or_take_back(a, t(5)).unwrap();
+    assert_eq!(
+        p.take_effects(),
+        vec![Effect::Cancelled {
+            client: a,
+            cancelled: false
+        }]
+    );
+    // After an abort the acquire was answered by it: nothing is taken back.
+    assert!(p.abort(AbortReason::Error));
+    p.take_effects();
+    p.cancel_or_take_back(b, t(6)).unwrap();
+    assert_eq!(
+        p.take_effects(),
+        vec![Effect::Cancelled {
+            client: b,
+            cancelled: false
+        }]
+    );
+    assert_eq!(p.held_by(b), Some(1));
+}
+
+#[test]
 fn try_cancel_and_abort() {
     let mut p = Pool::new(1);
     let a = p.connect(native(10));
@@ -264,6 +318,7 @@ enum Op {
     Acquire(usize),
     TryAcquire(usize),
     Cancel(usize),
+    CancelOrTakeBack(usize),
     Release(usize),
     Disconnect(usize),
     Abort(bool),
@@ -277,6 +332,7 @@ fn op() -> impl Strategy<Value = Op> {
         6 => any::<usize>().prop_map(Op::Acquire),
         2 => any::<usize>().prop_map(Op::TryAcquire),
         1 => any::<usize>().prop_map(Op::Cancel),
+        1 => any::<usize>().prop_map(Op::CancelOrTakeBack),
         6 => any::<usize>().prop_map(Op::Release),
         2 => any::<usize>().prop_map(Op::Disconnect),
         // Rare: an abort or a stop ends the interesting part of a run.
@@ -437,6 +493,41 @@ proptest! {
                         m.queue.remove(pos.unwrap());
                     } else {
                         prop_assert!(!m.queue.contains(&id), "cancel missed a pending acquire");
+                    }
+                }
+                Op::CancelOrTakeBack(i) => {
+                    let Some(id) = m.pick(i) else { continue };
+                    // What an earlier op left (an abort told at connect).
+                    m.apply(pool.take_effects())?;
+                    let (pool_held, slot) = m.held[&id];
+                    let open = pool.aborted().is_none() && !pool.stopped();
+                    let pending = m.queue.contains(&id);
+                    pool.cancel_or_take_back(id, now).unwrap();
+                    let mut effects = pool.take_effects();
+                    let answer = effects.pop();
+                    if pending {
+                        // As a cancel: the youngest pending acquire goes.
+                        prop_assert_eq!(answer, Some(Effect::Cancelled { client: id, cancelled: true }));
+                        prop_assert!(effects.is_empty());
+                        let pos = m.queue.iter().rposition(|&c| c == id).unwrap();
+                        m.queue.remove(pos);
+                    } else if open && (pool_held > 0 || slot) {
+                        // Taken back as a release: a shared token first,
+                        // and it goes on to the next waiter at once.
+                        prop_assert_eq!(answer, Some(Effect::TakenBack { client: id }));
+                        if pool_held > 0 {
+                            m.held.get_mut(&id).unwrap().0 -= 1;
+                        } else {
+                            m.held.get_mut(&id).unwrap().1 = false;
+                            let key = m.info(id).borrows.unwrap();
+                            m.lent.remove(&key);
+                        }
+                        m.apply(effects)?;
+                    } else {
+                        // Nothing to take back: an abort or a stop answered
+                        // the acquire, or the client holds nothing.
+                        prop_assert_eq!(answer, Some(Effect::Cancelled { client: id, cancelled: false }));
+                        prop_assert!(effects.is_empty());
                     }
                 }
                 Op::Release(i) => {
