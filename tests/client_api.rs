@@ -813,3 +813,64 @@ fn a_grant_the_broker_took_back_is_void_in_the_client() {
     assert!(seen.contains(&"CancelNowait"), "{seen:?}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Many clients asking without waiting, giving up at random moments
+/// (`take_grant`, then `cancel_pending_nowait`), while tokens come and
+/// go: some withdrawals race their grant, and the broker takes those back
+/// (`taken_back` in the status). Whatever the interleaving, at most the
+/// pool's tokens are held at once, and every token is back at the end,
+/// none of them taken from a client as if it had died.
+#[test]
+fn withdrawals_nobody_waits_for_lose_and_duplicate_nothing() {
+    use std::sync::atomic::{AtomicU32, Ordering::SeqCst};
+    use std::sync::Arc;
+    const SHARED: u32 = 2;
+    let serve = Serve::start(SHARED + 1);
+    let held = Arc::new(AtomicU32::new(0));
+    let peak = Arc::new(AtomicU32::new(0));
+    let workers: Vec<_> = (0..6u64)
+        .map(|w| {
+            let c = shared_only(&serve);
+            let (held, peak) = (held.clone(), peak.clone());
+            std::thread::spawn(move || {
+                let mut rng = common::Rng(0x5eed ^ w);
+                let hold = |t: herdless::client::Token, rng: &mut common::Rng| {
+                    let now = held.fetch_add(1, SeqCst) + 1;
+                    peak.fetch_max(now, SeqCst);
+                    std::thread::sleep(Duration::from_micros(rng.below(200)));
+                    held.fetch_sub(1, SeqCst);
+                    drop(t);
+                };
+                for _ in 0..300 {
+                    if let Some(t) = c.take_grant().unwrap() {
+                        hold(t, &mut rng);
+                        continue;
+                    }
+                    // Give the grant a chance to be on its way, then give up.
+                    std::thread::sleep(Duration::from_micros(rng.below(100)));
+                    c.cancel_pending_nowait().unwrap();
+                    assert!(
+                        !c.has_pending().unwrap(),
+                        "a withdrawn request still pending"
+                    );
+                }
+            })
+        })
+        .collect();
+    for w in workers {
+        w.join().unwrap();
+    }
+    assert!(
+        peak.load(SeqCst) <= SHARED,
+        "{} tokens held at once from a pool of {SHARED}",
+        peak.load(SeqCst)
+    );
+    let s = serve.wait_for("every token back", |s| {
+        s.free == SHARED && s.clients_total == 0
+    });
+    assert_eq!((s.waiting, s.reclaimed, s.lost), (0, 0, 0), "{s:#?}");
+    eprintln!(
+        "taken back: {}, cancelled: {}, grants: {}",
+        s.taken_back, s.cancelled, s.grants
+    );
+}

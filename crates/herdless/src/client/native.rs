@@ -1506,7 +1506,16 @@ impl Native {
         if st.aborted.is_some() {
             return Ok(false);
         }
-        let queued = st.acquires.saturating_sub(st.cancels) + st.ready + st.tries;
+        // While withdrawals nobody waits for are unanswered, a grant beyond
+        // what blocked threads want raced one of them: the broker takes it
+        // back (or it is given back when the answer comes), so it is not
+        // pending for the caller, who withdrew every such request.
+        let ready = if st.nowait_cancels > 0 {
+            st.ready.min(st.wanting)
+        } else {
+            st.ready
+        };
+        let queued = st.acquires.saturating_sub(st.cancels) + ready + st.tries;
         Ok(queued > st.wanting)
     }
 
