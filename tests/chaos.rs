@@ -1,5 +1,6 @@
 //! Chaos: many clients of one broker doing random things at once — acquire,
-//! try, cancel, release, status, reconnect, garbage — while client
+//! try, cancel, a withdrawal nobody waits for, release, status, reconnect,
+//! garbage — while client
 //! processes holding or awaiting tokens are killed with SIGKILL and two
 //! clients flood requests without reading. A checker samples the broker at
 //! random moments. At the end every well-behaved client has been served,
@@ -83,8 +84,26 @@ fn worker(socket: &std::path::Path, seed: u64, held: &Held) -> usize {
                     tokens.push(t);
                 }
             }
+            // Ask without waiting, as a poll loop does, and give up after
+            // a moment without waiting for the answer: a grant that races
+            // the withdrawal is taken back by the broker.
+            45..=49 => {
+                if let Some(t) = client
+                    .take_grant()
+                    .unwrap_or_else(|e| panic!("seed {seed} op {op}: take_grant: {e}"))
+                {
+                    held.take();
+                    held.give();
+                    t.release().unwrap();
+                } else {
+                    std::thread::sleep(Duration::from_micros(rng.below(1000)));
+                    client
+                        .cancel_pending_nowait()
+                        .unwrap_or_else(|e| panic!("seed {seed} op {op}: cancel_nowait: {e}"));
+                }
+            }
             // Ask, wait a moment, give up (a cancel on the wire).
-            45..=54 => {
+            50..=54 => {
                 let wait = Duration::from_millis(rng.below(3));
                 if let Some(t) = client
                     .acquire_timeout(wait)
