@@ -2041,7 +2041,7 @@ impl Broker {
                 .saturating_add(self.fast.as_ref().map_or(0, |f| f.table.handoffs())),
             denied: stats.denied,
             cancelled: stats.cancelled.saturating_add(table_cancelled),
-            taken_back: stats.taken_back,
+            raced_grants: stats.raced_grants,
             reclaimed: stats.reclaimed + table_reclaimed,
             connections: stats.connections - u64::from(self.table_made),
             stopped: self.pool.stopped(),

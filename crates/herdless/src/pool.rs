@@ -223,7 +223,7 @@ pub struct Stats {
     pub cancelled: u64,
     /// Tokens taken back for a withdrawal that came after its grant was
     /// sent ([`Pool::cancel_or_take_back`]).
-    pub taken_back: u64,
+    pub raced_grants: u64,
     /// Tokens taken back from clients that disconnected holding them.
     pub reclaimed: u64,
     /// Acquires refused because the pool had stopped (the waiters told at
@@ -708,7 +708,7 @@ impl Pool {
             return self.cancel(id);
         }
         self.release(id, now)?;
-        self.stats.taken_back += 1;
+        self.stats.raced_grants += 1;
         self.effects.push(Effect::TakenBack { client: id });
         Ok(())
     }

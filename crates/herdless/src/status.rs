@@ -105,7 +105,7 @@ pub struct Status {
     /// Tokens taken back for a withdrawal that came after its grant was
     /// sent (`CancelNowait`): each went to the next waiter at once.
     #[cfg_attr(feature = "serde", serde(default))]
-    pub taken_back: u64,
+    pub raced_grants: u64,
     /// Tokens taken back from clients that closed while holding them.
     pub reclaimed: u64,
     /// Connections that completed the handshake, in all.
@@ -304,7 +304,7 @@ impl Status {
         o.num("wakeups", self.wakeups);
         o.num("denied", self.denied);
         o.num("cancelled", self.cancelled);
-        o.num("taken_back", self.taken_back);
+        o.num("raced_grants", self.raced_grants);
         o.num("reclaimed", self.reclaimed);
         o.num("connections", self.connections);
         o.raw("stopped", if self.stopped { "true" } else { "false" });
@@ -562,7 +562,7 @@ mod tests {
             wakeups: 6,
             denied: 1,
             cancelled: 0,
-            taken_back: 1,
+            raced_grants: 1,
             reclaimed: 2,
             connections: 7,
             stopped: true,

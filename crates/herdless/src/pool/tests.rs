@@ -214,7 +214,7 @@ fn a_cancel_that_comes_after_its_grant_takes_the_token_back_for_the_next_waiter(
     );
     assert_eq!(p.held_by(a), Some(0));
     assert_eq!(p.held_by(b), Some(1));
-    assert_eq!(p.stats().taken_back, 1);
+    assert_eq!(p.stats().raced_grants, 1);
     // Holding nothing, a has nothing taken back.
     p.cancel_or_take_back(a, t(5)).unwrap();
     assert_eq!(

@@ -260,7 +260,7 @@ mod tests {
             wakeups: 3,
             denied: 0,
             cancelled: 0,
-            taken_back: 0,
+            raced_grants: 0,
             reclaimed: 0,
             connections: 2,
             stopped: false,
