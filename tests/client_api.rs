@@ -879,3 +879,37 @@ fn withdrawals_nobody_waits_for_lose_and_duplicate_nothing() {
         s.raced_grants, s.cancelled, s.grants
     );
 }
+
+/// A client that withdraws and closes at once, while the broker hands it
+/// the token it withdrew: the broker's write of that grant fails, and it
+/// reads the withdrawal still in the socket before it closes the
+/// connection, so the token goes on as taken back for a withdrawal, not
+/// as reclaimed from a client that died. The broker is stopped while the
+/// two clients write, so that it sees the release that frees the token
+/// before the withdrawal and the close.
+#[test]
+fn a_withdrawal_left_in_a_closed_clients_socket_is_read_before_it_closes() {
+    use herdless::protocol::{Reply, Request, TAKE_BACK_VERSION};
+    let serve = Serve::start(3); // two shared tokens
+    let mut a = Raw::connect(&serve, TAKE_BACK_VERSION);
+    let mut c = Raw::connect(&serve, TAKE_BACK_VERSION);
+    for r in [&mut a, &mut c] {
+        r.send(&[Request::Acquire]);
+        assert_eq!(r.reply(), Reply::Grant);
+    }
+    let mut b = Raw::connect(&serve, TAKE_BACK_VERSION);
+    b.send(&[Request::Acquire]);
+    serve.wait_for("b to queue", |s| s.waiting == 1);
+    common::signal(serve.pid(), libc::SIGSTOP);
+    a.send(&[Request::Release]);
+    b.send(&[Request::CancelNowait]);
+    drop(b);
+    common::signal(serve.pid(), libc::SIGCONT);
+    let s = serve.wait_for("b gone", |s| s.clients_total == 2 && s.free == 1);
+    assert_eq!(
+        (s.raced_grants, s.reclaimed, s.lost),
+        (1, 0, 0),
+        "the grant to b raced its withdrawal and b's close: {s:#?}"
+    );
+    drop((a, c));
+}

@@ -310,6 +310,9 @@ struct Conn {
     /// while non-zero the connection is not read, so a client never has
     /// more than one status document in the broker.
     status_owed: usize,
+    /// A write to the peer failed (it closed its end): what it sent before
+    /// is still read, and nothing more is written to it.
+    peer_gone: bool,
 }
 
 /// The broker. Build it with [`Broker::bind`], run it with [`Broker::run`].
@@ -367,6 +370,10 @@ pub struct Broker {
     handshake_log: HandshakeLog,
     /// Unsent reply bytes over all connections.
     output_total: usize,
+    /// A connection closed because a write to it failed, while replies
+    /// were flushed: what it gave back is settled as after any event
+    /// ([`Broker::settle_and_flush`]).
+    closed_in_flush: bool,
     /// `accept` ran out of descriptors: try again when one is freed.
     accept_starved: bool,
     /// A connection closed since the last look.
@@ -515,6 +522,7 @@ impl Broker {
             handshakes: Handshakes::default(),
             handshake_log: HandshakeLog::default(),
             output_total: 0,
+            closed_in_flush: false,
             accept_starved: false,
             fd_freed: false,
             accept_more: false,
@@ -881,8 +889,7 @@ impl Broker {
                         )
                     }
                 }
-                self.rebalance();
-                self.flush_dirty();
+                self.settle_and_flush();
             }
             self.take_turns();
             self.expire_handshakes();
@@ -890,10 +897,23 @@ impl Broker {
                 self.accept_all();
             }
             self.fd_freed = false;
-            self.rebalance();
-            self.flush_dirty();
+            self.settle_and_flush();
         }
         Ok(self.shut_down())
+    }
+
+    /// Rebalances after an event and sends the replies it made; again while
+    /// a connection closed as its replies failed, so that a token it gave
+    /// back or held reaches the table, the bridge or a backed pool before
+    /// the broker sleeps.
+    fn settle_and_flush(&mut self) {
+        loop {
+            self.rebalance();
+            self.flush_dirty();
+            if !std::mem::take(&mut self.closed_in_flush) {
+                break;
+            }
+        }
     }
 
     /// A job runner is connected, or a connection has not said hello yet
@@ -1082,6 +1102,7 @@ impl Broker {
                 queued: false,
                 paused: false,
                 status_owed: 0,
+                peer_gone: false,
             },
         );
         let now = self.now();
@@ -1799,6 +1820,9 @@ impl Broker {
 
     fn send(&mut self, token: Token, reply: &Reply) {
         if let Some(conn) = self.conns.get_mut(&token) {
+            if conn.peer_gone {
+                return;
+            }
             let before = conn.tx.len();
             reply.encode(&mut conn.tx);
             self.output_total += conn.tx.len() - before;
@@ -1849,10 +1873,30 @@ impl Broker {
                 }
                 Err(e) => {
                     log!(Level::Debug, "write to connection {}: {e}", token.0);
-                    self.close(token, None);
+                    self.close_after_last_frames(token);
                 }
             }
         }
+    }
+
+    /// Closes a connection whose peer is gone (a write to it failed): what
+    /// it sent before it went is handled first, as when its process exits
+    /// ([`Broker::process_exited`]), so that a token it gave back, or a
+    /// withdrawal whose grant raced its exit, counts as such and not as a
+    /// token taken back from a client that died. Nothing more is written
+    /// to it.
+    fn close_after_last_frames(&mut self, token: Token) {
+        if let Some(conn) = self.conns.get_mut(&token) {
+            self.output_total -= conn.tx.len();
+            conn.tx = Vec::new();
+            conn.status_owed = 0;
+            conn.paused = false;
+            conn.read_closed = true;
+            conn.peer_gone = true;
+        }
+        self.turn(token, READ_BUDGET);
+        self.close(token, None);
+        self.closed_in_flush = true;
     }
 
     /// Closes a connection and returns its tokens to the pool. With a
