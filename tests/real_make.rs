@@ -632,8 +632,9 @@ fn herdless_makes_are_native_clients_of_herdless_run() {
 /// the bridge went on assuming a classic reader ("command not native"),
 /// kept the shared table closed and made an offer into the pipe at every
 /// turn (49 offers for 60 jobs at `-j 8`, against 11 without the wrapper).
-/// And `run` guesses bmake's `MAKEFLAGS` through the wrapper: given
-/// GNU make's, a bmake stopped at once ("illegal argument to -j").
+/// And `run` guesses bmake's `MAKEFLAGS` through the wrapper, and in a
+/// shell's command string (`sh -c 'cd . && bmake'`): given GNU make's, a
+/// bmake stopped at once ("illegal argument to -j").
 #[test]
 fn a_make_behind_a_wrapper_is_run_s_native_command() {
     let makes: [(&str, PathBuf, TreeBuilder); 2] = [
@@ -645,15 +646,30 @@ fn a_make_behind_a_wrapper_is_run_s_native_command() {
         wrappers.push(vec!["unshare", "--pid", "--fork"]);
     }
     for (name, make, build) in makes {
-        for wrapper in &wrappers {
+        let mut lines: Vec<Vec<std::ffi::OsString>> = wrappers
+            .iter()
+            .map(|w| {
+                let mut line: Vec<std::ffi::OsString> = w.iter().map(Into::into).collect();
+                line.push(make.clone().into());
+                line
+            })
+            .collect();
+        // A shell's command string that runs the make: `run` reads it for
+        // the make's name (given GNU make's flags, the bmake stopped).
+        lines.push(vec![
+            "sh".into(),
+            "-c".into(),
+            format!("cd . && {} && true", make.display()).into(),
+        ]);
+        for line in &lines {
             let n = 4;
-            let what = format!("{name} behind {}", wrapper.join(" "));
-            let t = Tree::new(&format!("real-make-behind-{name}-{}", wrapper[0]));
+            let first = line[0].to_string_lossy().into_owned();
+            let what = format!("{name} behind {first}");
+            let t = Tree::new(&format!("real-make-behind-{name}-{first}"));
             let total = build(&t, 8);
             let mut cmd = make_cmd(&t, Path::new(BIN));
             cmd.args(["run", "-j", &n.to_string(), "--stats", "--"])
-                .args(wrapper)
-                .arg(&make)
+                .args(line)
                 .env("JOB_SLEEP", "0.15");
             let out = run(cmd);
             let stderr = String::from_utf8_lossy(&out.stderr).into_owned();

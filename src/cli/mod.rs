@@ -94,7 +94,8 @@ struct RunArgs {
     style: Style,
     /// Whose flags to export: GNU make's MAKEFLAGS and CARGO_MAKEFLAGS, or
     /// bmake's -J (default: bmake when CMD is bmake or bsdmake, also behind
-    /// a wrapper such as timeout, nice, env or unshare).
+    /// a wrapper such as timeout, nice, env or unshare, or in an `sh -c`
+    /// string that runs a bmake and no other jobserver reader).
     #[arg(long, value_parser = flavor_parser())]
     flavor: Option<Flavor>,
     /// Export no classic jobserver: only native clients take tokens.

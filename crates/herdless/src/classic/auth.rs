@@ -88,25 +88,10 @@ impl Flavor {
     /// --pid --fork bmake`): the wrapped command is the first later
     /// argument that names a program [`Program`] knows, or a path, or a
     /// file on `PATH` (then not a make: GNU's flags); the wrapper's options
-    /// and their values come before it. A shell's `-c` string is not
-    /// looked into.
+    /// and their values come before it. A shell run with `-c` (`sh -c 'cd
+    /// src && bmake'`, also behind a wrapper) is looked into as far as
+    /// [`Flavor::for_script`] goes.
     pub fn for_command_line<S: AsRef<OsStr>>(argv: &[S]) -> Flavor {
-        const WRAPPERS: [&str; 14] = [
-            "timeout",
-            "nice",
-            "nohup",
-            "setsid",
-            "env",
-            "time",
-            "stdbuf",
-            "ionice",
-            "chrt",
-            "taskset",
-            "unshare",
-            "bwrap",
-            "firejail",
-            "systemd-run",
-        ];
         let Some(first) = argv.first() else {
             return Flavor::Gnu;
         };
@@ -114,14 +99,19 @@ impl Flavor {
         if let Some(program) = Program::of(first) {
             return program.flavor();
         }
-        let name = std::path::Path::new(first).file_name().unwrap_or(first);
-        if !WRAPPERS.iter().any(|w| name == OsStr::new(w)) {
+        if is_named(first, &SHELLS) {
+            return Flavor::for_shell_arguments(&argv[1..]);
+        }
+        if !is_named(first, &WRAPPERS) {
             return Flavor::Gnu;
         }
-        for arg in &argv[1..] {
+        for (i, arg) in argv.iter().enumerate().skip(1) {
             let arg = arg.as_ref();
             if let Some(program) = Program::of(arg) {
                 return program.flavor();
+            }
+            if is_named(arg, &SHELLS) {
+                return Flavor::for_shell_arguments(&argv[i + 1..]);
             }
             if is_command_word(arg) {
                 break;
@@ -129,6 +119,133 @@ impl Flavor {
         }
         Flavor::Gnu
     }
+
+    /// A shell's arguments (after its name): with `-c` (alone or among
+    /// other one-letter options), the flavour of its command string
+    /// ([`Flavor::for_script`]); a script file is not read (GNU's flags).
+    fn for_shell_arguments<S: AsRef<OsStr>>(args: &[S]) -> Flavor {
+        let mut command_string = false;
+        let mut skip_value = false;
+        for arg in args {
+            let arg = arg.as_ref().to_string_lossy();
+            if skip_value {
+                skip_value = false;
+                continue;
+            }
+            if arg.starts_with("--") {
+                // The end of the options, or a long one (`--norc`).
+                continue;
+            }
+            if let Some(letters) = arg.strip_prefix('-').or_else(|| arg.strip_prefix('+')) {
+                if !letters.is_empty() && !letters.starts_with('-') {
+                    command_string |= arg.starts_with('-') && letters.contains('c');
+                    // `-o pipefail`: the option's name is the next word.
+                    skip_value = letters.ends_with('o');
+                    continue;
+                }
+            }
+            return if command_string {
+                Flavor::for_script(&arg)
+            } else {
+                Flavor::Gnu
+            };
+        }
+        Flavor::Gnu
+    }
+
+    /// The flavour of a shell command string, read the simple way: the
+    /// first word of each command (after `;`, `&&`, `||`, `|`, `&`,
+    /// parentheses, braces, a newline, `if`, `then`, `do` and the like,
+    /// variable assignments, `exec` and the wrappers above) names the
+    /// program it runs. bmake's conventions only when a bmake is run and no
+    /// other program that reads the jobserver is (GNU make, cargo, ninja,
+    /// rustc read GNU's flags, and bmake's would stop them); GNU's
+    /// otherwise, and for anything this reading cannot see (a function, a
+    /// variable, a command in quotes or in `$(…)`).
+    pub fn for_script(script: &str) -> Flavor {
+        const KEYWORDS: [&str; 12] = [
+            "if", "then", "else", "elif", "do", "while", "until", "exec", "command", "!",
+            "builtin", "{",
+        ];
+        let mut bmake = false;
+        let mut other = false;
+        let mut at_command = true;
+        let mut in_wrapper = false;
+        let mut word = String::new();
+        let mut words = Vec::new();
+        for c in script.chars().chain(std::iter::once('\n')) {
+            if c.is_whitespace() || ";&|()}".contains(c) {
+                if !word.is_empty() {
+                    words.push(std::mem::take(&mut word));
+                }
+                if !c.is_whitespace() || c == '\n' {
+                    words.push(String::new());
+                }
+            } else {
+                word.push(c);
+            }
+        }
+        for w in &words {
+            if w.is_empty() {
+                // An operator or a line's end: a command comes next.
+                at_command = true;
+                in_wrapper = false;
+                continue;
+            }
+            if !at_command {
+                continue;
+            }
+            let is_assignment = w
+                .split_once('=')
+                .is_some_and(|(name, _)| !name.is_empty() && !name.contains('/'));
+            if KEYWORDS.contains(&w.as_str()) || is_assignment {
+                continue;
+            }
+            if in_wrapper && (w.starts_with('-') || w.starts_with(|c: char| c.is_ascii_digit())) {
+                // A wrapper's option or value (`timeout 600`, `nice -n 5`).
+                continue;
+            }
+            match Program::of(OsStr::new(w)) {
+                Some(Program::Bmake) => bmake = true,
+                Some(Program::Herdless) | None => {}
+                Some(_) => other = true,
+            }
+            in_wrapper = is_named(OsStr::new(w), &WRAPPERS);
+            at_command = in_wrapper;
+        }
+        if bmake && !other {
+            Flavor::Bmake
+        } else {
+            Flavor::Gnu
+        }
+    }
+}
+
+/// Programs that run the rest of their arguments as a command.
+const WRAPPERS: [&str; 14] = [
+    "timeout",
+    "nice",
+    "nohup",
+    "setsid",
+    "env",
+    "time",
+    "stdbuf",
+    "ionice",
+    "chrt",
+    "taskset",
+    "unshare",
+    "bwrap",
+    "firejail",
+    "systemd-run",
+];
+
+/// Shells whose `-c` string [`Flavor::for_script`] reads.
+const SHELLS: [&str; 7] = ["sh", "bash", "dash", "zsh", "ksh", "mksh", "posh"];
+
+/// Whether the file name of `word` is one of `names`.
+fn is_named(word: &OsStr, names: &[&str]) -> bool {
+    let name = std::path::Path::new(word).file_name().unwrap_or(word);
+    names.iter().any(|n| name == OsStr::new(n))
 }
 
 /// Whether `word` names a program to run: a path, or a file in a
@@ -1008,8 +1125,42 @@ mod tests {
             ),
             (&["unshare", "--pid", "--fork", "gmake"][..], Flavor::Gnu),
             (&["timeout", "600", "./build.sh", "bmake"][..], Flavor::Gnu),
-            (&["nice", "-n", "5", "sh", "-c", "bmake"][..], Flavor::Gnu),
-            (&["sh", "-c", "bmake"][..], Flavor::Gnu),
+            (&["nice", "-n", "5", "sh", "-c", "bmake"][..], Flavor::Bmake),
+            (&["sh", "-c", "bmake"][..], Flavor::Bmake),
+            (
+                &["/bin/sh", "-ec", "cd src && bmake -j4"][..],
+                Flavor::Bmake,
+            ),
+            (
+                &["bash", "-o", "pipefail", "-c", "bmake | tee log"][..],
+                Flavor::Bmake,
+            ),
+            (
+                &["sh", "-c", "X=1 timeout 600 bmake all"][..],
+                Flavor::Bmake,
+            ),
+            (
+                &["sh", "-c", "for d in a b; do bmake -C $d; done"][..],
+                Flavor::Bmake,
+            ),
+            (
+                &["sh", "-c", "(cd a && exec bmake) & wait"][..],
+                Flavor::Bmake,
+            ),
+            (&["timeout", "9", "sh", "-c", "bmake"][..], Flavor::Bmake),
+            // Another jobserver reader beside it, or none: GNU's flags.
+            (&["sh", "-c", "bmake && cargo build"][..], Flavor::Gnu),
+            (&["sh", "-c", "make; bmake"][..], Flavor::Gnu),
+            (&["sh", "-c", "./configure && make"][..], Flavor::Gnu),
+            // A bmake named as an argument, not run: not looked at.
+            (
+                &["sh", "-c", "echo bmake; which bmake-tools"][..],
+                Flavor::Gnu,
+            ),
+            (&["sh", "-c", "cp bmake /tmp"][..], Flavor::Gnu),
+            (&["sh", "build.sh", "bmake"][..], Flavor::Gnu),
+            (&["sh", "-e", "bmake"][..], Flavor::Gnu),
+            (&["bash", "--norc", "-c", "bmake"][..], Flavor::Bmake),
             (&["./build.sh", "bmake"][..], Flavor::Gnu),
             (&["timeout", "600"][..], Flavor::Gnu),
             (&[][..], Flavor::Gnu),
