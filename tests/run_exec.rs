@@ -180,6 +180,13 @@ fn exec_without_a_broker_fails_at_once() {
         stderr.contains("/nonexistent/broker.sock does not exist"),
         "{stderr}"
     );
+    // The cause is said once, not once by the message and again by the
+    // error chain.
+    assert_eq!(
+        stderr.matches("No such file or directory").count(),
+        1,
+        "{stderr}"
+    );
 }
 
 #[test]

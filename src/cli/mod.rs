@@ -171,10 +171,28 @@ pub fn main() -> ExitCode {
     match result {
         Ok(code) => ExitCode::from(code),
         Err(e) => {
-            eprintln!("herdless: {e:#}");
+            eprintln!("herdless: {}", error_chain(&e));
             ExitCode::from(EXIT_FAILURE)
         }
     }
+}
+
+/// An error and its causes, `: `-separated, each cause said once: the
+/// library's errors already end with their source (`… does not exist: No
+/// such file or directory`), which the chain would repeat.
+fn error_chain(e: &anyhow::Error) -> String {
+    let mut text = String::new();
+    for cause in e.chain() {
+        let said = cause.to_string();
+        if text.ends_with(&said) {
+            continue;
+        }
+        if !text.is_empty() {
+            text.push_str(": ");
+        }
+        text.push_str(&said);
+    }
+    text
 }
 
 /// `--style`: the library's names, listed in `--help`.
