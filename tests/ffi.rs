@@ -839,15 +839,18 @@ fn calls_report_a_broker_that_is_gone() {
 ///
 /// | link  | stripped, measured | bound  | exported, measured | bound  |
 /// |-------|--------------------|--------|--------------------|--------|
-/// | small | 0.93 MB            | 1.3 MB | 9                  | 16     |
-/// | naive | 4.6 MB             | 6 MB   | 9,450              | 12,000 |
+/// | small | 1.12 MB            | 1.3 MB | 9                  | 16     |
+/// | naive | 5.93 MB            | 7 MB   | 12,002             | 14,000 |
 ///
-/// The same program linked against the library as it was when it also
-/// carried the command line (clap), the benchmark harness and serde_json,
-/// in the same profile: 8.2 MB and 16,863 symbols naive, 0.89 MB and 9
-/// small. So the naive bounds fail if those came back (the small link
-/// cannot tell: the flags drop them), and the archive check below names
-/// them. The release profile's figures are in docs/EMBEDDING.md;
+/// (First measured at 0.93 MB, 4.6 MB and 9,450; the library's own code
+/// grew with the shared table, the bridge's rules and protocol version
+/// 5, and the naive bounds, first 6 MB and 12,000, were raised to keep
+/// the margin to what they are for.) The same program linked against the
+/// library as it was when it also carried the command line (clap), the
+/// benchmark harness and serde_json, in the same profile: 8.2 MB and
+/// 16,863 symbols naive, 0.89 MB and 9 small. So the naive bounds fail
+/// if those came back (the small link cannot tell: the flags drop them),
+/// and the archive check below names them. The release profile's figures are in docs/EMBEDDING.md;
 /// `cargo test --test ffi an_embedder_stays_small -- --nocapture` prints
 /// this profile's.
 #[cfg(target_os = "linux")]
@@ -855,8 +858,8 @@ fn calls_report_a_broker_that_is_gone() {
 fn an_embedder_stays_small() {
     const SMALL_MAX_BYTES: u64 = 1_300_000;
     const SMALL_MAX_EXPORTS: usize = 16;
-    const NAIVE_MAX_BYTES: u64 = 6_000_000;
-    const NAIVE_MAX_EXPORTS: usize = 12_000;
+    const NAIVE_MAX_BYTES: u64 = 7_000_000;
+    const NAIVE_MAX_EXPORTS: usize = 14_000;
 
     // Nothing in the archive comes from the command line, the benchmarks
     // or a JSON library: the crates the C ABI must not depend on, as they
