@@ -876,6 +876,41 @@ fn makes_side_by_side_as_run_s_command_keep_the_limit() {
     }
 }
 
+/// A make behind a wrapper that forks (`timeout`), started by `run`'s
+/// command beside an `exec` job, that connects before `run` has named its
+/// command to the broker (`HERDLESS_TEST_NAMING_DELAY_MS` holds the name
+/// back a second). Its recipe root is the command, so it shares the top
+/// slot with the `exec` job; taken before the name came, it got a recipe
+/// slot of its own: 2 jobs at once at `-j 1`, 3 at `-j 2`. Now its hello
+/// waits for the name: at most N, N reached, every job, nothing lost.
+#[test]
+fn a_make_that_connects_before_run_names_its_command_keeps_the_limit() {
+    for (name, make, flavor) in [
+        ("gnu", herdless_make(), "gnu"),
+        ("bmake", herdless_bmake(), "bmake"),
+    ] {
+        for n in [1u32, 2] {
+            let what = format!("{name} at -j {n}");
+            let t = Tree::new(&format!("real-make-named-late-{name}-{n}"));
+            let per = 6;
+            t.flat_makefile("sub.mk", "j", per);
+            let d = t.dir.display();
+            let script = format!(
+                "timeout 600 {} -f {d}/sub.mk & {BIN} exec -- sh {d}/job.sh {d} & wait",
+                make.display()
+            );
+            let mut cmd = make_cmd(&t, Path::new(BIN));
+            cmd.args(["run", "-j", &n.to_string(), "--flavor", flavor])
+                .args(["--stats", "--", "sh", "-c", &script])
+                .env("JOB_SLEEP", "0.3")
+                .env("HERDLESS_TEST_NAMING_DELAY_MS", "1000");
+            let out = run(cmd);
+            assert_ran(&t, per + 1, n, &out, &what);
+            assert_on_herdless(&t, &out, true, &what);
+        }
+    }
+}
+
 /// Sub-makes and `herdless exec` jobs in a PID namespace of their own
 /// below a make with herdless inside, or below `herdless run` (a recipe
 /// that sandboxes its commands: `unshare --pid`, `bwrap --unshare-pid`).

@@ -93,6 +93,7 @@ pub fn run(args: RunArgs) -> Result<u8> {
         env.extend(more);
         broker = broker.with_bridge(bridge)?;
     }
+    broker.expect_command();
     let stopper = broker.stopper();
     let thread = herdless_platform::spawn_unsignalled(
         std::thread::Builder::new().name("herdless-broker".into()),
@@ -105,7 +106,10 @@ pub fn run(args: RunArgs) -> Result<u8> {
         &args.command,
         &env,
         inherit,
-        move |pid| namer.command_started(pid),
+        move |pid| {
+            naming_delay();
+            namer.command_started(pid);
+        },
         move || halter.halt(),
     );
     let (report, stop_signal) = serve_to_the_end(&outcome, &stopper, thread)?;
@@ -324,6 +328,7 @@ fn run_joined(args: RunArgs, outer: &std::path::Path) -> Result<u8> {
         env.extend(more);
         broker = broker.with_bridge(bridge)?;
         let figures = broker.backing_figures();
+        broker.expect_command();
         let stopper = broker.stopper();
         let thread = herdless_platform::spawn_unsignalled(
             std::thread::Builder::new().name("herdless-broker".into()),
@@ -340,6 +345,7 @@ fn run_joined(args: RunArgs, outer: &std::path::Path) -> Result<u8> {
         inherit,
         move |pid| {
             if let Some(n) = &namer {
+                naming_delay();
                 n.command_started(pid);
             }
         },
@@ -480,5 +486,19 @@ pub fn print_report(r: &Status) {
         .chain(aborted);
     for line in lines {
         eprintln!("herdless: {line}");
+    }
+}
+
+/// Tests only: the milliseconds `run` waits, once its command is spawned,
+/// before it names the command's process id to its broker (the window in
+/// which a make behind a wrapper may connect first).
+pub const NAMING_DELAY_ENV: &str = "HERDLESS_TEST_NAMING_DELAY_MS";
+
+fn naming_delay() {
+    let ms = std::env::var(NAMING_DELAY_ENV)
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok());
+    if let Some(ms) = ms {
+        std::thread::sleep(std::time::Duration::from_millis(ms));
     }
 }

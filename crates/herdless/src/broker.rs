@@ -313,6 +313,10 @@ struct Conn {
     /// A write to the peer failed (it closed its end): what it sent before
     /// is still read, and nothing more is written to it.
     peer_gone: bool,
+    /// A recipe job's hello read before the command at the top was named
+    /// ([`Broker::expect_command`]): answered, and the connection read
+    /// again, once it is.
+    held_hello: Option<Request>,
 }
 
 /// The broker. Build it with [`Broker::bind`], run it with [`Broker::run`].
@@ -344,6 +348,12 @@ pub struct Broker {
     command_native: bool,
     /// The command pid the connections were last searched for.
     command_looked: u32,
+    /// A command at the top is being started and will be named
+    /// ([`Broker::expect_command`]); while it is not, recipe jobs' hellos
+    /// wait in `held`.
+    command_expected: bool,
+    /// Connections whose hello waits for the command's name.
+    held: Vec<Token>,
     /// The slot of the command at the top: the N-th token of `-jN`.
     top_slot: u64,
     minted: u64,
@@ -505,6 +515,8 @@ impl Broker {
             refused_no_room: 0,
             command_native: false,
             command_looked: 0,
+            command_expected: false,
+            held: Vec::new(),
             top_slot,
             minted: 1,
             closing: Vec::new(),
@@ -720,6 +732,40 @@ impl Broker {
         self.command.store(pid, Ordering::SeqCst);
     }
 
+    /// Says that a command at the top is about to be started and named
+    /// ([`Stopper::command_started`]), as `herdless run` does: until it is,
+    /// the hello of a recipe job (`RECIPE_JOB`) is held unanswered. Such a
+    /// job may be a make that the command started through a wrapper that
+    /// forks (`timeout`, a shell), which shares the command's slot, the top
+    /// one; taken before the name came, it would have got a recipe slot of
+    /// its own beside the top slot, one job more than `-j`.
+    pub fn expect_command(&mut self) {
+        self.command_expected = true;
+    }
+
+    /// Whether a recipe job's hello must wait for the command's name.
+    fn hello_waits_for_command(&self) -> bool {
+        self.command_expected && self.command.load(Ordering::SeqCst) == 0
+    }
+
+    /// Once the command is named, answers the hellos held for it and reads
+    /// their connections on.
+    fn release_held_hellos(&mut self) {
+        if self.held.is_empty() || self.hello_waits_for_command() {
+            return;
+        }
+        for token in std::mem::take(&mut self.held) {
+            let Some(req) = self.conns.get_mut(&token).and_then(|c| c.held_hello.take()) else {
+                continue;
+            };
+            if let Err(reason) = self.handle_hello(token, req) {
+                self.close(token, Some(reason));
+                continue;
+            }
+            self.queue_turn(token);
+        }
+    }
+
     /// Whether `pid` is the command at the top.
     fn is_command(&self, pid: u32) -> bool {
         pid != 0 && self.command.load(Ordering::SeqCst) == pid
@@ -842,6 +888,7 @@ impl Broker {
             }
             // Before this batch's requests: the command's pid may have
             // just become known (a stopper's wake-up is among the events).
+            self.release_held_hellos();
             self.look_for_command();
             // A timeout (no events) is the slow re-check: sample now.
             self.check_admission(events.is_empty());
@@ -1101,6 +1148,7 @@ impl Broker {
                 fast_owner: 0,
                 queued: false,
                 paused: false,
+                held_hello: None,
                 status_owed: 0,
                 peer_gone: false,
             },
@@ -1167,8 +1215,11 @@ impl Broker {
         let now = self.now();
         loop {
             let conns = &self.conns;
+            // A held hello was said in time.
             let Some(token) = self.handshakes.pop_oldest(Some(now), |t| {
-                conns.get(&t).is_some_and(|c| c.client.is_none())
+                conns
+                    .get(&t)
+                    .is_some_and(|c| c.client.is_none() && c.held_hello.is_none())
             }) else {
                 return;
             };
@@ -1354,6 +1405,10 @@ impl Broker {
                 conn.paused = true;
                 return;
             }
+            if conn.held_hello.is_some() {
+                // Read on by `release_held_hellos`.
+                return;
+            }
             if budget == 0 {
                 self.queue_turn(token);
                 return;
@@ -1438,6 +1493,7 @@ impl Broker {
 
     /// The first frame of a connection: a hello, or the connection closes.
     fn handle_hello(&mut self, token: Token, req: Request) -> Result<(), String> {
+        let hold = self.hello_waits_for_command();
         let conn = self.conns.get_mut(&token).expect("live connection");
         let Request::Hello {
             version,
@@ -1461,6 +1517,12 @@ impl Broker {
             return Err(format!(
                 "the hello flag FAST needs protocol version {FAST_VERSION}; this hello speaks {version}"
             ));
+        }
+        if hold && flags.contains(HelloFlags::RECIPE_JOB) {
+            // Whether its recipe root is the command is not known yet.
+            conn.held_hello = Some(req);
+            self.held.push(token);
+            return Ok(());
         }
         let observer = flags.contains(HelloFlags::OBSERVER);
         let (command, top_slot) = (self.command.load(Ordering::SeqCst), self.top_slot);
