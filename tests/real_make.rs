@@ -876,6 +876,41 @@ fn makes_side_by_side_as_run_s_command_keep_the_limit() {
     }
 }
 
+/// The same below the command of an `exec`: makes that the command starts
+/// side by side share the `exec`'s token with the `exec` jobs beside them
+/// (`herdless run -j N -- herdless exec -- sh -c 'make & make & herdless
+/// exec job & wait'`). The makes used to share a recipe slot keyed by the
+/// command, beside the `exec`'s own that its `exec` jobs borrow: one job
+/// more than N. At most N, N reached, every job, nothing lost.
+#[test]
+fn makes_side_by_side_as_an_exec_s_command_keep_the_limit() {
+    for (name, make, flavor) in [
+        ("gnu", herdless_make(), "gnu"),
+        ("bmake", herdless_bmake(), "bmake"),
+    ] {
+        for n in [1u32, 2, 3] {
+            let what = format!("{name} at -j {n}");
+            let t = Tree::new(&format!("real-make-exec-side-by-side-{name}-{n}"));
+            let per = 4;
+            for b in 1..=2 {
+                t.flat_makefile(&format!("sub{b}.mk"), &format!("b{b}j"), per);
+            }
+            let d = t.dir.display();
+            let m = make.display();
+            let script = format!(
+                "{m} -f {d}/sub1.mk & {m} -f {d}/sub2.mk & \
+                 {BIN} exec -- sh {d}/job.sh {d} & wait"
+            );
+            let mut cmd = make_cmd(&t, Path::new(BIN));
+            cmd.args(["run", "-j", &n.to_string(), "--flavor", flavor])
+                .args(["--stats", "--", BIN, "exec", "--", "sh", "-c", &script])
+                .env("JOB_SLEEP", "0.15");
+            let out = run(cmd);
+            assert_ran(&t, 2 * per + 1, n, &out, &what);
+        }
+    }
+}
+
 /// A make behind a wrapper that forks (`timeout`), started by `run`'s
 /// command beside an `exec` job, that connects before `run` has named its
 /// command to the broker (`HERDLESS_TEST_NAMING_DELAY_MS` holds the name

@@ -313,6 +313,9 @@ struct Conn {
     /// A write to the peer failed (it closed its end): what it sent before
     /// is still read, and nothing more is written to it.
     peer_gone: bool,
+    /// The slot minted for this client's own job (its `Welcome.slot`); 0
+    /// when it has none.
+    own_slot: u64,
     /// A recipe job's hello read before the command at the top was named
     /// ([`Broker::expect_command`]): answered, and the connection read
     /// again, once it is.
@@ -766,6 +769,29 @@ impl Broker {
         }
     }
 
+    /// The slot of the job client (a `herdless exec`: neither a runner nor
+    /// an observer) whose command is `root`, the recipe root a make names
+    /// when that command starts it beside others (`herdless exec -- sh -c
+    /// 'make & make & herdless exec job & wait'`): the makes share it with
+    /// the command's `exec` jobs, which borrow it through `HERDLESS_SLOT`,
+    /// as makes beside `run`'s command share the top slot. `None` when
+    /// `root`'s parent is no such client (a make's recipe), or the process
+    /// tree cannot be read (only Linux's is).
+    fn job_slot_of_command(&self, root: u32) -> Option<u64> {
+        let parent = herdless_platform::parent_of(root)?;
+        self.conns
+            .values()
+            .find(|c| {
+                c.pid == Some(parent)
+                    && c.client.is_some()
+                    && !c.runner
+                    && !c.observer
+                    && c.own_slot != 0
+            })
+            .map(|c| c.own_slot)
+            .filter(|&slot| self.pool.has_slot(SlotKey::Minted(slot)))
+    }
+
     /// Whether `pid` is the command at the top.
     fn is_command(&self, pid: u32) -> bool {
         pid != 0 && self.command.load(Ordering::SeqCst) == pid
@@ -1149,6 +1175,7 @@ impl Broker {
                 queued: false,
                 paused: false,
                 held_hello: None,
+                own_slot: 0,
                 status_owed: 0,
                 peer_gone: false,
             },
@@ -1524,6 +1551,7 @@ impl Broker {
             self.held.push(token);
             return Ok(());
         }
+        let peer = conn.pid;
         let observer = flags.contains(HelloFlags::OBSERVER);
         let (command, top_slot) = (self.command.load(Ordering::SeqCst), self.top_slot);
         let mut below_command = false;
@@ -1538,12 +1566,16 @@ impl Broker {
             // The command of `run` as a recipe root: a runner it started
             // beside others shares the command's slot, the top one, with
             // the command's other jobs.
-            (false, true) => match recipe_root(conn.pid, pid, slot, flags) {
+            (false, true) => match recipe_root(peer, pid, slot, flags) {
                 Some(Some(root)) if command == root => {
                     below_command = true;
                     Some(SlotKey::Minted(top_slot))
                 }
-                Some(Some(root)) => Some(SlotKey::Recipe(root)),
+                // The same below the command of an `exec`: its slot.
+                Some(Some(root)) => match self.job_slot_of_command(root) {
+                    Some(slot) => Some(SlotKey::Minted(slot)),
+                    None => Some(SlotKey::Recipe(root)),
+                },
                 Some(None) => None,
                 None => return Err(format!("hello names recipe root {slot}, not a process id")),
             },
@@ -1552,6 +1584,7 @@ impl Broker {
         if flags.contains(HelloFlags::RUNNER) && !flags.contains(HelloFlags::RECIPE_JOB) {
             return Err("the hello flag RUNNER goes with RECIPE_JOB only".into());
         }
+        let conn = self.conns.get_mut(&token).expect("live connection");
         let pid = *conn.pid.get_or_insert(pid);
         conn.observer = observer;
         conn.runner = !observer && (borrows.is_none() || flags.contains(HelloFlags::RUNNER));
@@ -1573,6 +1606,9 @@ impl Broker {
             );
         }
         let own = if observer { 0 } else { self.mint_slot(id) };
+        if let Some(conn) = self.conns.get_mut(&token) {
+            conn.own_slot = own;
+        }
         self.note_ancestry(id, pid, 0);
         if flags.contains(HelloFlags::RUNNER) {
             // The hello is also the acquire of the runner's implicit
