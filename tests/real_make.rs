@@ -946,6 +946,40 @@ fn a_make_that_connects_before_run_names_its_command_keeps_the_limit() {
     }
 }
 
+/// A make killed with `SIGKILL` while its hello waits for the command's
+/// name (held by the broker, `HERDLESS_TEST_NAMING_DELAY_MS`): the broker
+/// forgets the held hello, and a make started after it, held too, runs
+/// every job once the name comes. The killed make ran nothing (it had no
+/// answer), at most N, N reached, nothing lost.
+#[test]
+fn a_make_killed_while_its_hello_waits_for_the_name_leaves_the_rest_whole() {
+    for (name, make, flavor) in [
+        ("gnu", herdless_make(), "gnu"),
+        ("bmake", herdless_bmake(), "bmake"),
+    ] {
+        let n = 2u32;
+        let what = format!("{name} at -j {n}");
+        let t = Tree::new(&format!("real-make-held-killed-{name}"));
+        let per = 6;
+        t.flat_makefile("gone.mk", "g", per);
+        t.flat_makefile("sub.mk", "j", per);
+        let d = t.dir.display();
+        let m = make.display();
+        let script = format!(
+            "timeout 600 {m} -f {d}/gone.mk & sleep 0.4; pkill -KILL -P $!; wait; \
+             timeout 600 {m} -f {d}/sub.mk & {BIN} exec -- sh {d}/job.sh {d} & wait"
+        );
+        let mut cmd = make_cmd(&t, Path::new(BIN));
+        cmd.args(["run", "-j", &n.to_string(), "--flavor", flavor])
+            .args(["--stats", "--", "sh", "-c", &script])
+            .env("JOB_SLEEP", "0.3")
+            .env("HERDLESS_TEST_NAMING_DELAY_MS", "1000");
+        let out = run(cmd);
+        assert_ran(&t, per + 1, n, &out, &what);
+        assert_on_herdless(&t, &out, true, &what);
+    }
+}
+
 /// Sub-makes and `herdless exec` jobs in a PID namespace of their own
 /// below a make with herdless inside, or below `herdless run` (a recipe
 /// that sandboxes its commands: `unshare --pid`, `bwrap --unshare-pid`).
