@@ -297,29 +297,34 @@ fn wrapped_sub_makes(name: &str, make: &Path) {
 
 /// One recipe that starts several herdless sub-makes at once, which share
 /// the one token the top make took for that recipe: four from `xargs -P
-/// 4`, two put in the background with `&` and waited for, and one beside
-/// a `herdless exec` job of the same recipe. Only one of them may run its
-/// first job on the recipe's token; the others ask the broker first, or
-/// `-jN` is overrun (a stock make's sub-makes each take the recipe's token
-/// as their own). At most N at once and N reached, every job run, no token
-/// lost or taken back from a make that ended.
+/// 4`, two put in the background with `&` and waited for, one beside
+/// a `herdless exec` job of the same recipe, and two beside an `exec` job
+/// in the command of a `herdless exec` (which holds the recipe's token for
+/// its command: they share the `exec`'s slot; as the root of a recipe of
+/// their own they ran one job more, 3 at once at `-j2`). Only one of them
+/// may run its first job on the recipe's token; the others ask the broker
+/// first, or `-jN` is overrun (a stock make's sub-makes each take the
+/// recipe's token as their own). At most N at once and N reached, every
+/// job run, no token lost or taken back from a make that ended.
 fn sub_makes_started_together(name: &str, make: &Path, jobs: &[u32]) {
     // Each -jN through the shared table, and -j2 over the socket alone,
     // where the hello's grant comes after the Welcome with nothing between.
     let runs = jobs.iter().map(|&n| (n, true)).chain([(2, false)]);
     for (n, table) in runs {
         let t = Tree::new(&format!("real-make-together-{name}-j{n}-{table}"));
-        for b in 1..=7 {
+        for b in 1..=9 {
             t.flat_makefile(&format!("sub{b}.mk"), &format!("b{b}j"), 5);
         }
         let d = t.dir.display();
         fs::write(
             t.path("Makefile"),
             format!(
-                "all: fan pair mix\n\
+                "all: fan pair mix exec\n\
                  fan:\n\t@printf '1\\n2\\n3\\n4\\n' | xargs -P 4 -I@ ${{MAKE}} -f {d}/sub@.mk\n\
                  pair:\n\t@${{MAKE}} -f {d}/sub5.mk & ${{MAKE}} -f {d}/sub6.mk & wait\n\
-                 mix:\n\t@{BIN} exec -- sh {d}/job.sh {d} & ${{MAKE}} -f {d}/sub7.mk & wait\n"
+                 mix:\n\t@{BIN} exec -- sh {d}/job.sh {d} & ${{MAKE}} -f {d}/sub7.mk & wait\n\
+                 exec:\n\t@{BIN} exec -- sh -c '${{MAKE}} -f {d}/sub8.mk & \
+                 ${{MAKE}} -f {d}/sub9.mk & {BIN} exec -- sh {d}/job.sh {d} & wait'\n"
             ),
         )
         .unwrap();
@@ -332,7 +337,7 @@ fn sub_makes_started_together(name: &str, make: &Path, jobs: &[u32]) {
         let report = text(&out);
         assert!(out.status.success(), "{name} -j{n}: {report}");
         let (done, most) = t.counts();
-        assert_eq!(done, 36, "{name} -j{n}: {report}");
+        assert_eq!(done, 47, "{name} -j{n}: {report}");
         assert!(most <= n, "{name} -j{n}: {most} jobs at once\n{report}");
         assert_eq!(most, n, "{name} -j{n}: never {n} jobs at once\n{report}");
         let b = only_broker_lost_none(&t, &format!("{name} -j{n}"));
@@ -3045,6 +3050,9 @@ enum Call {
     Background,
     /// `herdless exec` jobs: one, then two from `xargs -P 2`.
     Exec,
+    /// A `herdless exec` whose command starts two sub-makes and an `exec`
+    /// job side by side, which share the `exec`'s token.
+    ExecBackground,
 }
 
 /// Writes one makefile of a random tree, `name.mk` in `t`, and those
@@ -3080,7 +3088,12 @@ fn random_makefile(
         Call::Exec,
     ];
     if herdless_here {
-        calls.extend([Call::Xargs, Call::Pipe, Call::Background]);
+        calls.extend([
+            Call::Xargs,
+            Call::Pipe,
+            Call::Background,
+            Call::ExecBackground,
+        ]);
     }
     let (herdless, stock) = if gnu {
         (herdless_make(), stock_make())
@@ -3131,6 +3144,17 @@ fn random_makefile(
                     format!("@{sub} -f {d}/{below}a.mk & {sub} -f {d}/{below}b.mk & wait"),
                 )
             }
+            Call::ExecBackground => {
+                two(&mut total);
+                total += 1;
+                (
+                    "",
+                    format!(
+                        "@{BIN} exec -- sh -c '{sub} -f {d}/{below}a.mk & \
+                         {sub} -f {d}/{below}b.mk & {BIN} exec -- sh {d}/job.sh {d} & wait'"
+                    ),
+                )
+            }
             Call::Exec => {
                 total += 3;
                 (
@@ -3177,8 +3201,9 @@ fn random_makefile(
 /// command), and below it, at random, sub-makes of the same make, stock
 /// makes of its family, nested `herdless run`s of either, `timeout`,
 /// `herdless exec` jobs, and, below a make with herdless inside, two
-/// sub-makes in one recipe from `xargs -P 2`, a pipeline or `&`. Every
-/// job runs, at most N at once, the tree succeeds and no broker loses a
+/// sub-makes in one recipe from `xargs -P 2`, a pipeline or `&`, or
+/// beside an `exec` job in an `exec`'s command. Every job runs, at most N
+/// at once, the tree succeeds and no broker loses a
 /// token. (N reached is not asserted: a tree may hold fewer jobs that can
 /// run at once.) 24 seeds; `HERDLESS_TEST_RANDOM_TREES=500` tries 500.
 #[test]

@@ -769,27 +769,31 @@ impl Broker {
         }
     }
 
-    /// The slot of the job client (a `herdless exec`: neither a runner nor
-    /// an observer) whose command is `root`, the recipe root a make names
-    /// when that command starts it beside others (`herdless exec -- sh -c
-    /// 'make & make & herdless exec job & wait'`): the makes share it with
-    /// the command's `exec` jobs, which borrow it through `HERDLESS_SLOT`,
-    /// as makes beside `run`'s command share the top slot. `None` when
-    /// `root`'s parent is no such client (a make's recipe), or the process
-    /// tree cannot be read (only Linux's is).
-    fn job_slot_of_command(&self, root: u32) -> Option<u64> {
-        let parent = herdless_platform::parent_of(root)?;
-        self.conns
+    /// The slot of the `herdless exec` whose command is `root`, the recipe
+    /// root a make names when that command starts it beside others
+    /// (`herdless exec -- sh -c 'make & make & herdless exec job & wait'`):
+    /// the makes share it with the command's `exec` jobs, which borrow it
+    /// through `HERDLESS_SLOT`, as makes beside `run`'s command share the
+    /// top slot. The `exec` is known as a connected client that is
+    /// `root`'s parent and a `herdless` process (a make's recipe root is
+    /// the child of a make, whose slot none of its jobs borrows). `None`
+    /// otherwise, or where the process tree is not read (only Linux
+    /// shares a recipe's slot).
+    fn exec_slot_of_command(&self, root: u32) -> Option<u64> {
+        if !cfg!(any(target_os = "linux", target_os = "android")) {
+            return None;
+        }
+        let table = herdless_platform::ProcessTable::read();
+        let (parent, _) = table.parent_and_name(root)?;
+        let slot = self
+            .conns
             .values()
-            .find(|c| {
-                c.pid == Some(parent)
-                    && c.client.is_some()
-                    && !c.runner
-                    && !c.observer
-                    && c.own_slot != 0
-            })
+            .find(|c| c.pid == Some(parent) && c.client.is_some() && !c.observer)
             .map(|c| c.own_slot)
-            .filter(|&slot| self.pool.has_slot(SlotKey::Minted(slot)))
+            .filter(|&slot| slot != 0 && self.pool.has_slot(SlotKey::Minted(slot)))?;
+        let (_, name) = table.parent_and_name(parent)?;
+        (crate::classic::Program::of(name.as_ref()) == Some(crate::classic::Program::Herdless))
+            .then_some(slot)
     }
 
     /// Whether `pid` is the command at the top.
@@ -1572,7 +1576,7 @@ impl Broker {
                     Some(SlotKey::Minted(top_slot))
                 }
                 // The same below the command of an `exec`: its slot.
-                Some(Some(root)) => match self.job_slot_of_command(root) {
+                Some(Some(root)) => match self.exec_slot_of_command(root) {
                     Some(slot) => Some(SlotKey::Minted(slot)),
                     None => Some(SlotKey::Recipe(root)),
                 },
