@@ -951,6 +951,37 @@ fn a_make_that_connects_before_run_names_its_command_keeps_the_limit() {
     }
 }
 
+/// A hello held for the command's name longer than the broker's handshake
+/// deadline (5 s) was said in time: it is answered, not closed as silent
+/// ("no hello within 5000 ms", after which the make connects again), and
+/// the make runs every job on herdless.
+#[test]
+fn a_hello_held_past_the_handshake_deadline_is_answered() {
+    let n = 3u32;
+    let t = Tree::new("real-make-held-long");
+    let per = 6;
+    t.flat_makefile("sub.mk", "j", per);
+    let mut cmd = make_cmd(&t, Path::new(BIN));
+    cmd.args([
+        "run",
+        "-j",
+        &n.to_string(),
+        "--stats",
+        "--",
+        "timeout",
+        "600",
+    ])
+    .arg(herdless_make())
+    .args(["-f", "sub.mk"])
+    .env("JOB_SLEEP", "0.2")
+    .env("HERDLESS_TEST_NAMING_DELAY_MS", "6000");
+    let out = run(cmd);
+    assert_ran(&t, per, n, &out, "held 6 s");
+    assert_on_herdless(&t, &out, true, "held 6 s");
+    let report = text(&out);
+    assert!(!report.contains("no hello within"), "{report}");
+}
+
 /// A make killed with `SIGKILL` while its hello waits for the command's
 /// name (held by the broker, `HERDLESS_TEST_NAMING_DELAY_MS`): the broker
 /// forgets the held hello, and a make started after it, held too, runs

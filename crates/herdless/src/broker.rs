@@ -322,6 +322,14 @@ struct Conn {
     held_hello: Option<Request>,
 }
 
+impl Conn {
+    /// Not yet past its hello: one held for the command's name was said
+    /// in time, and is neither expired nor evicted.
+    fn in_handshake(&self) -> bool {
+        self.client.is_none() && self.held_hello.is_none()
+    }
+}
+
 /// The broker. Build it with [`Broker::bind`], run it with [`Broker::run`].
 pub struct Broker {
     poll: Poll,
@@ -1008,7 +1016,7 @@ impl Broker {
         let conns = &self.conns;
         let handshake = self
             .handshakes
-            .next_deadline(|t| conns.get(&t).is_some_and(|c| c.client.is_none()));
+            .next_deadline(|t| conns.get(&t).is_some_and(Conn::in_handshake));
         let offer = self.bridge.as_ref().and_then(Bridge::offer_deadline);
         let deadline = handshake.into_iter().chain(offer).min()?;
         // Round up so the loop does not wake just before the deadline.
@@ -1217,7 +1225,7 @@ impl Broker {
         let conns = &self.conns;
         if let Some(token) = self
             .handshakes
-            .pop_oldest(None, |t| conns.get(&t).is_some_and(|c| c.client.is_none()))
+            .pop_oldest(None, |t| conns.get(&t).is_some_and(Conn::in_handshake))
         {
             self.close_handshake(
                 token,
@@ -1246,12 +1254,10 @@ impl Broker {
         let now = self.now();
         loop {
             let conns = &self.conns;
-            // A held hello was said in time.
-            let Some(token) = self.handshakes.pop_oldest(Some(now), |t| {
-                conns
-                    .get(&t)
-                    .is_some_and(|c| c.client.is_none() && c.held_hello.is_none())
-            }) else {
+            let Some(token) = self
+                .handshakes
+                .pop_oldest(Some(now), |t| conns.get(&t).is_some_and(Conn::in_handshake))
+            else {
                 return;
             };
             // A hello that came while this broker could not run (its
