@@ -3084,6 +3084,13 @@ enum Call {
     /// A `herdless exec` whose command starts two sub-makes and an `exec`
     /// job side by side, which share the `exec`'s token.
     ExecBackground,
+    /// The same behind `timeout` in the `exec`'s command.
+    ExecTimeout,
+    /// Two sub-makes in subshells of their own, in the background.
+    Subshells,
+    /// `herdless run -j K --` whose command starts two sub-makes side by
+    /// side.
+    NestedRunBackground,
 }
 
 /// Writes one makefile of a random tree, `name.mk` in `t`, and those
@@ -3124,6 +3131,9 @@ fn random_makefile(
             Call::Pipe,
             Call::Background,
             Call::ExecBackground,
+            Call::ExecTimeout,
+            Call::Subshells,
+            Call::NestedRunBackground,
         ]);
     }
     let (herdless, stock) = if gnu {
@@ -3186,6 +3196,38 @@ fn random_makefile(
                     ),
                 )
             }
+            Call::ExecTimeout => {
+                two(&mut total);
+                total += 1;
+                (
+                    "",
+                    format!(
+                        "@{BIN} exec -- timeout 120 sh -c '{sub} -f {d}/{below}a.mk & \
+                         {BIN} exec -- sh {d}/job.sh {d} & {sub} -f {d}/{below}b.mk; wait'"
+                    ),
+                )
+            }
+            Call::Subshells => {
+                two(&mut total);
+                (
+                    "",
+                    format!(
+                        "@( cd . && {sub} -f {d}/{below}a.mk ) & \
+                         ( {sub} -f {d}/{below}b.mk; true ) & wait"
+                    ),
+                )
+            }
+            Call::NestedRunBackground => {
+                two(&mut total);
+                let j = 1 + rng.below(4);
+                (
+                    "",
+                    format!(
+                        "@{BIN} run -j {j} -- sh -c '{sub} -f {d}/{below}a.mk & \
+                         {sub} -f {d}/{below}b.mk & wait'"
+                    ),
+                )
+            }
             Call::Exec => {
                 total += 3;
                 (
@@ -3232,8 +3274,9 @@ fn random_makefile(
 /// command), and below it, at random, sub-makes of the same make, stock
 /// makes of its family, nested `herdless run`s of either, `timeout`,
 /// `herdless exec` jobs, and, below a make with herdless inside, two
-/// sub-makes in one recipe from `xargs -P 2`, a pipeline or `&`, or
-/// beside an `exec` job in an `exec`'s command. Every job runs, at most N
+/// sub-makes in one recipe from `xargs -P 2`, a pipeline, `&`, subshells,
+/// a nested `herdless run`'s command, or beside an `exec` job in an
+/// `exec`'s command (also behind `timeout`). Every job runs, at most N
 /// at once, the tree succeeds and no broker loses a
 /// token. (N reached is not asserted: a tree may hold fewer jobs that can
 /// run at once.) 24 seeds; `HERDLESS_TEST_RANDOM_TREES=500` tries 500.
