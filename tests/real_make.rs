@@ -846,39 +846,7 @@ fn a_relative_tmpdir_reaches_sub_makes_that_change_directory() {
 /// At most N, N reached, every job, nothing lost.
 #[test]
 fn makes_side_by_side_as_run_s_command_keep_the_limit() {
-    for (name, make, flavor) in [
-        ("gnu", herdless_make(), "gnu"),
-        ("bmake", herdless_bmake(), "bmake"),
-    ] {
-        for n in [1u32, 2, 4] {
-            let what = format!("{name} at -j {n}");
-            let t = Tree::new(&format!("real-make-side-by-side-{name}-{n}"));
-            let per = 4;
-            for b in 1..=3 {
-                t.flat_makefile(&format!("sub{b}.mk"), &format!("b{b}j"), per);
-            }
-            let d = t.dir.display();
-            let m = make.display();
-            let script = format!(
-                "{m} -f {d}/sub1.mk & {m} -f {d}/sub2.mk & {m} -f {d}/sub3.mk & \
-                 {BIN} exec -- sh {d}/job.sh {d} & wait"
-            );
-            let mut cmd = make_cmd(&t, Path::new(BIN));
-            cmd.args([
-                "run",
-                "-j",
-                &n.to_string(),
-                "--flavor",
-                flavor,
-                "--stats",
-                "--",
-            ])
-            .args(["sh", "-c", &script])
-            .env("JOB_SLEEP", "0.15");
-            let out = run(cmd);
-            assert_ran(&t, 3 * per + 1, n, &out, &what);
-        }
-    }
+    makes_side_by_side("side-by-side", 3, &[1, 2, 4], &[]);
 }
 
 /// The same below the command of an `exec`: makes that the command starts
@@ -889,29 +857,41 @@ fn makes_side_by_side_as_run_s_command_keep_the_limit() {
 /// more than N. At most N, N reached, every job, nothing lost.
 #[test]
 fn makes_side_by_side_as_an_exec_s_command_keep_the_limit() {
-    for (name, make, flavor) in [
+    makes_side_by_side("exec-side-by-side", 2, &[1, 2, 3], &[BIN, "exec", "--"]);
+}
+
+/// The makes with herdless inside: (name, path, `run --flavor`).
+fn herdless_makes() -> [(&'static str, PathBuf, &'static str); 2] {
+    [
         ("gnu", herdless_make(), "gnu"),
         ("bmake", herdless_bmake(), "bmake"),
-    ] {
-        for n in [1u32, 2, 3] {
-            let what = format!("{name} at -j {n}");
-            let t = Tree::new(&format!("real-make-exec-side-by-side-{name}-{n}"));
+    ]
+}
+
+/// `herdless run -j N -- PREFIX… sh -c 'MAKE -f sub1.mk & … & herdless
+/// exec job & wait'` with `subs` makes of 4 jobs, for both makes and each
+/// N in `ns`: every job, at most N at once and N reached, nothing lost.
+fn makes_side_by_side(tag: &str, subs: usize, ns: &[u32], prefix: &[&str]) {
+    for (name, make, flavor) in herdless_makes() {
+        for &n in ns {
+            let what = format!("{tag}: {name} at -j {n}");
+            let t = Tree::new(&format!("real-make-{tag}-{name}-{n}"));
             let per = 4;
-            for b in 1..=2 {
-                t.flat_makefile(&format!("sub{b}.mk"), &format!("b{b}j"), per);
-            }
             let d = t.dir.display();
-            let m = make.display();
-            let script = format!(
-                "{m} -f {d}/sub1.mk & {m} -f {d}/sub2.mk & \
-                 {BIN} exec -- sh {d}/job.sh {d} & wait"
-            );
+            let mut script = String::new();
+            for b in 1..=subs {
+                t.flat_makefile(&format!("sub{b}.mk"), &format!("b{b}j"), per);
+                script += &format!("{} -f {d}/sub{b}.mk & ", make.display());
+            }
+            script += &format!("{BIN} exec -- sh {d}/job.sh {d} & wait");
             let mut cmd = make_cmd(&t, Path::new(BIN));
             cmd.args(["run", "-j", &n.to_string(), "--flavor", flavor])
-                .args(["--stats", "--", BIN, "exec", "--", "sh", "-c", &script])
+                .args(["--stats", "--"])
+                .args(prefix)
+                .args(["sh", "-c", &script])
                 .env("JOB_SLEEP", "0.15");
             let out = run(cmd);
-            assert_ran(&t, 2 * per + 1, n, &out, &what);
+            assert_ran(&t, subs * per + 1, n, &out, &what);
         }
     }
 }
@@ -925,19 +905,27 @@ fn makes_side_by_side_as_an_exec_s_command_keep_the_limit() {
 /// waits for the name: at most N, N reached, every job, nothing lost.
 #[test]
 fn a_make_that_connects_before_run_names_its_command_keeps_the_limit() {
-    for (name, make, flavor) in [
-        ("gnu", herdless_make(), "gnu"),
-        ("bmake", herdless_bmake(), "bmake"),
-    ] {
-        for n in [1u32, 2] {
-            let what = format!("{name} at -j {n}");
-            let t = Tree::new(&format!("real-make-named-late-{name}-{n}"));
+    named_late("named-late", &[1, 2], |_, _| String::new());
+}
+
+/// `herdless run -j N -- sh -c 'BEFORE timeout 600 MAKE -f sub.mk &
+/// herdless exec job & wait'`, `run`'s naming of its command held back a
+/// second, for both makes and each N in `ns` (`before(make, dir)` gives
+/// BEFORE): the 6 jobs of sub.mk and the `exec` job run, at most N at
+/// once and N reached, on herdless, nothing lost.
+fn named_late(tag: &str, ns: &[u32], before: impl Fn(&str, &str) -> String) {
+    for (name, make, flavor) in herdless_makes() {
+        for &n in ns {
+            let what = format!("{tag}: {name} at -j {n}");
+            let t = Tree::new(&format!("real-make-{tag}-{name}-{n}"));
             let per = 6;
+            t.flat_makefile("gone.mk", "g", per);
             t.flat_makefile("sub.mk", "j", per);
-            let d = t.dir.display();
+            let d = t.dir.display().to_string();
+            let m = make.display().to_string();
             let script = format!(
-                "timeout 600 {} -f {d}/sub.mk & {BIN} exec -- sh {d}/job.sh {d} & wait",
-                make.display()
+                "{}timeout 600 {m} -f {d}/sub.mk & {BIN} exec -- sh {d}/job.sh {d} & wait",
+                before(&m, &d)
             );
             let mut cmd = make_cmd(&t, Path::new(BIN));
             cmd.args(["run", "-j", &n.to_string(), "--flavor", flavor])
@@ -989,31 +977,9 @@ fn a_hello_held_past_the_handshake_deadline_is_answered() {
 /// answer), at most N, N reached, nothing lost.
 #[test]
 fn a_make_killed_while_its_hello_waits_for_the_name_leaves_the_rest_whole() {
-    for (name, make, flavor) in [
-        ("gnu", herdless_make(), "gnu"),
-        ("bmake", herdless_bmake(), "bmake"),
-    ] {
-        let n = 2u32;
-        let what = format!("{name} at -j {n}");
-        let t = Tree::new(&format!("real-make-held-killed-{name}"));
-        let per = 6;
-        t.flat_makefile("gone.mk", "g", per);
-        t.flat_makefile("sub.mk", "j", per);
-        let d = t.dir.display();
-        let m = make.display();
-        let script = format!(
-            "timeout 600 {m} -f {d}/gone.mk & sleep 0.4; pkill -KILL -P $!; wait; \
-             timeout 600 {m} -f {d}/sub.mk & {BIN} exec -- sh {d}/job.sh {d} & wait"
-        );
-        let mut cmd = make_cmd(&t, Path::new(BIN));
-        cmd.args(["run", "-j", &n.to_string(), "--flavor", flavor])
-            .args(["--stats", "--", "sh", "-c", &script])
-            .env("JOB_SLEEP", "0.3")
-            .env("HERDLESS_TEST_NAMING_DELAY_MS", "1000");
-        let out = run(cmd);
-        assert_ran(&t, per + 1, n, &out, &what);
-        assert_on_herdless(&t, &out, true, &what);
-    }
+    named_late("held-killed", &[2], |m, d| {
+        format!("timeout 600 {m} -f {d}/gone.mk & sleep 0.4; pkill -KILL -P $!; wait; ")
+    });
 }
 
 /// Sub-makes and `herdless exec` jobs in a PID namespace of their own
