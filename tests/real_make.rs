@@ -982,6 +982,73 @@ fn a_make_killed_while_its_hello_waits_for_the_name_leaves_the_rest_whole() {
     });
 }
 
+/// GNU make remakes a makefile it includes (`include gen.mk` with a rule
+/// that makes it, as generated dependencies are) and then runs itself
+/// again with `execve`, the same process (the top make's own is remade
+/// by a sub-make): a top make that started a broker stops it first, once
+/// that sub-make ended (its figures written, nothing lost), and the new
+/// image starts another; sub-makes that remake theirs connect again; as
+/// `herdless run`'s command, the top make reconnects as the command. Every
+/// job, at most N at once and N reached, on herdless, no token lost in any
+/// broker, nothing left in `TMPDIR`.
+#[test]
+fn a_gnu_make_that_remakes_its_makefiles_runs_again_on_herdless() {
+    for under_run in [false, true] {
+        for n in [2u32, 4] {
+            let what = format!("-j {n}, under run: {under_run}");
+            let t = Tree::new(&format!("real-make-remade-{n}-{under_run}"));
+            let per = 4;
+            let d = t.dir.display();
+            let mut top = String::from("all: branch1 branch2 branch3 branch4\ninclude gen.mk\n");
+            // Remade by a sub-make, which runs on the first broker.
+            t.flat_makefile("gen.src", "g", 2);
+            top += &format!("gen.mk:\n\t@$(MAKE) -f {d}/gen.src && echo 'TOP := 1' > gen.mk\n");
+            for b in 1..=4 {
+                t.flat_makefile(&format!("sub{b}.mk"), &format!("b{b}j"), per);
+                let path = t.path(&format!("sub{b}.mk"));
+                let mut sub = fs::read_to_string(&path).unwrap();
+                sub +=
+                    &format!("include gen{b}.mk\ngen{b}.mk:\n\t@echo 'SUB := {b}' > gen{b}.mk\n");
+                fs::write(path, sub).unwrap();
+                top += &format!("branch{b}:\n\t@$(MAKE) -f {d}/sub{b}.mk\n");
+            }
+            fs::write(t.path("Makefile"), top).unwrap();
+            let mut cmd = make_or_run(&t, &herdless_make(), n, under_run, true);
+            cmd.env("JOB_SLEEP", "0.3");
+            let out = run(cmd);
+            let report = text(&out);
+            assert!(out.status.success(), "{what}: {report}");
+            let (done, most) = t.counts();
+            assert_eq!(done, 4 * per + 2, "{what}: {report}");
+            assert!(most <= n, "{what}: {most} jobs at once\n{report}");
+            assert_eq!(most, n, "{what}: never {n} jobs at once\n{report}");
+            for b in 1..=4 {
+                assert!(t.path(&format!("gen{b}.mk")).exists(), "{what}: {report}");
+            }
+            let brokers = broker_lines(&t);
+            if under_run {
+                let stderr = String::from_utf8_lossy(&out.stderr);
+                assert_eq!(stat(&stderr, "tokens lost"), "0", "{what}: {report}");
+                let grants = stat(&stderr, "grants");
+                let native: u64 = grants.split_whitespace().next().unwrap().parse().unwrap();
+                assert!(native > 0, "{what}: {report}");
+                assert!(brokers.is_empty(), "{what}: {brokers:?}");
+            } else {
+                // One broker per image of the top make.
+                assert_eq!(brokers.len(), 2, "{what}: {brokers:?}");
+                for b in &brokers {
+                    assert_eq!(figure(b, "lost"), 0, "{what}: {brokers:?}");
+                }
+                assert!(
+                    figure(&brokers[1], "native_grants") > 0,
+                    "{what}: {brokers:?}"
+                );
+            }
+            assert_no_leftovers(&t);
+        }
+    }
+}
+
 /// Sub-makes and `herdless exec` jobs in a PID namespace of their own
 /// below a make with herdless inside, or below `herdless run` (a recipe
 /// that sandboxes its commands: `unshare --pid`, `bwrap --unshare-pid`).
