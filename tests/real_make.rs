@@ -3130,7 +3130,7 @@ enum Call {
 /// below it; returns how many jobs they hold in all. `herdless_here`:
 /// the make that reads it has herdless inside (only such a make keeps
 /// `-j` when one recipe starts two sub-makes; a stock one takes the
-/// recipe's token for each).
+/// recipe's token for each). `stock_ok`: stock makes may be called.
 fn random_makefile(
     t: &Tree,
     rng: &mut Rng,
@@ -3138,6 +3138,7 @@ fn random_makefile(
     name: &str,
     depth: u32,
     herdless_here: bool,
+    stock_ok: bool,
 ) -> usize {
     let d = t.dir.display();
     let sub = if gnu { "$(MAKE)" } else { "${MAKE}" };
@@ -3158,6 +3159,9 @@ fn random_makefile(
         Call::Timeout,
         Call::Exec,
     ];
+    if !stock_ok {
+        calls.retain(|c| !matches!(c, Call::Stock | Call::NestedStock));
+    }
     if herdless_here {
         calls.extend([
             Call::Xargs,
@@ -3191,6 +3195,7 @@ fn random_makefile(
                     &format!("{below}{half}"),
                     depth + 1,
                     herdless_below,
+                    stock_ok,
                 );
             }
         };
@@ -3272,7 +3277,7 @@ fn random_makefile(
                 )
             }
             _ => {
-                total += random_makefile(t, rng, gnu, &below, depth + 1, herdless_below);
+                total += random_makefile(t, rng, gnu, &below, depth + 1, herdless_below, stock_ok);
                 let f = format!("{d}/{below}.mk");
                 let j = 1 + rng.below(4);
                 match call {
@@ -3329,7 +3334,7 @@ fn random_trees_of_makes_keep_the_limit() {
             1 + rng.below(4)
         };
         let t = Tree::new(&format!("real-make-random-{seed}"));
-        let total = random_makefile(&t, &mut rng, gnu, "top", 0, true);
+        let total = random_makefile(&t, &mut rng, gnu, "top", 0, true, true);
         let make = if gnu {
             herdless_make()
         } else {
@@ -3353,4 +3358,114 @@ fn random_trees_of_makes_keep_the_limit() {
             assert_eq!(figure(&line, "lost"), 0, "{what}: {line:?}");
         }
     }
+}
+
+/// Random trees as in [`random_trees_of_makes_keep_the_limit`] (with
+/// `-k`), and one process of the tree killed with `SIGKILL` at a random
+/// moment: a sub-make with herdless inside, a `herdless exec`, or a job's
+/// shell, chosen at random among those alive (never the top make, whose
+/// broker is documented to go with it). The trees hold no stock make: a
+/// classic client that dies holding pipe tokens loses them, and one
+/// below a killed bmake dies of `SIGPIPE` as it writes to the output
+/// pipe its make read (seed 5, with Debian's bmake below: "1 classic
+/// token(s) never came back", as with a stock bmake at the top). The tree must end (no
+/// make waits for good on a token), no broker may lose a token, and no
+/// broker's files may be left in `TMPDIR`. How many jobs run at once is
+/// not asserted: a killed make's jobs live on as orphans beside the
+/// tokens it gave back (docs/EMBEDDING.md, "When a make dies"). 12 seeds;
+/// `HERDLESS_TEST_RANDOM_KILLS=200` tries 200.
+#[test]
+fn random_trees_end_and_lose_nothing_when_one_process_is_killed() {
+    let seeds: u64 = std::env::var("HERDLESS_TEST_RANDOM_KILLS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(12);
+    let mut killed_any = 0;
+    for seed in 1..=seeds {
+        let mut rng = Rng(seed + 1000);
+        let gnu = rng.below(2) == 0;
+        let under_run = rng.below(2) == 0;
+        let n = 2 + rng.below(3);
+        let t = Tree::new(&format!("real-make-random-kill-{seed}"));
+        random_makefile(&t, &mut rng, gnu, "top", 0, true, false);
+        let make = if gnu {
+            herdless_make()
+        } else {
+            herdless_bmake()
+        };
+        let mut cmd = make_or_run(&t, &make, n, under_run, true);
+        cmd.arg("-k")
+            .arg("-f")
+            .arg(t.path("top.mk"))
+            .env("JOB_SLEEP", "0.1");
+        let what = format!(
+            "seed {seed}: {} at -j{n}{}",
+            if gnu { "GNU make" } else { "bmake" },
+            if under_run { " under herdless run" } else { "" }
+        );
+        let mut child = spawn_in_group(&t, cmd);
+        thread::sleep(Duration::from_millis(50 + rng.below(600)));
+        let (herdless, bin) = (make.to_string_lossy().into_owned(), BIN.to_string());
+        let victims: Vec<(i32, String)> = live_processes_naming(&t.dir)
+            .into_iter()
+            .filter(|(_, line)| {
+                let first = line.split(' ').next().unwrap_or_default();
+                let top = line.contains("top.mk");
+                (first == herdless && !top)
+                    || (first == bin && line.contains(" exec "))
+                    || line.starts_with("sh ") && line.contains("job.sh")
+            })
+            .collect();
+        let victim = (!victims.is_empty())
+            .then(|| victims[rng.below(victims.len() as u64) as usize].clone());
+        if let Some((pid, line)) = &victim {
+            common::signal(*pid, libc::SIGKILL);
+            killed_any += 1;
+            eprintln!("{what}: killed {pid}: {line}");
+        }
+        let status = common::wait_or_report(
+            &mut child,
+            PATIENCE * 2,
+            &format!("{what}: the tree did not end after {victim:?} was killed"),
+        );
+        let mut makefiles: Vec<_> = fs::read_dir(&t.dir)
+            .unwrap()
+            .filter_map(|e| e.ok())
+            .map(|e| e.path())
+            .filter(|p| p.extension().is_some_and(|x| x == "mk"))
+            .collect();
+        makefiles.sort();
+        let tree: String = makefiles
+            .iter()
+            .map(|p| format!("{}:\n{}", p.display(), fs::read_to_string(p).unwrap()))
+            .collect();
+        let report = format!(
+            "{what}: status {status}, killed {victim:?}\nstderr:\n{}\n{tree}",
+            fs::read_to_string(t.path("err")).unwrap_or_default()
+        );
+        assert!(!report.contains("INTERNAL"), "{report}");
+        for line in broker_lines(&t) {
+            assert_eq!(figure(&line, "lost"), 0, "{report}\n{line:?}");
+        }
+        if under_run {
+            let stderr = fs::read_to_string(t.path("err")).unwrap_or_default();
+            assert_eq!(stat(&stderr, "tokens lost"), "0", "{report}");
+        }
+        // The slot locks' directory is kept by design (classic/slot.rs).
+        let left: Vec<_> = fs::read_dir(t.path("tmp"))
+            .unwrap()
+            .filter_map(|e| e.ok())
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|f| f.starts_with("herdless") && !f.starts_with("herdless-slots"))
+            .collect();
+        assert!(
+            left.is_empty(),
+            "{report}
+left in TMPDIR: {left:?}"
+        );
+    }
+    assert!(
+        killed_any > 0 || seeds < 4,
+        "no seed found a process to kill"
+    );
 }
