@@ -3469,3 +3469,73 @@ left in TMPDIR: {left:?}"
         "no seed found a process to kill"
     );
 }
+
+/// Random trees of the herdless makes (as in
+/// [`random_trees_end_and_lose_nothing_when_one_process_is_killed`]),
+/// interrupted at a random moment as a terminal's ^C does: `SIGINT` to
+/// the whole process group. Every process of the tree ends (sub-makes put
+/// in the background by a shell ignore `SIGINT`, as stock ones do, and
+/// end when they find their broker gone or their work done), and no
+/// broker's files are left in `TMPDIR`. 12 seeds;
+/// `HERDLESS_TEST_RANDOM_KILLS=200` tries 200.
+#[test]
+fn random_trees_interrupted_at_a_random_moment_leave_nothing_behind() {
+    let seeds: u64 = std::env::var("HERDLESS_TEST_RANDOM_KILLS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(12);
+    for seed in 1..=seeds {
+        let mut rng = Rng(seed + 2000);
+        let gnu = rng.below(2) == 0;
+        let under_run = rng.below(2) == 0;
+        let n = 2 + rng.below(3);
+        let t = Tree::new(&format!("real-make-random-int-{seed}"));
+        random_makefile(&t, &mut rng, gnu, "top", 0, true, false);
+        let make = if gnu {
+            herdless_make()
+        } else {
+            herdless_bmake()
+        };
+        let mut cmd = make_or_run(&t, &make, n, under_run, true);
+        cmd.arg("-f").arg(t.path("top.mk")).env("JOB_SLEEP", "0.1");
+        let what = format!(
+            "seed {seed}: {} at -j{n}{}",
+            if gnu { "GNU make" } else { "bmake" },
+            if under_run { " under herdless run" } else { "" }
+        );
+        let mut child = spawn_in_group(&t, cmd);
+        let pgid = child.id() as i32;
+        thread::sleep(Duration::from_millis(50 + rng.below(600)));
+        common::signal(-pgid, libc::SIGINT);
+        let status = common::wait_or_report(
+            &mut child,
+            PATIENCE,
+            &format!("{what}: the tree did not end after SIGINT"),
+        );
+        let start = Instant::now();
+        loop {
+            let left = live_processes_naming(&t.dir);
+            if left.is_empty() {
+                break;
+            }
+            if start.elapsed() > PATIENCE {
+                common::signal(-pgid, libc::SIGKILL);
+                panic!("{what}: still running after SIGINT: {left:?}");
+            }
+            thread::sleep(Duration::from_millis(20));
+        }
+        let report = format!(
+            "{what}: status {status}\nstderr:\n{}",
+            fs::read_to_string(t.path("err")).unwrap_or_default()
+        );
+        assert!(!report.contains("INTERNAL"), "{report}");
+        // The slot locks' directory is kept by design (classic/slot.rs).
+        let left: Vec<_> = fs::read_dir(t.path("tmp"))
+            .unwrap()
+            .filter_map(|e| e.ok())
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|f| f.starts_with("herdless") && !f.starts_with("herdless-slots"))
+            .collect();
+        assert!(left.is_empty(), "{report}\nleft in TMPDIR: {left:?}");
+    }
+}
