@@ -3360,75 +3360,97 @@ fn random_trees_of_makes_keep_the_limit() {
     }
 }
 
-/// Random trees as in [`random_trees_of_makes_keep_the_limit`] (with
-/// `-k`), and one process of the tree killed with `SIGKILL` at a random
-/// moment: a sub-make with herdless inside, a `herdless exec`, or a job's
-/// shell, chosen at random among those alive (never the top make, whose
-/// broker is documented to go with it). The trees hold no stock make: a
-/// classic client that dies holding pipe tokens loses them, and one
-/// below a killed bmake dies of `SIGPIPE` as it writes to the output
-/// pipe its make read (seed 5, with Debian's bmake below: "1 classic
-/// token(s) never came back", as with a stock bmake at the top). The tree must end (no
-/// make waits for good on a token), no broker may lose a token, and no
-/// broker's files may be left in `TMPDIR`. How many jobs run at once is
-/// not asserted: a killed make's jobs live on as orphans beside the
-/// tokens it gave back (docs/EMBEDDING.md, "When a make dies"). 12 seeds;
-/// `HERDLESS_TEST_RANDOM_KILLS=200` tries 200.
-#[test]
-fn random_trees_end_and_lose_nothing_when_one_process_is_killed() {
-    let seeds: u64 = std::env::var("HERDLESS_TEST_RANDOM_KILLS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(12);
-    let mut killed_any = 0;
-    for seed in 1..=seeds {
-        let mut rng = Rng(seed + 1000);
+/// A random tree of the herdless makes (no stock make) started in a
+/// process group of its own, as the top make or under `run` (`--stats`),
+/// jobs of 0.1 s; `rng` then goes on to choose what befalls it.
+struct RandomTree {
+    t: Tree,
+    what: String,
+    make: PathBuf,
+    n: u64,
+    total: usize,
+    child: std::process::Child,
+    rng: Rng,
+}
+
+impl RandomTree {
+    fn start(tag: &str, seed: u64, keep_going: bool) -> RandomTree {
+        let mut rng = Rng(seed);
         let gnu = rng.below(2) == 0;
         let under_run = rng.below(2) == 0;
         let n = 2 + rng.below(3);
-        let t = Tree::new(&format!("real-make-random-kill-{seed}"));
-        random_makefile(&t, &mut rng, gnu, "top", 0, true, false);
+        let t = Tree::new(&format!("real-make-random-{tag}-{seed}"));
+        let total = random_makefile(&t, &mut rng, gnu, "top", 0, true, false);
         let make = if gnu {
             herdless_make()
         } else {
             herdless_bmake()
         };
         let mut cmd = make_or_run(&t, &make, n, under_run, true);
-        cmd.arg("-k")
-            .arg("-f")
-            .arg(t.path("top.mk"))
-            .env("JOB_SLEEP", "0.1");
+        if keep_going {
+            cmd.arg("-k");
+        }
+        cmd.arg("-f").arg(t.path("top.mk")).env("JOB_SLEEP", "0.1");
         let what = format!(
-            "seed {seed}: {} at -j{n}{}",
+            "{tag} seed {seed}: {} at -j{n}{}",
             if gnu { "GNU make" } else { "bmake" },
             if under_run { " under herdless run" } else { "" }
         );
-        let mut child = spawn_in_group(&t, cmd);
-        thread::sleep(Duration::from_millis(50 + rng.below(600)));
-        let (herdless, bin) = (make.to_string_lossy().into_owned(), BIN.to_string());
-        let victims: Vec<(i32, String)> = live_processes_naming(&t.dir)
+        let child = spawn_in_group(&t, cmd);
+        RandomTree {
+            t,
+            what,
+            make,
+            n,
+            total,
+            child,
+            rng,
+        }
+    }
+
+    /// Waits a random 50 to 650 ms, then picks a live process of the tree
+    /// at random: a sub-make (`top` too: the top make as well), a
+    /// `herdless exec` or a job's shell.
+    fn pick(&mut self, top: bool) -> Option<(i32, String)> {
+        thread::sleep(Duration::from_millis(50 + self.rng.below(600)));
+        let herdless = self.make.to_string_lossy().into_owned();
+        let victims: Vec<(i32, String)> = live_processes_naming(&self.t.dir)
             .into_iter()
             .filter(|(_, line)| {
                 let first = line.split(' ').next().unwrap_or_default();
-                let top = line.contains("top.mk");
-                (first == herdless && !top)
-                    || (first == bin && line.contains(" exec "))
+                (first == herdless && (top || !line.contains("top.mk")))
+                    || (first == BIN && line.contains(" exec "))
                     || line.starts_with("sh ") && line.contains("job.sh")
             })
             .collect();
-        let victim = (!victims.is_empty())
-            .then(|| victims[rng.below(victims.len() as u64) as usize].clone());
-        if let Some((pid, line)) = &victim {
-            common::signal(*pid, libc::SIGKILL);
-            killed_any += 1;
-            eprintln!("{what}: killed {pid}: {line}");
-        }
+        (!victims.is_empty())
+            .then(|| victims[self.rng.below(victims.len() as u64) as usize].clone())
+    }
+
+    fn pgid(&self) -> i32 {
+        self.child.id() as i32
+    }
+
+    /// Waits for the top process, then for every process of the tree.
+    fn wait(&mut self, why: &str) -> String {
         let status = common::wait_or_report(
-            &mut child,
+            &mut self.child,
             PATIENCE * 2,
-            &format!("{what}: the tree did not end after {victim:?} was killed"),
+            &format!("{}: the tree did not end after {why}", self.what),
         );
-        let mut makefiles: Vec<_> = fs::read_dir(&t.dir)
+        let start = Instant::now();
+        loop {
+            let left = live_processes_naming(&self.t.dir);
+            if left.is_empty() {
+                break;
+            }
+            if start.elapsed() > PATIENCE {
+                common::signal(-self.pgid(), libc::SIGKILL);
+                panic!("{}: still running after {why}: {left:?}", self.what);
+            }
+            thread::sleep(Duration::from_millis(20));
+        }
+        let mut makefiles: Vec<_> = fs::read_dir(&self.t.dir)
             .unwrap()
             .filter_map(|e| e.ok())
             .map(|e| e.path())
@@ -3439,103 +3461,114 @@ fn random_trees_end_and_lose_nothing_when_one_process_is_killed() {
             .iter()
             .map(|p| format!("{}:\n{}", p.display(), fs::read_to_string(p).unwrap()))
             .collect();
-        let report = format!(
-            "{what}: status {status}, killed {victim:?}\nstderr:\n{}\n{tree}",
-            fs::read_to_string(t.path("err")).unwrap_or_default()
-        );
-        assert!(!report.contains("INTERNAL"), "{report}");
-        for line in broker_lines(&t) {
+        format!(
+            "{}: status {status} after {why}\nstderr:\n{}\n{tree}",
+            self.what,
+            fs::read_to_string(self.t.path("err")).unwrap_or_default()
+        )
+    }
+
+    /// No token lost in any broker, nothing of a broker left in `TMPDIR`.
+    fn assert_nothing_lost_or_left(&self, report: &str) {
+        for line in broker_lines(&self.t) {
             assert_eq!(figure(&line, "lost"), 0, "{report}\n{line:?}");
         }
-        if under_run {
-            let stderr = fs::read_to_string(t.path("err")).unwrap_or_default();
-            assert_eq!(stat(&stderr, "tokens lost"), "0", "{report}");
+        if let Ok(stderr) = fs::read_to_string(self.t.path("err")) {
+            if stderr.contains("herdless: tokens lost") {
+                assert_eq!(stat(&stderr, "tokens lost"), "0", "{report}");
+            }
         }
-        // The slot locks' directory is kept by design (classic/slot.rs).
-        let left: Vec<_> = fs::read_dir(t.path("tmp"))
-            .unwrap()
-            .filter_map(|e| e.ok())
-            .map(|e| e.file_name().to_string_lossy().into_owned())
-            .filter(|f| f.starts_with("herdless") && !f.starts_with("herdless-slots"))
-            .collect();
-        assert!(
-            left.is_empty(),
-            "{report}
-left in TMPDIR: {left:?}"
-        );
+        self.assert_no_broker_left(report);
     }
-    assert!(
-        killed_any > 0 || seeds < 4,
-        "no seed found a process to kill"
-    );
-}
 
-/// Random trees of the herdless makes (as in
-/// [`random_trees_end_and_lose_nothing_when_one_process_is_killed`]),
-/// interrupted at a random moment as a terminal's ^C does: `SIGINT` to
-/// the whole process group. Every process of the tree ends (sub-makes put
-/// in the background by a shell ignore `SIGINT`, as stock ones do, and
-/// end when they find their broker gone or their work done), and no
-/// broker's files are left in `TMPDIR`. 12 seeds;
-/// `HERDLESS_TEST_RANDOM_KILLS=200` tries 200.
-#[test]
-fn random_trees_interrupted_at_a_random_moment_leave_nothing_behind() {
-    let seeds: u64 = std::env::var("HERDLESS_TEST_RANDOM_KILLS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(12);
-    for seed in 1..=seeds {
-        let mut rng = Rng(seed + 2000);
-        let gnu = rng.below(2) == 0;
-        let under_run = rng.below(2) == 0;
-        let n = 2 + rng.below(3);
-        let t = Tree::new(&format!("real-make-random-int-{seed}"));
-        random_makefile(&t, &mut rng, gnu, "top", 0, true, false);
-        let make = if gnu {
-            herdless_make()
-        } else {
-            herdless_bmake()
-        };
-        let mut cmd = make_or_run(&t, &make, n, under_run, true);
-        cmd.arg("-f").arg(t.path("top.mk")).env("JOB_SLEEP", "0.1");
-        let what = format!(
-            "seed {seed}: {} at -j{n}{}",
-            if gnu { "GNU make" } else { "bmake" },
-            if under_run { " under herdless run" } else { "" }
-        );
-        let mut child = spawn_in_group(&t, cmd);
-        let pgid = child.id() as i32;
-        thread::sleep(Duration::from_millis(50 + rng.below(600)));
-        common::signal(-pgid, libc::SIGINT);
-        let status = common::wait_or_report(
-            &mut child,
-            PATIENCE,
-            &format!("{what}: the tree did not end after SIGINT"),
-        );
-        let start = Instant::now();
-        loop {
-            let left = live_processes_naming(&t.dir);
-            if left.is_empty() {
-                break;
-            }
-            if start.elapsed() > PATIENCE {
-                common::signal(-pgid, libc::SIGKILL);
-                panic!("{what}: still running after SIGINT: {left:?}");
-            }
-            thread::sleep(Duration::from_millis(20));
-        }
-        let report = format!(
-            "{what}: status {status}\nstderr:\n{}",
-            fs::read_to_string(t.path("err")).unwrap_or_default()
-        );
+    /// Nothing of a broker left in `TMPDIR` (the slot locks' directory is
+    /// kept by design: classic/slot.rs).
+    fn assert_no_broker_left(&self, report: &str) {
         assert!(!report.contains("INTERNAL"), "{report}");
-        // The slot locks' directory is kept by design (classic/slot.rs).
-        let left: Vec<_> = fs::read_dir(t.path("tmp"))
+        let left: Vec<_> = fs::read_dir(self.t.path("tmp"))
             .unwrap()
             .filter_map(|e| e.ok())
             .map(|e| e.file_name().to_string_lossy().into_owned())
             .filter(|f| f.starts_with("herdless") && !f.starts_with("herdless-slots"))
             .collect();
         assert!(left.is_empty(), "{report}\nleft in TMPDIR: {left:?}");
+    }
+}
+
+/// How many random trees the tests below try:
+/// `HERDLESS_TEST_RANDOM_KILLS`, 12 by default.
+fn random_blows() -> u64 {
+    std::env::var("HERDLESS_TEST_RANDOM_KILLS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(12)
+}
+
+/// Random trees of the herdless makes (as in
+/// [`random_trees_of_makes_keep_the_limit`], with `-k` and no stock
+/// make), and one process of the tree killed with `SIGKILL` at a random
+/// moment: a sub-make, a `herdless exec` or a job's shell, chosen at
+/// random among those alive (never the top make, whose broker is
+/// documented to go with it). The trees hold no stock make: a classic
+/// client that dies holding pipe tokens loses them, and one below a
+/// killed bmake dies of `SIGPIPE` as it writes to the output pipe its
+/// make read (with Debian's bmake below: "1 classic token(s) never came
+/// back", as with a stock bmake at the top). Every process of the tree
+/// must end (no make waits for good on a token), no broker may lose a
+/// token, and no broker's files may be left in `TMPDIR`. How many jobs
+/// run at once is not asserted: a killed make's jobs live on as orphans
+/// beside the tokens it gave back (docs/EMBEDDING.md, "When a make
+/// dies"). `HERDLESS_TEST_RANDOM_KILLS=200` tries 200 trees.
+#[test]
+fn random_trees_end_and_lose_nothing_when_one_process_is_killed() {
+    let mut killed_any = 0;
+    for seed in 1..=random_blows() {
+        let mut tree = RandomTree::start("kill", seed + 1000, true);
+        let victim = tree.pick(false);
+        if let Some((pid, _)) = &victim {
+            common::signal(*pid, libc::SIGKILL);
+            killed_any += 1;
+        }
+        let report = tree.wait(&format!("SIGKILL to {victim:?}"));
+        tree.assert_nothing_lost_or_left(&report);
+    }
+    assert!(killed_any > 0, "no tree had a process to kill");
+}
+
+/// The same trees interrupted at a random moment as a terminal's ^C
+/// does: `SIGINT` to the whole process group. Every process of the tree
+/// ends (sub-makes put in the background by a shell ignore `SIGINT`, as
+/// stock ones do, and end when they find their broker gone or their work
+/// done), and no broker's files are left in `TMPDIR`.
+#[test]
+fn random_trees_interrupted_at_a_random_moment_leave_nothing_behind() {
+    for seed in 1..=random_blows() {
+        let mut tree = RandomTree::start("int", seed + 2000, false);
+        thread::sleep(Duration::from_millis(50 + tree.rng.below(600)));
+        common::signal(-tree.pgid(), libc::SIGINT);
+        let report = tree.wait("SIGINT to the group");
+        tree.assert_no_broker_left(&report);
+    }
+}
+
+/// The same trees with one process (the top make too) stopped with
+/// `SIGSTOP` at a random moment and continued 0 to 500 ms later: the tree
+/// runs every job, at most N at once, and no broker loses a token.
+#[test]
+fn random_trees_keep_the_limit_when_one_process_is_stopped_a_while() {
+    for seed in 1..=random_blows() {
+        let mut tree = RandomTree::start("stop", seed + 3000, false);
+        let victim = tree.pick(true);
+        if let Some((pid, _)) = &victim {
+            common::signal(*pid, libc::SIGSTOP);
+            thread::sleep(Duration::from_millis(tree.rng.below(500)));
+            common::signal(*pid, libc::SIGCONT);
+        }
+        let report = tree.wait(&format!("SIGSTOP and SIGCONT to {victim:?}"));
+        assert!(report.contains("status exit status: 0"), "{report}");
+        let (done, most) = tree.t.counts();
+        assert_eq!(done, tree.total, "{report}");
+        assert!(u64::from(most) <= tree.n, "{most} jobs at once: {report}");
+        tree.assert_nothing_lost_or_left(&report);
     }
 }
