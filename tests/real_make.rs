@@ -1463,6 +1463,53 @@ fn a_make_under_a_nested_run_reaches_the_outer_limit() {
     }
 }
 
+/// The same below a nested `herdless run` in a make's recipe, whose own
+/// broker names its command late too: `make -j2` (stock GNU make on its
+/// FIFO, or herdless GNU make) with the recipe `herdless run -j 2 -- sh -c
+/// 'timeout 600 MAKE -f sub.mk & herdless exec job & wait'`, the naming
+/// held back a second. At most 2 jobs at once and 2 reached, every job,
+/// no token lost.
+#[test]
+fn a_make_that_connects_before_a_nested_run_names_its_command_keeps_the_limit() {
+    for (outer, outer_make) in [
+        ("stock GNU make", stock_make()),
+        ("herdless GNU make", herdless_make()),
+    ] {
+        for (inner, make) in [
+            ("herdless GNU make", herdless_make()),
+            ("herdless bmake", herdless_bmake()),
+        ] {
+            let name = format!("{inner} behind timeout under a nested run, under {outer}");
+            let t = Tree::new("real-make-nested-named-late");
+            t.flat_makefile("sub.mk", "j", 6);
+            let d = t.dir.display();
+            let script = format!(
+                "timeout 600 {} -f {d}/sub.mk & {BIN} exec -- sh {d}/job.sh {d} & wait",
+                make.display()
+            );
+            fs::write(
+                t.path("Makefile"),
+                format!("all:\n\t+@{BIN} run -j 2 -- sh -c '{script}'\n"),
+            )
+            .unwrap();
+            let mut cmd = make_cmd(&t, &outer_make);
+            cmd.arg("-j2")
+                .env("JOB_SLEEP", "0.3")
+                .env("HERDLESS_TEST_NAMING_DELAY_MS", "1000");
+            let out = run(cmd);
+            let report = text(&out);
+            assert!(out.status.success(), "{name}: {report}");
+            let (done, most) = t.counts();
+            assert_eq!(done, 7, "{name}: {report}");
+            assert!(most <= 2, "{name}: {most} jobs at once at -j2\n{report}");
+            assert_eq!(most, 2, "{name}: never 2 jobs at once\n{report}");
+            for line in broker_lines(&t) {
+                assert_eq!(figure(&line, "lost"), 0, "{name}: {line:?}");
+            }
+        }
+    }
+}
+
 /// A tree whose top make at `-j4` leaves two sub-makes of six jobs
 /// running in the background (`$(MAKE) … &`), their output in `a.log` and
 /// `b.log` (a bmake closes a job's output pipe once the job's shell ends,

@@ -269,7 +269,9 @@ fn print_outer(f: &Figures) {
 /// outer `-j` bounds everything and its own `-j` bounds its subtree.
 ///
 /// When the command is itself a classic client (a make, cargo: see
-/// `Program`), it gets a pool of this run's own, whose tokens are
+/// `Program`; also behind a wrapper or in a shell's `-c` string, as
+/// `Program::run_by_command_line` reads them), it gets a pool of this
+/// run's own, whose tokens are
 /// borrowed from the outer pool (`herdless::backing`): a classic
 /// jobserver, and the socket and top slot its native clients use (a make
 /// with herdless inside, which a name cannot tell from a stock one), so
@@ -296,8 +298,12 @@ fn run_joined(args: RunArgs, outer: &std::path::Path) -> Result<u8> {
     if let Ok(me) = std::env::current_exe() {
         env.push(("HERDLESS", me.into_os_string()));
     }
-    let program = &args.command[0];
-    let classic = !args.no_classic && Program::of(program).is_some_and(Program::reads_jobserver);
+    // A make behind a wrapper or in a shell's `-c` string counts too: it
+    // would read the outer make's flags, in the outer make's syntax.
+    let classic = !args.no_classic
+        && Program::run_by_command_line(&args.command)
+            .into_iter()
+            .any(Program::reads_jobserver);
     let mut inherit = Vec::new();
     let mut inner = None;
     if classic {

@@ -92,65 +92,7 @@ impl Flavor {
     /// src && bmake'`, also behind a wrapper) is looked into as far as
     /// [`Flavor::for_script`] goes.
     pub fn for_command_line<S: AsRef<OsStr>>(argv: &[S]) -> Flavor {
-        let Some(first) = argv.first() else {
-            return Flavor::Gnu;
-        };
-        let first = first.as_ref();
-        if let Some(program) = Program::of(first) {
-            return program.flavor();
-        }
-        if is_named(first, &SHELLS) {
-            return Flavor::for_shell_arguments(&argv[1..]);
-        }
-        if !is_named(first, &WRAPPERS) {
-            return Flavor::Gnu;
-        }
-        for (i, arg) in argv.iter().enumerate().skip(1) {
-            let arg = arg.as_ref();
-            if let Some(program) = Program::of(arg) {
-                return program.flavor();
-            }
-            if is_named(arg, &SHELLS) {
-                return Flavor::for_shell_arguments(&argv[i + 1..]);
-            }
-            if is_command_word(arg) {
-                break;
-            }
-        }
-        Flavor::Gnu
-    }
-
-    /// A shell's arguments (after its name): with `-c` (alone or among
-    /// other one-letter options), the flavour of its command string
-    /// ([`Flavor::for_script`]); a script file is not read (GNU's flags).
-    fn for_shell_arguments<S: AsRef<OsStr>>(args: &[S]) -> Flavor {
-        let mut command_string = false;
-        let mut skip_value = false;
-        for arg in args {
-            let arg = arg.as_ref().to_string_lossy();
-            if skip_value {
-                skip_value = false;
-                continue;
-            }
-            if arg.starts_with("--") {
-                // The end of the options, or a long one (`--norc`).
-                continue;
-            }
-            if let Some(letters) = arg.strip_prefix('-').or_else(|| arg.strip_prefix('+')) {
-                if !letters.is_empty() && !letters.starts_with('-') {
-                    command_string |= arg.starts_with('-') && letters.contains('c');
-                    // `-o pipefail`: the option's name is the next word.
-                    skip_value = letters.ends_with('o');
-                    continue;
-                }
-            }
-            return if command_string {
-                Flavor::for_script(&arg)
-            } else {
-                Flavor::Gnu
-            };
-        }
-        Flavor::Gnu
+        Flavor::of_programs(&Program::run_by_command_line(argv))
     }
 
     /// The flavour of a shell command string, read the simple way: the
@@ -163,62 +105,143 @@ impl Flavor {
     /// otherwise, and for anything this reading cannot see (a function, a
     /// variable, a command in quotes or in `$(…)`).
     pub fn for_script(script: &str) -> Flavor {
-        const KEYWORDS: [&str; 12] = [
-            "if", "then", "else", "elif", "do", "while", "until", "exec", "command", "!",
-            "builtin", "{",
-        ];
-        let mut bmake = false;
-        let mut other = false;
-        let mut at_command = true;
-        let mut in_wrapper = false;
-        let mut word = String::new();
-        let mut words = Vec::new();
-        for c in script.chars().chain(std::iter::once('\n')) {
-            if c.is_whitespace() || ";&|()}".contains(c) {
-                if !word.is_empty() {
-                    words.push(std::mem::take(&mut word));
-                }
-                if !c.is_whitespace() || c == '\n' {
-                    words.push(String::new());
-                }
-            } else {
-                word.push(c);
-            }
-        }
-        for w in &words {
-            if w.is_empty() {
-                // An operator or a line's end: a command comes next.
-                at_command = true;
-                in_wrapper = false;
-                continue;
-            }
-            if !at_command {
-                continue;
-            }
-            let is_assignment = w
-                .split_once('=')
-                .is_some_and(|(name, _)| !name.is_empty() && !name.contains('/'));
-            if KEYWORDS.contains(&w.as_str()) || is_assignment {
-                continue;
-            }
-            if in_wrapper && (w.starts_with('-') || w.starts_with(|c: char| c.is_ascii_digit())) {
-                // A wrapper's option or value (`timeout 600`, `nice -n 5`).
-                continue;
-            }
-            match Program::of(OsStr::new(w)) {
-                Some(Program::Bmake) => bmake = true,
-                Some(Program::Herdless) | None => {}
-                Some(_) => other = true,
-            }
-            in_wrapper = is_named(OsStr::new(w), &WRAPPERS);
-            at_command = in_wrapper;
-        }
+        Flavor::of_programs(&programs_in_script(script))
+    }
+
+    /// bmake's conventions when a bmake is among `programs` and nothing
+    /// else that reads the jobserver is; GNU's otherwise.
+    fn of_programs(programs: &[Program]) -> Flavor {
+        let bmake = programs.contains(&Program::Bmake);
+        let other = programs
+            .iter()
+            .any(|p| !matches!(p, Program::Bmake | Program::Herdless));
         if bmake && !other {
             Flavor::Bmake
         } else {
             Flavor::Gnu
         }
     }
+}
+
+impl Program {
+    /// The programs a command line runs, as far as a simple reading sees
+    /// (the one [`Flavor::for_command_line`] goes by): its first word,
+    /// past the wrappers (`timeout 600 bmake`), or, for a shell with `-c`,
+    /// the first word of each command of its command string
+    /// ([`Flavor::for_script`]). Empty when none is one of these programs
+    /// or the reading cannot tell (a script file, a variable).
+    pub fn run_by_command_line<S: AsRef<OsStr>>(argv: &[S]) -> Vec<Program> {
+        let Some(first) = argv.first() else {
+            return Vec::new();
+        };
+        let first = first.as_ref();
+        if let Some(program) = Program::of(first) {
+            return vec![program];
+        }
+        if is_named(first, &SHELLS) {
+            return programs_in_shell_arguments(&argv[1..]);
+        }
+        if !is_named(first, &WRAPPERS) {
+            return Vec::new();
+        }
+        for (i, arg) in argv.iter().enumerate().skip(1) {
+            let arg = arg.as_ref();
+            if let Some(program) = Program::of(arg) {
+                return vec![program];
+            }
+            if is_named(arg, &SHELLS) {
+                return programs_in_shell_arguments(&argv[i + 1..]);
+            }
+            if is_command_word(arg) {
+                break;
+            }
+        }
+        Vec::new()
+    }
+}
+
+/// A shell's arguments (after its name): with `-c` (alone or among other
+/// one-letter options), the programs its command string runs
+/// ([`programs_in_script`]); a script file is not read.
+fn programs_in_shell_arguments<S: AsRef<OsStr>>(args: &[S]) -> Vec<Program> {
+    let mut command_string = false;
+    let mut skip_value = false;
+    for arg in args {
+        let arg = arg.as_ref().to_string_lossy();
+        if skip_value {
+            skip_value = false;
+            continue;
+        }
+        if arg.starts_with("--") {
+            // The end of the options, or a long one (`--norc`).
+            continue;
+        }
+        if let Some(letters) = arg.strip_prefix('-').or_else(|| arg.strip_prefix('+')) {
+            if !letters.is_empty() && !letters.starts_with('-') {
+                command_string |= arg.starts_with('-') && letters.contains('c');
+                // `-o pipefail`: the option's name is the next word.
+                skip_value = letters.ends_with('o');
+                continue;
+            }
+        }
+        return if command_string {
+            programs_in_script(&arg)
+        } else {
+            Vec::new()
+        };
+    }
+    Vec::new()
+}
+
+/// The programs a shell command string runs, read as
+/// [`Flavor::for_script`] says.
+fn programs_in_script(script: &str) -> Vec<Program> {
+    const KEYWORDS: [&str; 12] = [
+        "if", "then", "else", "elif", "do", "while", "until", "exec", "command", "!", "builtin",
+        "{",
+    ];
+    let mut programs = Vec::new();
+    let mut at_command = true;
+    let mut in_wrapper = false;
+    let mut word = String::new();
+    let mut words = Vec::new();
+    for c in script.chars().chain(std::iter::once('\n')) {
+        if c.is_whitespace() || ";&|()}".contains(c) {
+            if !word.is_empty() {
+                words.push(std::mem::take(&mut word));
+            }
+            if !c.is_whitespace() || c == '\n' {
+                words.push(String::new());
+            }
+        } else {
+            word.push(c);
+        }
+    }
+    for w in &words {
+        if w.is_empty() {
+            // An operator or a line's end: a command comes next.
+            at_command = true;
+            in_wrapper = false;
+            continue;
+        }
+        if !at_command {
+            continue;
+        }
+        let is_assignment = w
+            .split_once('=')
+            .is_some_and(|(name, _)| !name.is_empty() && !name.contains('/'));
+        if KEYWORDS.contains(&w.as_str()) || is_assignment {
+            continue;
+        }
+        if in_wrapper && (w.starts_with('-') || w.starts_with(|c: char| c.is_ascii_digit())) {
+            // A wrapper's option or value (`timeout 600`, `nice -n 5`).
+            continue;
+        }
+        programs.extend(Program::of(OsStr::new(w)));
+        in_wrapper = is_named(OsStr::new(w), &WRAPPERS);
+        at_command = in_wrapper;
+    }
+    programs
 }
 
 /// Programs that run the rest of their arguments as a command.
@@ -1166,6 +1189,29 @@ mod tests {
             (&[][..], Flavor::Gnu),
         ] {
             assert_eq!(Flavor::for_command_line(line), want, "{line:?}");
+        }
+        // What runs, for a nested run's choice of a pool of its own.
+        use Program::{Bmake, Cargo, GnuMake, Herdless};
+        for (line, want) in [
+            (&["bmake", "-k"][..], &[Bmake][..]),
+            (&["timeout", "600", "make"][..], &[GnuMake][..]),
+            (
+                &[
+                    "sh",
+                    "-c",
+                    "timeout 600 bmake -f a.mk & herdless exec job & wait",
+                ][..],
+                &[Bmake, Herdless][..],
+            ),
+            (
+                &["sh", "-c", "make && cargo build"][..],
+                &[GnuMake, Cargo][..],
+            ),
+            (&["sh", "-c", "echo make"][..], &[][..]),
+            (&["sh", "build.sh"][..], &[][..]),
+            (&["./build.sh"][..], &[][..]),
+        ] {
+            assert_eq!(Program::run_by_command_line(line), want, "{line:?}");
         }
         for f in Flavor::ALL {
             assert_eq!(f.name().parse::<Flavor>(), Ok(f));
