@@ -1,6 +1,7 @@
 //! Build tools beyond make under `herdless run`: ninja (pipe and fifo
 //! styles, and what it does with an explicit `-j`) and gcc's
-//! `-flto=jobserver` link in a make recipe. Each test counts the jobs that
+//! `-flto=jobserver` link in a make recipe (under `herdless run`, and under
+//! GNU make with herdless inside). Each test counts the jobs that
 //! run at once from the jobs themselves and checks the broker lost nothing.
 //!
 //! ninja comes from PyPI into `target/tools/venv` (`bash ci/test` installs
@@ -252,6 +253,68 @@ exec "$HERDLESS_REAL_GCC" "$@"
         assert_eq!(
             lmax, 3,
             "at most 3 LTRANS jobs at once, and 3 reached\n{stderr}"
+        );
+    }
+
+    /// The same link and make jobs under GNU make with herdless inside
+    /// as the top make, `--jobserver-style=pipe -j 3`: gcc 12's
+    /// lto-wrapper reads a pipe only (`R,W`; a FIFO leaves it without a
+    /// jobserver, as under stock 4.4.1), which the make's own broker
+    /// serves from the pool its make jobs take from.
+    #[test]
+    fn ltrans_jobs_under_a_herdless_make_with_a_pipe_share_its_limit() {
+        let tree = Tree::new("lto-herdless-make");
+        let objects = objects(&tree);
+        let d = tree.dir.display();
+        let mut mk = String::from("all: prog j1 j2 j3 j4 j5 j6\nprog:\n");
+        mk += &link_recipe(&tree, &objects);
+        for i in 1..=6 {
+            mk += &format!("j{i}:\n\t@sh {d}/job.sh {d}\n");
+        }
+        fs::write(tree.path("Makefile"), mk).unwrap();
+        let make = common::repo_file(
+            "target/embed/gnu-make/bin/make",
+            "HERDLESS_EMBED_GNU_MAKE",
+            "bash embed/gnu-make/build.sh",
+        );
+        let mut cmd = Command::new(make);
+        for var in ["HERDLESS_SOCKET", "HERDLESS_CLASSIC", "MAKEFLAGS", "MFLAGS"] {
+            cmd.env_remove(var);
+        }
+        let out = cmd
+            .args(["-s", "--jobserver-style=pipe", "-j3"])
+            .env("HERDLESS_MAKE_STATS", tree.path("stats"))
+            .current_dir(&tree.dir)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{stderr}");
+        assert!(
+            !stderr.contains("jobserver is not available"),
+            "lto-wrapper found the jobserver\n{stderr}"
+        );
+        let ltrans = fs::read_to_string(tree.path("ltrans")).unwrap_or_default();
+        assert_eq!(ltrans.lines().count(), FUNCTIONS + 1, "{stderr}");
+        let run = Command::new(tree.path("prog")).output().unwrap();
+        assert!(run.status.success(), "the linked program runs");
+        let (done, max) = tree.counts();
+        assert_eq!(done, 6, "every make job ran\n{stderr}");
+        assert_eq!(
+            max, 3,
+            "at most 3 jobs at once, LTRANS included, and 3 reached\n{stderr}"
+        );
+        let stats = fs::read_to_string(tree.path("stats")).unwrap_or_default();
+        let figure = |key: &str| -> i64 {
+            let words: Vec<&str> = stats.split_whitespace().collect();
+            let at = words.iter().position(|w| *w == key);
+            at.and_then(|i| words.get(i + 1)?.parse().ok())
+                .unwrap_or_else(|| panic!("no {key} in {stats:?}"))
+        };
+        assert_eq!(stats.lines().count(), 1, "one broker: {stats}");
+        assert_eq!(figure("lost"), 0, "{stats}");
+        assert!(
+            figure("max_in_use") >= 2,
+            "LTRANS jobs and make jobs held the two shared tokens: {stats}"
         );
     }
 

@@ -16,19 +16,7 @@ use std::process::{Command, Output, Stdio};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use common::{stat, JobTree as Tree, Rng, BIN, PATIENCE};
-
-fn repo_file(rel: &str, var: &str, how: &str) -> PathBuf {
-    let path = std::env::var_os(var)
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join(rel));
-    assert!(
-        path.exists(),
-        "{} not found: run `{how}` (CI does), or name it in {var}",
-        path.display()
-    );
-    path
-}
+use common::{repo_file, stat, JobTree as Tree, Rng, BIN, PATIENCE};
 
 /// GNU make 4.4.1 with herdless inside.
 fn herdless_make() -> PathBuf {
@@ -1227,21 +1215,20 @@ fn sub_makes_with_standard_streams_closed_keep_the_limit() {
 /// no job pipe in `MAKEFLAGS`, as from a shell where `herdless serve`
 /// exported its socket) while a broker is named in `HERDLESS_SOCKET`.
 /// Where that group runs on the stock pipe or FIFO (`HERDLESS_MAKE=client`,
-/// or GNU make's `--jobserver-style=pipe`), the outer broker's socket must
+/// with GNU make's FIFO or pipe style), the outer broker's socket must
 /// not reach its jobs: its herdless sub-makes take their tokens from the
-/// group's pipe, and the tree keeps to 4 jobs at once.
+/// group's pipe, and the tree keeps to 4 jobs at once. The same for a
+/// group whose own broker serves a pipe (GNU make's
+/// `--jobserver-style=pipe`, the default mode).
 #[test]
 fn a_new_group_on_the_stock_jobserver_keeps_its_own_limit() {
     let gnu = herdless_make();
     let bmake = herdless_bmake();
-    let cases: [(&str, Vec<&std::ffi::OsStr>, TreeBuilder, Option<&str>); 3] = [
+    let pipe_style = || vec![gnu.as_os_str(), "--jobserver-style=pipe".as_ref()];
+    let cases: [(&str, Vec<&std::ffi::OsStr>, TreeBuilder, Option<&str>); 4] = [
         ("gnu-client", vec![gnu.as_os_str()], tree_of, Some("client")),
-        (
-            "gnu-pipe",
-            vec![gnu.as_os_str(), "--jobserver-style=pipe".as_ref()],
-            tree_of,
-            None,
-        ),
+        ("gnu-pipe-client", pipe_style(), tree_of, Some("client")),
+        ("gnu-pipe", pipe_style(), tree_of, None),
         (
             "bmake-client",
             vec![
@@ -1274,8 +1261,14 @@ fn a_new_group_on_the_stock_jobserver_keeps_its_own_limit() {
         assert_eq!(most, 4, "{name}: never 4 jobs at once\n{report}");
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert_eq!(stat(&stderr, "tokens lost"), "0", "{name}: {report}");
-        // No make started a broker, and none took a token from run's.
-        assert!(broker_lines(&t).is_empty(), "{name}: {report}");
+        // No make took a token from run's broker. With `client` no make
+        // started one; with the pipe style the top make started its own,
+        // whose pipe is its group's.
+        if mode.is_some() {
+            assert!(broker_lines(&t).is_empty(), "{name}: {report}");
+        } else {
+            only_broker_lost_none(&t, name);
+        }
         let grants = stat(&stderr, "grants");
         assert!(
             grants.starts_with("0 to native"),
@@ -1986,6 +1979,139 @@ s1 s2 s3:
     assert_eq!(brokers.len(), 1, "{brokers:?}");
     assert_eq!(figure(&brokers[0], "lost"), 0, "{brokers:?}");
     assert_no_leftovers(&t);
+}
+
+/// Debian's GNU make 4.3 (`/usr/bin/make`), which reads a jobserver pipe
+/// only (`--jobserver-auth=R,W`), as gcc 12's lto-wrapper does.
+fn pipe_only_make() -> PathBuf {
+    common::require("make");
+    PathBuf::from("/usr/bin/make")
+}
+
+#[test]
+fn a_pipe_style_top_make_serves_makes_that_read_only_a_pipe() {
+    // `make --jobserver-style=pipe -j4`, as users of clients older than
+    // the FIFO style run it (GNU make before 4.4, gcc before 13): the
+    // broker's classic side is a pipe, which the recursive recipes
+    // inherit. Two sub-makes are GNU make 4.3 (a FIFO is lost on them:
+    // they would run one job at a time), two are herdless, six jobs each.
+    // Before, the pipe style kept the whole group on the stock jobserver.
+    for j in [2u32, 4, 8] {
+        let t = Tree::new(&format!("real-make-pipe-style-{j}"));
+        let d = t.dir.display().to_string();
+        let jobs: Vec<String> = (1..=6).map(|i| format!("j{i}")).collect();
+        fs::write(
+            t.path("sub.mk"),
+            format!(
+                "all: {all}\n{all}:\n\t@sh {d}/job.sh {d}\n.PHONY: all {all}\n",
+                all = jobs.join(" ")
+            ),
+        )
+        .unwrap();
+        fs::write(
+            t.path("Makefile"),
+            format!(
+                "all: s1 s2 s3 s4\n\
+                 s1 s2:\n\t+@{old} --no-print-directory -f {d}/sub.mk\n\
+                 s3 s4:\n\t@$(MAKE) --no-print-directory -f {d}/sub.mk\n\
+                 .PHONY: all s1 s2 s3 s4\n",
+                old = pipe_only_make().display()
+            ),
+        )
+        .unwrap();
+        let mut cmd = make_cmd(&t, &herdless_make());
+        cmd.args(["--jobserver-style=pipe", &format!("-j{j}")]);
+        let out = run(cmd);
+        let report = text(&out);
+        assert!(out.status.success(), "-j{j}: {report}");
+        assert!(
+            !report.contains("jobserver unavailable"),
+            "-j{j}: every sub-make found the pipe\n{report}"
+        );
+        let (done, max) = t.counts();
+        assert_eq!(done, 24, "-j{j}: every job ran\n{report}");
+        assert_eq!(
+            max, j,
+            "-j{j}: at most {j} at once, and {j} reached\n{report}"
+        );
+        let line = only_broker_lost_none(&t, &format!("-j{j}"));
+        assert!(
+            figure(&line, "native_grants") > 0,
+            "-j{j}: the herdless sub-makes took tokens from the broker: {line:?}"
+        );
+        assert_no_leftovers(&t);
+    }
+}
+
+#[test]
+fn a_pipe_style_top_make_hands_its_pipe_to_recursive_recipes_only() {
+    // Stock make's pipe is close-on-exec but for the recipes it knows to
+    // be recursive; the others find `-2,-2` in MAKEFLAGS. A sub-make in
+    // such a recipe warns and runs one job at a time, and its jobs hold
+    // none of the pipe's descriptors, under the herdless make as under
+    // stock 4.4.1; a recursive recipe holds both.
+    for (tag, make) in [("stock", stock_make()), ("herdless", herdless_make())] {
+        let t = Tree::new(&format!("real-make-pipe-hidden-{tag}"));
+        let d = t.dir.display().to_string();
+        fs::write(
+            t.path("sub.mk"),
+            format!(
+                "all: j1 j2 j3\nj1 j2 j3:\n\t@sh {d}/job.sh {d}\n\
+                 \t@ls /proc/$$$$/fd >> {d}/hidden-fds\n\
+                 .PHONY: all j1 j2 j3\n"
+            ),
+        )
+        .unwrap();
+        fs::write(
+            t.path("Makefile"),
+            format!(
+                "all: hidden shown\n\
+                 hidden:\n\t@{old} --no-print-directory -f {d}/sub.mk\n\
+                 shown:\n\t+@echo \"$$MAKEFLAGS\" > {d}/shown-flags; ls /proc/$$$$/fd > {d}/shown-fds\n\
+                 .PHONY: all hidden shown\n",
+                old = pipe_only_make().display()
+            ),
+        )
+        .unwrap();
+        let mut cmd = make_cmd(&t, &make);
+        cmd.args(["--jobserver-style=pipe", "-j4"]);
+        let out = run(cmd);
+        let report = text(&out);
+        assert!(out.status.success(), "{tag}: {report}");
+        assert!(
+            report.contains("jobserver unavailable: using -j1"),
+            "{tag}: the sub-make was handed no jobserver\n{report}"
+        );
+        let (done, max) = t.counts();
+        assert_eq!((done, max), (3, 1), "{tag}: one job at a time\n{report}");
+        let flags = fs::read_to_string(t.path("shown-flags")).unwrap();
+        let auth = flags
+            .split_whitespace()
+            .find_map(|w| w.strip_prefix("--jobserver-auth="))
+            .unwrap_or_else(|| panic!("{tag}: no jobserver in {flags}"));
+        let (r, w) = auth.split_once(',').unwrap();
+        let fds = |name: &str| -> Vec<String> {
+            fs::read_to_string(t.path(name))
+                .unwrap()
+                .split_whitespace()
+                .map(str::to_string)
+                .collect()
+        };
+        let shown = fds("shown-fds");
+        assert!(
+            shown.iter().any(|f| f == r) && shown.iter().any(|f| f == w),
+            "{tag}: the recursive recipe holds {auth}: {shown:?}"
+        );
+        let hidden = fds("hidden-fds");
+        assert!(
+            !hidden.iter().any(|f| f == r || f == w),
+            "{tag}: a job of the other recipe holds none of {auth}: {hidden:?}"
+        );
+        if tag == "herdless" {
+            only_broker_lost_none(&t, tag);
+        }
+        assert_no_leftovers(&t);
+    }
 }
 
 #[test]

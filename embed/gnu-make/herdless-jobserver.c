@@ -19,8 +19,10 @@
  *   "client"         as auto, but never starts a broker: a top-level -jN
  *                    makes the stock pipe or FIFO.
  *   "stock"          never herdless: the stock jobserver throughout.
- * `--jobserver-style=pipe` on the command line also keeps the stock
- * jobserver for that make's group.
+ * `--jobserver-style=pipe` (for stock clients that read only a pipe:
+ * GNU make before 4.4, gcc before 13's lto-wrapper) gives the broker a
+ * classic pipe instead of its FIFO, handed to the recursive recipes only,
+ * with `-2,-2` in the others' MAKEFLAGS, as stock make's pipe is.
  *
  * Either way the classic side stays stock-compatible: stock sub-makes get
  * --jobserver-auth in MAKEFLAGS as before (the broker's FIFO for a group
@@ -86,6 +88,10 @@ static herdless_broker *broker;
 static unsigned int broker_slots;
 /* The process that owns the broker (not a forked child). */
 static pid_t broker_pid;
+/* The broker's classic pipe (`--jobserver-style=pipe`), R and W; -1
+   with its FIFO. As stock make's own pipe, close-on-exec but for the
+   recipes make knows to be recursive. */
+static int broker_pipe[2] = { -1, -1 };
 
 static const char *
 mode (void)
@@ -183,6 +189,7 @@ stop_quietly (herdless_broker_report *r)
   sigfillset (&all);
   sigprocmask (SIG_BLOCK, &all, &before);
   broker = NULL;
+  broker_pipe[0] = broker_pipe[1] = -1;
   lost = herdless_broker_stop (b, r);
   sigprocmask (SIG_SETMASK, &before, NULL);
   return lost;
@@ -275,9 +282,12 @@ __wrap_jobserver_setup (int slots, const char *style)
   sigset_t all, before;
   int start_errno;
 
+  int pipe_style = style && strcmp (style, "pipe") == 0;
+
   /* The broker's descriptors come out of this make's table, which must
-     keep room for its own: short of that, the stock jobserver. */
-  if (!mode_is ("auto") || (style && strcmp (style, "fifo") != 0)
+     keep room for its own: short of that, the stock jobserver (which
+     also rejects a style it does not know). */
+  if (!mode_is ("auto") || (style && !pipe_style && strcmp (style, "fifo") != 0)
       || !herdless_fds_free (keep_fds (slots) + HERDLESS_BROKER_FDS))
     return stock_setup (slots, style);
 
@@ -288,9 +298,25 @@ __wrap_jobserver_setup (int slots, const char *style)
   sigfillset (&all);
   sigprocmask (SIG_BLOCK, &all, &before);
   broker = herdless_broker_start ((unsigned int) slots + 1,
-                                  HERDLESS_BROKER_CLASSIC_FIFO, get_tmpdir ());
+                                  pipe_style ? HERDLESS_BROKER_CLASSIC_PIPE
+                                             : HERDLESS_BROKER_CLASSIC_FIFO,
+                                  get_tmpdir ());
   if (broker)
-    broker_pid = getpid ();
+    {
+      broker_pid = getpid ();
+      if (pipe_style
+          && sscanf (herdless_broker_classic_auth (broker), "%d,%d",
+                     &broker_pipe[0], &broker_pipe[1]) == 2)
+        {
+          /* Inherited only by recursive recipes (jobserver_pre_child):
+             any other child of make finds -2,-2 in MAKEFLAGS and no
+             descriptor to misuse, as under stock make. */
+          fd_noinherit (broker_pipe[0]);
+          fd_noinherit (broker_pipe[1]);
+        }
+      else
+        broker_pipe[0] = broker_pipe[1] = -1;
+    }
   start_errno = errno;
   sigprocmask (SIG_SETMASK, &before, NULL);
   if (!broker)
@@ -409,9 +435,9 @@ const char *
 __wrap_jobserver_get_invalid_auth (void)
 {
   /* A FIFO needs no invalidating: children that are not sub-makes cannot
-     use it by accident. */
+     use it by accident. A pipe does, as stock make's. */
   if (broker)
-    return NULL;
+    return broker_pipe[0] >= 0 ? " --" JOBSERVER_AUTH_OPT "=-2,-2" : NULL;
   return __real_jobserver_get_invalid_auth ();
 }
 
@@ -499,12 +525,22 @@ __wrap_jobserver_signal (void)
 void
 __wrap_jobserver_pre_child (int recursive)
 {
+  if (recursive && broker && broker_pipe[0] >= 0)
+    {
+      fd_inherit (broker_pipe[0]);
+      fd_inherit (broker_pipe[1]);
+    }
   __real_jobserver_pre_child (recursive);
 }
 
 void
 __wrap_jobserver_post_child (int recursive)
 {
+  if (recursive && broker && broker_pipe[0] >= 0)
+    {
+      fd_noinherit (broker_pipe[0]);
+      fd_noinherit (broker_pipe[1]);
+    }
   __real_jobserver_post_child (recursive);
 }
 

@@ -588,6 +588,20 @@ pub fn require(tool: &str) {
     );
 }
 
+/// A file the repository's scripts build under `target/` (`rel`), or the
+/// one environment variable `var` names; `how` builds it.
+pub fn repo_file(rel: &str, var: &str, how: &str) -> PathBuf {
+    let path = std::env::var_os(var)
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join(rel));
+    assert!(
+        path.exists(),
+        "{} not found: run `{how}` (CI does), or name it in {var}",
+        path.display()
+    );
+    path
+}
+
 /// The venv that ci/install-python-tools.sh fills (ninja,
 /// prometheus_client): `HERDLESS_TOOLS_VENV`, or `target/tools/venv`.
 pub fn tools_venv() -> PathBuf {
