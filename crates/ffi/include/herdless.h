@@ -91,7 +91,8 @@
 /**
  * The most descriptors a broker started by `herdless_broker_start` takes
  * of its own, with its classic bridge and the caller's own connection
- * (13 in a bmake and 10 in a GNU make on Linux): a make that has fewer
+ * (on Linux 13 with a classic pipe, as in a bmake or a GNU make with
+ * `--jobserver-style=pipe`, and 10 with a FIFO): a make that has fewer
  * free than this beyond what it needs itself keeps its stock jobserver.
  */
 #define HERDLESS_BROKER_FDS 16
