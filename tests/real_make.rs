@@ -225,7 +225,9 @@ fn herdless_gnu_make_runs_a_recursive_tree_at_j_1_4_16_64() {
 
 /// Sub-makes reached through the wrappers and shell forms recipes use:
 /// `timeout`, a subshell, `setsid -w`, `sh -c`, `env` and `nice`,
-/// `nohup`, a brace group, a pipeline. Each is still the herdless client
+/// `nohup`, a brace group, a pipeline, `exec`, `stdbuf`, `flock`,
+/// `taskset` and `ionice`, `script` (a terminal of its own, a new
+/// session). Each is still the herdless client
 /// of the top make's broker, and the sub-make's first job runs on the
 /// token of the recipe that started it: at most N at once, N reached,
 /// every job run, no token lost or taken back from a make that ended.
@@ -240,6 +242,11 @@ fn wrapped_sub_makes(name: &str, make: &Path) {
         "nohup ${MAKE} -f MK 2>&1",
         "{ ${MAKE} -f MK; }",
         "${MAKE} -f MK | cat",
+        "exec ${MAKE} -f MK",
+        "stdbuf -oL ${MAKE} -f MK",
+        "flock MK.lock ${MAKE} -f MK",
+        "taskset -c 0 ionice -c 3 ${MAKE} -f MK",
+        "script -qec '${MAKE} -f MK' /dev/null",
     ];
     for n in [4u32, 16] {
         let t = Tree::new(&format!("real-make-wrapped-{name}-j{n}"));

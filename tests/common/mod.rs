@@ -285,19 +285,47 @@ pub fn wait_timeout(child: &mut Child, limit: Duration) -> Option<std::process::
 }
 
 /// Runs `cmd` with its output captured; panics, killing it, if it has not
-/// finished within `limit`.
+/// finished within `limit`. The output is read while it runs: a command
+/// that writes more than a pipe holds would otherwise wait for good.
 pub fn output_within(cmd: &mut Command, limit: Duration) -> std::process::Output {
     let mut child = cmd
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .expect("spawn");
-    if wait_timeout(&mut child, limit).is_none() {
+    let drain = |pipe: Option<Box<dyn Read + Send>>| {
+        thread::spawn(move || {
+            let mut buf = Vec::new();
+            if let Some(mut pipe) = pipe {
+                let _ = pipe.read_to_end(&mut buf);
+            }
+            buf
+        })
+    };
+    let stdout = drain(
+        child
+            .stdout
+            .take()
+            .map(|p| Box::new(p) as Box<dyn Read + Send>),
+    );
+    let stderr = drain(
+        child
+            .stderr
+            .take()
+            .map(|p| Box::new(p) as Box<dyn Read + Send>),
+    );
+    let Some(status) = wait_timeout(&mut child, limit) else {
         let _ = child.kill();
         let _ = child.wait();
         panic!("command did not finish within {limit:?}: {cmd:?}");
+    };
+    // Descendants that outlive the command may hold the pipes open: the
+    // output is what came until they close them.
+    std::process::Output {
+        status,
+        stdout: stdout.join().expect("stdout reader"),
+        stderr: stderr.join().expect("stderr reader"),
     }
-    child.wait_with_output().expect("collect output")
 }
 
 /// This test binary, run again to play a role: only its `helper_process`
