@@ -2121,6 +2121,94 @@ fn a_pipe_style_top_make_hands_its_pipe_to_recursive_recipes_only() {
     }
 }
 
+/// Stock sub-makes that outlive a pipe-style top make (GNU make 4.3 and
+/// stock 4.4.1). Each end of a make's own pipe is held by every process
+/// that holds the other, so such a sub-make goes on without its top make;
+/// the broker's pipe is two FIFOs, whose far ends are the broker's own,
+/// and the ends it handed down were read-only and write-only: once the
+/// broker had stopped, the sub-make died of `SIGPIPE` (4.3) or stopped at
+/// "write jobserver: Broken pipe" (4.4.1) as it gave a token back, and
+/// one waiting for a token spun on the end of its read side.
+#[test]
+fn stock_sub_makes_outliving_a_pipe_style_top_make_run_to_the_end() {
+    for (tag, sub) in [("4.3", pipe_only_make()), ("4.4.1", stock_make())] {
+        // Left in the background by the top make's only recipe, which
+        // ends at once: the top make stops its broker and exits while
+        // the sub-make's six jobs run.
+        let t = Tree::new(&format!("real-make-pipe-outlived-{tag}"));
+        let d = t.dir.display().to_string();
+        t.flat_makefile("sub.mk", "j", 6);
+        fs::write(
+            t.path("Makefile"),
+            format!(
+                "all:\n\t+@({} --no-print-directory -f {d}/sub.mk > {d}/sub.out 2>&1; \
+                 echo \"rc=$$?\" >> {d}/sub.out) & sleep 0.3\n",
+                sub.display()
+            ),
+        )
+        .unwrap();
+        let mut cmd = make_cmd(&t, &herdless_make());
+        cmd.args(["--jobserver-style=pipe", "-j3"])
+            .env("JOB_SLEEP", "0.4");
+        let out = run(cmd);
+        let report = text(&out);
+        assert!(out.status.success(), "{tag}: {report}");
+        let start = Instant::now();
+        let sub_out = || fs::read_to_string(t.path("sub.out")).unwrap_or_default();
+        while !sub_out().contains("rc=") {
+            assert!(
+                start.elapsed() < PATIENCE,
+                "{tag}: the sub-make never ended\n{}",
+                sub_out()
+            );
+            thread::sleep(Duration::from_millis(20));
+        }
+        assert!(sub_out().contains("rc=0"), "{tag}: {}\n{report}", sub_out());
+        let (done, most) = t.counts();
+        assert_eq!(
+            done,
+            6,
+            "{tag}: every job of the sub-make ran\n{}",
+            sub_out()
+        );
+        assert!(most <= 3, "{tag}: {most} jobs at once");
+        assert_no_leftovers(&t);
+    }
+
+    // The top make killed (`SIGKILL`, its broker with it) while its two
+    // stock sub-makes run: each runs its jobs to the end, as under a stock
+    // top make.
+    let t = Tree::new("real-make-pipe-top-killed");
+    let d = t.dir.display().to_string();
+    t.flat_makefile("sub.mk", "j", 6);
+    fs::write(
+        t.path("Makefile"),
+        format!(
+            "all: s1 s2\ns1 s2:\n\t+@{} --no-print-directory -f {d}/sub.mk\n.PHONY: all s1 s2\n",
+            pipe_only_make().display()
+        ),
+    )
+    .unwrap();
+    let mut cmd = make_cmd(&t, &herdless_make());
+    cmd.args(["--jobserver-style=pipe", "-j4"])
+        .env("JOB_SLEEP", "0.3");
+    let mut child = spawn_in_group(&t, cmd);
+    let pgid = child.id() as i32;
+    common::until_or_report(pgid, PATIENCE, "the tree never finished a job", || {
+        t.counts().0 >= 1
+    });
+    common::signal(pgid, libc::SIGKILL);
+    child.wait().unwrap();
+    common::until_or_report(pgid, PATIENCE, "the sub-makes did not end", || {
+        nix::sys::signal::killpg(nix::unistd::Pid::from_raw(pgid), None).is_err()
+    });
+    let err = fs::read_to_string(t.path("err")).unwrap_or_default();
+    let (done, most) = t.counts();
+    assert_eq!(done, 12, "every job of both sub-makes ran\n{err}");
+    assert!(most <= 4, "{most} jobs at once\n{err}");
+    assert!(!err.contains("make[1]"), "a sub-make stopped short\n{err}");
+}
+
 #[test]
 fn a_failing_job_stops_the_tree() {
     let t = Tree::new("real-make-fail");

@@ -13,7 +13,8 @@
 //!   `returns` (fd W). Splitting the two directions lets the broker see
 //!   every returned token, and every bmake abort token, the moment it is
 //!   written. R and W are the only descriptors herdless lets a command
-//!   inherit.
+//!   inherit, each a read-write description, so that a client outliving
+//!   the broker sees neither end-of-file nor a broken pipe.
 //! - **fifo style** (`--jobserver-auth=fifo:PATH`, GNU make ≥ 4.4): one
 //!   FIFO that clients open by path, for both directions.
 //!
@@ -349,17 +350,26 @@ impl Bridge {
                 // The command's own descriptions, as each make makes its
                 // pipe: blocking for GNU make (older versions fail on
                 // EAGAIN), non-blocking for bmake (its sub-makes read
-                // without polling first and would otherwise hang). Opening
-                // cannot block: the broker holds both FIFOs open read-write.
+                // without polling first and would otherwise hang). Both
+                // read-write, as each end of a make's own pipe is held by
+                // a process that holds the other: a client that outlives
+                // the broker (a sub-make left in the background, a top
+                // make killed) then finds R empty rather than at its end,
+                // which a make's poll loop would see as readable for
+                // good, and writes to W without a broken pipe, which
+                // kills it; it goes on with the tokens it holds, its own
+                // implicit one at least.
                 let flags = match flavor {
                     Flavor::Gnu => 0,
                     Flavor::Bmake => libc::O_NONBLOCK,
                 };
                 let r = OpenOptions::new()
                     .read(true)
+                    .write(true)
                     .custom_flags(flags)
                     .open(&offers_path)?;
                 let w = OpenOptions::new()
+                    .read(true)
                     .write(true)
                     .custom_flags(flags)
                     .open(&path)?;
