@@ -2209,6 +2209,100 @@ fn stock_sub_makes_outliving_a_pipe_style_top_make_run_to_the_end() {
     assert!(!err.contains("make[1]"), "a sub-make stopped short\n{err}");
 }
 
+/// A real build: GNU make 4.4.1's own source (`ci/gnu-make-4.4.1-source.sh`),
+/// configured as a user would, then built by the herdless GNU make at
+/// `-j4`, with its FIFO and with its pipe: an automake tree whose
+/// recursive sub-makes (`lib/`, `po/`, the top directory again) are native
+/// clients, and about forty gcc compiles, each counted through a `CC`
+/// wrapper. The build succeeds and its make runs, the compiles run at most
+/// 4 at once and 4 at some point, nothing is lost or left behind.
+#[test]
+fn a_real_autotools_build_runs_on_a_herdless_make() {
+    let src = repo_file(
+        "target/src/gnu-make-4.4.1",
+        "HERDLESS_GNU_MAKE_SOURCE",
+        "bash ci/gnu-make-4.4.1-source.sh",
+    );
+    common::require("gcc");
+    let t = Tree::new("real-make-autotools");
+    let d = t.dir.display().to_string();
+    let tree = t.path("make-4.4.1");
+    let cp = Command::new("cp")
+        .arg("-a")
+        .arg(&src)
+        .arg(&tree)
+        .status()
+        .unwrap();
+    assert!(cp.success());
+    fs::write(
+        t.path("cc.sh"),
+        format!(
+            "#!/bin/sh\nmkdir {d}/running/$$\n\
+             ls {d}/running | wc -l >> {d}/peaks\n\
+             gcc \"$@\"; rc=$?\nrmdir {d}/running/$$\necho x >> {d}/done\nexit $rc\n"
+        ),
+    )
+    .unwrap();
+    fs::set_permissions(
+        t.path("cc.sh"),
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
+    // The generated files stand as shipped: no autotools are run.
+    let no_autotools = [
+        "ACLOCAL=:",
+        "AUTOCONF=:",
+        "AUTOMAKE=:",
+        "AUTOHEADER=:",
+        "MAKEINFO=:",
+    ];
+    let configure = Command::new("./configure")
+        .args(["-q", "--disable-nls", "--without-guile"])
+        .arg("--disable-dependency-tracking")
+        .arg(format!("CC={d}/cc.sh"))
+        .current_dir(&tree)
+        .output()
+        .unwrap();
+    assert!(
+        configure.status.success(),
+        "configure: {}",
+        text(&configure)
+    );
+    for style in ["fifo", "pipe"] {
+        for f in ["peaks", "done", "stats"] {
+            let _ = fs::remove_file(t.path(f));
+        }
+        let mut cmd = make_cmd(&t, &herdless_make());
+        cmd.current_dir(&tree)
+            .args(["-j4", &format!("--jobserver-style={style}")])
+            .args(no_autotools);
+        let out = run(cmd);
+        let report = text(&out);
+        assert!(out.status.success(), "{style}: {report}");
+        let built = Command::new(tree.join("make"))
+            .arg("--version")
+            .output()
+            .unwrap();
+        assert!(
+            String::from_utf8_lossy(&built.stdout).starts_with("GNU Make 4.4.1"),
+            "{style}: the built make runs"
+        );
+        let (compiles, most) = t.counts();
+        assert!(compiles >= 30, "{style}: {compiles} compiles\n{report}");
+        assert_eq!(
+            most, 4,
+            "{style}: at most 4 compiles at once, and 4 reached"
+        );
+        let line = only_broker_lost_none(&t, style);
+        assert!(figure(&line, "native_grants") > 0, "{style}: {line:?}");
+        assert_eq!(figure(&line, "reclaimed"), 0, "{style}: {line:?}");
+        assert_no_leftovers(&t);
+        let mut clean = make_cmd(&t, &herdless_make());
+        clean.current_dir(&tree).arg("clean").args(no_autotools);
+        assert!(run(clean).status.success(), "{style}: make clean");
+    }
+}
+
 #[test]
 fn a_failing_job_stops_the_tree() {
     let t = Tree::new("real-make-fail");
