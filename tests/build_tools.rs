@@ -206,6 +206,20 @@ exec "$HERDLESS_REAL_GCC" "$@"
         )
     }
 
+    /// A Makefile whose `all` links `prog` (LTO) beside six make jobs.
+    fn link_beside_six_jobs(name: &str) -> Tree {
+        let tree = Tree::new(name);
+        let objects = objects(&tree);
+        let d = tree.dir.display();
+        let mut mk = String::from("all: prog j1 j2 j3 j4 j5 j6\nprog:\n");
+        mk += &link_recipe(&tree, &objects);
+        for i in 1..=6 {
+            mk += &format!("j{i}:\n\t@sh {d}/job.sh {d}\n");
+        }
+        fs::write(tree.path("Makefile"), mk).unwrap();
+        tree
+    }
+
     fn lines(tree: &Tree, name: &str) -> Vec<u32> {
         fs::read_to_string(tree.path(name))
             .unwrap_or_default()
@@ -263,15 +277,7 @@ exec "$HERDLESS_REAL_GCC" "$@"
     /// serves from the pool its make jobs take from.
     #[test]
     fn ltrans_jobs_under_a_herdless_make_with_a_pipe_share_its_limit() {
-        let tree = Tree::new("lto-herdless-make");
-        let objects = objects(&tree);
-        let d = tree.dir.display();
-        let mut mk = String::from("all: prog j1 j2 j3 j4 j5 j6\nprog:\n");
-        mk += &link_recipe(&tree, &objects);
-        for i in 1..=6 {
-            mk += &format!("j{i}:\n\t@sh {d}/job.sh {d}\n");
-        }
-        fs::write(tree.path("Makefile"), mk).unwrap();
+        let tree = link_beside_six_jobs("lto-herdless-make");
         let make = common::repo_file(
             "target/embed/gnu-make/bin/make",
             "HERDLESS_EMBED_GNU_MAKE",
@@ -322,15 +328,7 @@ exec "$HERDLESS_REAL_GCC" "$@"
     /// together never pass `-j 3`.
     #[test]
     fn ltrans_and_make_jobs_share_one_limit() {
-        let tree = Tree::new("lto-mixed");
-        let objects = objects(&tree);
-        let d = tree.dir.display();
-        let mut mk = String::from("all: prog j1 j2 j3 j4 j5 j6\nprog:\n");
-        mk += &link_recipe(&tree, &objects);
-        for i in 1..=6 {
-            mk += &format!("j{i}:\n\t@sh {d}/job.sh {d}\n");
-        }
-        fs::write(tree.path("Makefile"), mk).unwrap();
+        let tree = link_beside_six_jobs("lto-mixed");
         let out = run_in(&tree.dir, &["-j", "3", "--stats", "--", "make", "-s"]);
         check_link(&tree, &out);
         let stderr = String::from_utf8_lossy(&out.stderr);
