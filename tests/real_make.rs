@@ -2303,6 +2303,78 @@ fn a_real_autotools_build_runs_on_a_herdless_make() {
     }
 }
 
+/// A stock sub-make (a classic reader of the pipe or FIFO: GNU make 4.4.1,
+/// 4.3 for the pipe, Debian's bmake) beside the
+/// herdless top make's own jobs, which end first: the tokens they free
+/// must reach the sub-make. The top make takes its tokens again and again
+/// in the shared table, each handed on with no message, and gives the
+/// last back there with none either; the broker, which last saw it
+/// waiting, had no offer out and no deadline for one, so the free token
+/// stayed in the table while the sub-make waited on the pipe, and it ran
+/// one job at a time to the end (found with cargo in a recipe: one rustc
+/// at a time where stock make runs N). The sub-make's jobs count apart
+/// from the top make's: at most N of them at once, and N reached, at
+/// every N, for the GNU make (FIFO and pipe), for bmake, alone and under
+/// `herdless run`.
+#[test]
+fn classic_readers_beside_a_herdless_make_s_own_jobs_get_the_tokens_they_free() {
+    type Case = (&'static str, PathBuf, &'static [&'static str]);
+    let cases: [Case; 3] = [
+        ("gnu", herdless_make(), &[]),
+        ("gnu-pipe", herdless_make(), &["--jobserver-style=pipe"]),
+        ("bmake", herdless_bmake(), &[]),
+    ];
+    for (tag, make, args) in cases {
+        for under_run in [false, true] {
+            for n in [2u32, 4] {
+                if under_run && !args.is_empty() {
+                    continue;
+                }
+                let what = format!(
+                    "{tag} at -j{n}{}",
+                    if under_run { " under run" } else { "" }
+                );
+                let t = Tree::new(&format!("real-make-beside-{tag}-{n}-{under_run}"));
+                let d = t.dir.display().to_string();
+                t.flat_makefile("sub.mk", "s", 12);
+                let own: Vec<String> = (1..=n).map(|i| format!("j{i}")).collect();
+                let (sub, mark) = match tag {
+                    "bmake" => ("/usr/bin/bmake".to_string(), " .MAKE"),
+                    "gnu-pipe" => (format!("+{}", pipe_only_make().display()), ""),
+                    _ => (format!("+{}", stock_make().display()), ""),
+                };
+                fs::write(
+                    t.path("Makefile"),
+                    format!(
+                        "all: sub {own}\nsub:{mark}\n\t@{sub} -f {d}/sub.mk\n\
+                         {own}:\n\t@sleep 0.3\n",
+                        own = own.join(" ")
+                    ),
+                )
+                .unwrap();
+                let mut cmd = make_or_run(&t, &make, n, under_run, true);
+                cmd.args(args).env("JOB_SLEEP", "0.4");
+                let out = run(cmd);
+                let report = text(&out);
+                assert!(out.status.success(), "{what}: {report}");
+                let (done, most) = t.counts();
+                assert_eq!(done, 12, "{what}: {report}");
+                assert!(most <= n, "{what}: {most} of the sub-make's jobs at once");
+                assert_eq!(
+                    most, n,
+                    "{what}: the sub-make never ran {n} jobs at once\n{report}"
+                );
+                if under_run {
+                    let stderr = String::from_utf8_lossy(&out.stderr);
+                    assert_eq!(stat(&stderr, "tokens lost"), "0", "{what}: {report}");
+                } else {
+                    only_broker_lost_none(&t, &what);
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn a_failing_job_stops_the_tree() {
     let t = Tree::new("real-make-fail");

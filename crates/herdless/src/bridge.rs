@@ -629,7 +629,11 @@ impl Bridge {
     /// at the first wait; otherwise, in [`table_mode`](Self::table_mode),
     /// when the next offer is due (counted in takes and waits, for
     /// grants: natives that contend in the table wake the broker about
-    /// once per offer); never otherwise.
+    /// once per offer), and, while natives wait, also at the first
+    /// give-back that leaves a word free: the natives then stop waiting
+    /// with no event the broker sees, and a classic reader waiting
+    /// meanwhile would find no standing offer, nor a deadline for one,
+    /// until the broker woke for something else; never otherwise.
     pub fn notify(&self, pool: &Pool) -> Notify {
         if self.standing_offer_out(pool) {
             return Notify::FirstWait;
@@ -637,8 +641,13 @@ impl Bridge {
         if !self.table_mode() || self.expected_in_pipe > 0 || self.queued {
             return Notify::Never;
         }
-        let after = self.next_offer_at.saturating_sub(self.grants_seen);
-        Notify::After(u32::try_from(after).unwrap_or(u32::MAX))
+        let after =
+            u32::try_from(self.next_offer_at.saturating_sub(self.grants_seen)).unwrap_or(u32::MAX);
+        if self.natives_waiting_seen > 0 {
+            Notify::AfterOrFree(after)
+        } else {
+            Notify::After(after)
+        }
     }
 
     /// Brings the pipe to `keep` tokens (0 or 1; `in_pipe` there now):

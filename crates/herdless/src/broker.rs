@@ -714,15 +714,27 @@ impl Broker {
     /// before the waits are read, and a client starts its wait before it
     /// reads the word (both sequentially consistent), so a wait either
     /// sees the word or is seen here.
+    ///
+    /// Likewise for a give-back the word asks to hear of
+    /// (`Notify::AfterOrFree`): a word freed with nobody waiting before
+    /// the word asked for it is seen here.
     fn set_table_notify(&self) -> bool {
         let (Some(bridge), Some(fast)) = (self.bridge.as_ref(), self.fast.as_ref()) else {
             return false;
         };
         let notify = bridge.notify(&self.pool);
         fast.table.set_notify(notify);
-        notify == crate::fast::Notify::FirstWait
-            && fast.table.is_open()
-            && fast.table.waiting_count() > 0
+        match notify {
+            crate::fast::Notify::FirstWait => {
+                fast.table.is_open() && fast.table.waiting_count() > 0
+            }
+            crate::fast::Notify::AfterOrFree(_) => {
+                fast.table.is_open()
+                    && fast.table.waiting_count() == 0
+                    && fast.free_and_held().0 > 0
+            }
+            _ => false,
+        }
     }
 
     /// A handle that stops this broker from another thread.

@@ -140,10 +140,18 @@ const H_TID: u32 = 10;
 /// tells the broker with [`Request::Returned`] (a classic bridge's next
 /// offer is due: the broker sees no grant or wait in the table). With
 /// [`NOTIFY_WAITS`] set, only waits count (a classic bridge's standing
-/// offer is out: the first native that waits must have it back).
+/// offer is out: the first native that waits must have it back). With
+/// [`NOTIFY_FREE`] set, also the first give-back that leaves a word free.
 const H_NOTIFY: u32 = 11;
 /// In [`H_NOTIFY`]: only waits that start count down, takes do not.
 const NOTIFY_WAITS: u32 = 0x8000_0000;
+/// In [`H_NOTIFY`]: the first give-back that leaves a word free (nobody
+/// waits for it) tells the broker, and clears this bit (a classic bridge
+/// has no offer out while natives wait in the table: once they stop, a
+/// classic reader must have one).
+const NOTIFY_FREE: u32 = 0x4000_0000;
+/// In [`H_NOTIFY`]: the count of takes and waits.
+const NOTIFY_COUNT: u32 = NOTIFY_FREE - 1;
 /// Header word: waits in the table withdrawn (at a deadline, or by a
 /// poll loop's caller).
 const H_CANCELLED: u32 = 12;
@@ -166,7 +174,7 @@ const X_COUNTS: u32 = 4;
 /// "HRDT" as a little-endian word.
 const MAGIC: u32 = u32::from_le_bytes(*b"HRDT");
 /// The layout of this module.
-const LAYOUT: u32 = 4;
+const LAYOUT: u32 = 5;
 
 /// A slot's state: not waiting.
 const IDLE: u32 = 0;
@@ -339,6 +347,9 @@ pub enum Notify {
     After(u32),
     /// At the first wait that starts; takes are not told.
     FirstWait,
+    /// At the n-th take or wait from now, or at the first give-back that
+    /// leaves a word free, whichever comes first.
+    AfterOrFree(u32),
 }
 
 /// The shared token table, as both the broker and a client see it.
@@ -578,7 +589,8 @@ impl Table {
             self.header(H_IN_USE).fetch_sub(1, SeqCst);
             match self.hand_on(i, me, me) {
                 HandOn::Handed => return Some(false),
-                HandOn::Freed | HandOn::Taken => return Some(!self.is_open()),
+                HandOn::Freed => return Some(!self.is_open() || self.free_notice_taken()),
+                HandOn::Taken => return Some(!self.is_open()),
                 HandOn::Lost => {
                     self.header(H_IN_USE).fetch_add(1, SeqCst);
                 }
@@ -915,19 +927,31 @@ impl Table {
     pub fn nudge_if_asked(&self, wait: bool, nudge: &dyn Fn()) {
         let word = self.header(H_NOTIFY);
         let n = word.load(SeqCst);
-        if n == 0 || (n & NOTIFY_WAITS != 0 && !wait) {
+        if n & NOTIFY_COUNT == 0 || (n & NOTIFY_WAITS != 0 && !wait) {
             return;
         }
         let counted = word.fetch_update(SeqCst, SeqCst, |n| {
-            let flag = n & NOTIFY_WAITS;
-            if flag != 0 && !wait {
+            if n & NOTIFY_WAITS != 0 && !wait {
                 return None;
             }
-            (n & !NOTIFY_WAITS).checked_sub(1).map(|left| left | flag)
+            (n & NOTIFY_COUNT)
+                .checked_sub(1)
+                .map(|left| left | (n & !NOTIFY_COUNT))
         });
-        if counted.is_ok_and(|was| was & !NOTIFY_WAITS == 1) {
+        if counted.is_ok_and(|was| was & NOTIFY_COUNT == 1) {
             nudge();
         }
+    }
+
+    /// After a give-back left a word free: whether this client is the one
+    /// to tell the broker ([`NOTIFY_FREE`] was set, and it cleared it).
+    /// The word is freed before this reads the notify word, and the broker
+    /// writes the notify word before it reads the words (all sequentially
+    /// consistent): either this sees the bit or the broker sees the word.
+    fn free_notice_taken(&self) -> bool {
+        let word = self.header(H_NOTIFY);
+        word.load(SeqCst) & NOTIFY_FREE != 0
+            && word.fetch_and(!NOTIFY_FREE, SeqCst) & NOTIFY_FREE != 0
     }
 
     /// Sets when clients tell the broker of a take or wait in the table
@@ -935,8 +959,9 @@ impl Table {
     pub fn set_notify(&self, notify: Notify) {
         let word = match notify {
             Notify::Never => 0,
-            Notify::After(n) => n.clamp(1, NOTIFY_WAITS - 1),
+            Notify::After(n) => n.clamp(1, NOTIFY_COUNT),
             Notify::FirstWait => NOTIFY_WAITS | 1,
+            Notify::AfterOrFree(n) => NOTIFY_FREE | n.clamp(1, NOTIFY_COUNT),
         };
         self.header(H_NOTIFY).store(word, SeqCst);
     }

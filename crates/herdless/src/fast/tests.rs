@@ -228,6 +228,32 @@ fn the_notify_word_counts_what_the_broker_asked_for() {
 }
 
 #[test]
+fn the_first_give_back_that_leaves_a_word_free_tells_the_broker_when_asked() {
+    use std::cell::Cell;
+    let t = Table::create(2, 8).expect("a table");
+    t.lend(0);
+    t.open_gate();
+    let told = Cell::new(0);
+    let nudge = || told.set(told.get() + 1);
+    t.set_notify(Notify::AfterOrFree(2));
+    // A take counts down and leaves the free bit alone.
+    assert_eq!(t.take(7, 0), Some(0));
+    t.nudge_if_asked(false, &nudge);
+    assert_eq!(told.get(), 0);
+    // The give-back that frees the word is told, once.
+    assert_eq!(t.give_back(7, Some(0)), Some(true));
+    assert_eq!(t.take(7, 0), Some(0));
+    assert_eq!(t.give_back(7, Some(0)), Some(false), "told once");
+    // The count goes on as before: the take after reaches 0 and tells.
+    assert_eq!(t.take(8, 0), Some(0));
+    t.nudge_if_asked(false, &nudge);
+    assert_eq!(told.get(), 1);
+    // Without the bit a freed word tells nobody.
+    t.set_notify(Notify::After(5));
+    assert_eq!(t.give_back(8, Some(0)), Some(false));
+}
+
+#[test]
 fn threads_racing_on_the_table_never_hold_more_than_was_lent() {
     use std::sync::atomic::AtomicU32;
     use std::sync::Arc;
