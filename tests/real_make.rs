@@ -2304,7 +2304,9 @@ fn a_real_autotools_build_runs_on_a_herdless_make() {
 }
 
 /// A stock sub-make (a classic reader of the pipe or FIFO: GNU make 4.4.1,
-/// 4.3 for the pipe, Debian's bmake) beside the
+/// 4.3 for the pipe, bmake polling its pipe as current bmake does; Debian's
+/// looks for a token only as a child of its ends, and may not reach N
+/// under any top make) beside the
 /// herdless top make's own jobs, which end first: the tokens they free
 /// must reach the sub-make. The top make takes its tokens again and again
 /// in the shared table, each handed on with no message, and gives the
@@ -2312,7 +2314,8 @@ fn a_real_autotools_build_runs_on_a_herdless_make() {
 /// waiting, had no offer out and no deadline for one, so the free token
 /// stayed in the table while the sub-make waited on the pipe, and it ran
 /// one job at a time to the end (found with cargo in a recipe: one rustc
-/// at a time where stock make runs N). The sub-make's jobs count apart
+/// at a time where stock make runs N; seen with the GNU make, not with
+/// the herdless bmake, which is checked all the same). The sub-make's jobs count apart
 /// from the top make's: at most N of them at once, and N reached, at
 /// every N, for the GNU make (FIFO and pipe), for bmake, alone and under
 /// `herdless run`.
@@ -2339,7 +2342,7 @@ fn classic_readers_beside_a_herdless_make_s_own_jobs_get_the_tokens_they_free() 
                 t.flat_makefile("sub.mk", "s", 12);
                 let own: Vec<String> = (1..=n).map(|i| format!("j{i}")).collect();
                 let (sub, mark) = match tag {
-                    "bmake" => ("/usr/bin/bmake".to_string(), " .MAKE"),
+                    "bmake" => (polling_bmake().display().to_string(), " .MAKE"),
                     "gnu-pipe" => (format!("+{}", pipe_only_make().display()), ""),
                     _ => (format!("+{}", stock_make().display()), ""),
                 };
@@ -2956,6 +2959,15 @@ fn herdless_bmake() -> PathBuf {
     repo_file(
         "target/embed/bmake/bin/bmake",
         "HERDLESS_EMBED_BMAKE",
+        "bash embed/bmake/build.sh",
+    )
+}
+
+/// Debian's bmake polling its token pipe, as current bmake does.
+fn polling_bmake() -> PathBuf {
+    repo_file(
+        "target/embed/bmake-polling/bin/bmake",
+        "HERDLESS_EMBED_BMAKE_POLLING",
         "bash embed/bmake/build.sh",
     )
 }

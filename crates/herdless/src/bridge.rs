@@ -511,11 +511,14 @@ impl Bridge {
     /// came): the broker balances again then, with no other event to wake
     /// it.
     ///
-    /// In [`table_mode`](Self::table_mode) with nothing in the pipe and no
-    /// native waiting, also when the next offer is due by time
-    /// ([`Bridge::back_off`]): the
+    /// In [`table_mode`](Self::table_mode) with nothing in the pipe, also
+    /// when the next offer is due by time ([`Bridge::back_off`]): the
     /// broker sees no grant or release in the open table that would
-    /// otherwise bring it there. Only a time still ahead of the last
+    /// otherwise bring it there. With no native waiting it makes the
+    /// standing offer then; with natives waiting it makes none (their
+    /// grants count), but from then on asks the table to tell it of the
+    /// first give-back that leaves a word free ([`Bridge::notify`]), when
+    /// they stop waiting. Only a time still ahead of the last
     /// [`Bridge::balance`] counts, which acted on any before it.
     pub fn offer_deadline(&self) -> Option<std::time::Duration> {
         let unread = self
@@ -529,11 +532,7 @@ impl Bridge {
                 o.made_at + if rounds_done { OFFER_MIN } else { OFFER_WAIT }
             });
         let due = Some(self.next_offer_time).filter(|&t| {
-            t > self.balanced_at
-                && self.table_mode()
-                && !self.queued
-                && self.expected_in_pipe == 0
-                && self.natives_waiting_seen == 0
+            t > self.balanced_at && self.table_mode() && !self.queued && self.expected_in_pipe == 0
         });
         unread.into_iter().chain(due).min()
     }
@@ -643,7 +642,10 @@ impl Bridge {
         }
         let after =
             u32::try_from(self.next_offer_at.saturating_sub(self.grants_seen)).unwrap_or(u32::MAX);
-        if self.natives_waiting_seen > 0 {
+        // Only once the back-off's time allows the standing offer the
+        // notice would bring; until then the broker wakes at that time
+        // ([`Bridge::offer_deadline`]) and asks again.
+        if self.natives_waiting_seen > 0 && self.balanced_at >= self.next_offer_time {
             Notify::AfterOrFree(after)
         } else {
             Notify::After(after)
