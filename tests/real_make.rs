@@ -2378,6 +2378,72 @@ fn classic_readers_beside_a_herdless_make_s_own_jobs_get_the_tokens_they_free() 
     }
 }
 
+/// `make -j4 | head -1`: the reader goes away, and the next write to the
+/// pipe ends the make with `SIGPIPE` (bmake writes its `--- target ---`
+/// headers there itself; GNU make's jobs write, and die of it). Nothing of
+/// the broker is left in `TMPDIR`, as a stock make leaves nothing, and the
+/// make ends as the stock one does; likewise a herdless bmake ended by a
+/// signal that bmake leaves to its default (`SIGUSR1`, `SIGALRM`), whose
+/// broker's files were left behind before.
+#[test]
+fn a_make_whose_output_reader_goes_away_leaves_nothing_behind() {
+    let cases = [
+        ("gnu", herdless_make(), stock_make(), "$@"),
+        (
+            "bmake",
+            herdless_bmake(),
+            PathBuf::from("/usr/bin/bmake"),
+            "${.TARGET}",
+        ),
+    ];
+    for (tag, make, stock, target) in cases {
+        let t = Tree::new(&format!("real-make-sigpipe-{tag}"));
+        fs::write(
+            t.path("Makefile"),
+            format!(
+                "all: a b c d\na b c d:\n\t@for i in 1 2 3 4 5 6 7 8; do \
+                 echo {target}$$i; sleep 0.05; done\n"
+            ),
+        )
+        .unwrap();
+        let status_of = |m: &Path| -> String {
+            let mut cmd = make_cmd(&t, Path::new("bash"));
+            cmd.arg("-c").arg(format!(
+                "\"{}\" -j4 | head -n 1 >/dev/null; echo \"${{PIPESTATUS[0]}}\"",
+                m.display()
+            ));
+            let out = run(cmd);
+            String::from_utf8_lossy(&out.stdout).trim().to_string()
+        };
+        let stock_status = status_of(&stock);
+        let status = status_of(&make);
+        assert_eq!(
+            status, stock_status,
+            "{tag}: the make ends as the stock one"
+        );
+        // Descendants that outlive the make end within a moment.
+        thread::sleep(Duration::from_millis(600));
+        assert_no_leftovers(&t);
+        if tag == "bmake" {
+            for sig in [libc::SIGUSR1, libc::SIGALRM] {
+                let mut cmd = make_cmd(&t, &make);
+                cmd.arg("-j4").stdout(Stdio::null()).stderr(Stdio::null());
+                let mut child = cmd.spawn().unwrap();
+                thread::sleep(Duration::from_millis(150));
+                common::signal(child.id() as i32, sig);
+                let status = child.wait().unwrap();
+                assert_eq!(
+                    std::os::unix::process::ExitStatusExt::signal(&status),
+                    Some(sig),
+                    "{tag}: ends of signal {sig}"
+                );
+                thread::sleep(Duration::from_millis(600));
+                assert_no_leftovers(&t);
+            }
+        }
+    }
+}
+
 #[test]
 fn a_failing_job_stops_the_tree() {
     let t = Tree::new("real-make-fail");
