@@ -2382,9 +2382,10 @@ fn classic_readers_beside_a_herdless_make_s_own_jobs_get_the_tokens_they_free() 
 /// pipe ends the make with `SIGPIPE` (bmake writes its `--- target ---`
 /// headers there itself; GNU make's jobs write, and die of it). Nothing of
 /// the broker is left in `TMPDIR`, as a stock make leaves nothing, and the
-/// make ends as the stock one does; likewise a herdless bmake ended by a
-/// signal that bmake leaves to its default (`SIGUSR1`, `SIGALRM`), whose
-/// broker's files were left behind before.
+/// make ends as the stock one does; likewise a herdless make ended by a
+/// signal that it leaves to its default (`SIGUSR1` and `SIGALRM` for
+/// bmake, `SIGALRM` and `SIGUSR2` for GNU make), whose broker's files
+/// were left behind before.
 #[test]
 fn a_make_whose_output_reader_goes_away_leaves_nothing_behind() {
     let cases = [
@@ -2424,22 +2425,27 @@ fn a_make_whose_output_reader_goes_away_leaves_nothing_behind() {
         // Descendants that outlive the make end within a moment.
         thread::sleep(Duration::from_millis(600));
         assert_no_leftovers(&t);
-        if tag == "bmake" {
-            for sig in [libc::SIGUSR1, libc::SIGALRM] {
-                let mut cmd = make_cmd(&t, &make);
-                cmd.arg("-j4").stdout(Stdio::null()).stderr(Stdio::null());
-                let mut child = cmd.spawn().unwrap();
-                thread::sleep(Duration::from_millis(150));
-                common::signal(child.id() as i32, sig);
-                let status = child.wait().unwrap();
-                assert_eq!(
-                    std::os::unix::process::ExitStatusExt::signal(&status),
-                    Some(sig),
-                    "{tag}: ends of signal {sig}"
-                );
-                thread::sleep(Duration::from_millis(600));
-                assert_no_leftovers(&t);
-            }
+        // Signals the make leaves to their default (GNU make toggles its
+        // debugging on SIGUSR1).
+        let sigs: &[i32] = if tag == "bmake" {
+            &[libc::SIGUSR1, libc::SIGALRM]
+        } else {
+            &[libc::SIGALRM, libc::SIGUSR2]
+        };
+        for &sig in sigs {
+            let mut cmd = make_cmd(&t, &make);
+            cmd.arg("-j4").stdout(Stdio::null()).stderr(Stdio::null());
+            let mut child = cmd.spawn().unwrap();
+            thread::sleep(Duration::from_millis(150));
+            common::signal(child.id() as i32, sig);
+            let status = child.wait().unwrap();
+            assert_eq!(
+                std::os::unix::process::ExitStatusExt::signal(&status),
+                Some(sig),
+                "{tag}: ends of signal {sig}"
+            );
+            thread::sleep(Duration::from_millis(600));
+            assert_no_leftovers(&t);
         }
     }
 }

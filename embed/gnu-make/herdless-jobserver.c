@@ -275,6 +275,40 @@ stock_setup (int slots, const char *style)
   return __real_jobserver_setup (slots, style);
 }
 
+/* A signal whose default ends the process and that make leaves to it
+   (SIGALRM, SIGUSR2, SIGVTALRM, SIGPROF; make's own handler covers
+   SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGPIPE, SIGXCPU, SIGXFSZ) removes
+   the broker's files (async-signal-safe calls only), then ends the make
+   as before, where a stock make leaves nothing of its pipe behind. */
+static void
+die_of (int sig)
+{
+  struct sigaction dfl;
+  if (broker && getpid () == broker_pid)
+    (void) herdless_broker_unlink (broker);
+  memset (&dfl, 0, sizeof dfl);
+  dfl.sa_handler = SIG_DFL;
+  sigemptyset (&dfl.sa_mask);
+  (void) sigaction (sig, &dfl, NULL);
+  (void) raise (sig);
+}
+
+/* Installs die_of where those signals are left to their default (never
+   where they are ignored or handled). */
+static void
+catch_the_rest (void)
+{
+  static const int sigs[] = { SIGALRM, SIGUSR2, SIGVTALRM, SIGPROF };
+  struct sigaction act, old;
+  size_t i;
+  memset (&act, 0, sizeof act);
+  act.sa_handler = die_of;
+  sigemptyset (&act.sa_mask);
+  for (i = 0; i < sizeof sigs / sizeof sigs[0]; i++)
+    if (sigaction (sigs[i], NULL, &old) == 0 && old.sa_handler == SIG_DFL)
+      (void) sigaction (sigs[i], &act, NULL);
+}
+
 unsigned int
 __wrap_jobserver_setup (int slots, const char *style)
 {
@@ -304,6 +338,7 @@ __wrap_jobserver_setup (int slots, const char *style)
   if (broker)
     {
       broker_pid = getpid ();
+      catch_the_rest ();
       if (pipe_style
           && sscanf (herdless_broker_classic_auth (broker), "%d,%d",
                      &broker_pipe[0], &broker_pipe[1]) == 2)
