@@ -309,18 +309,12 @@ exec "$HERDLESS_REAL_GCC" "$@"
             max, 3,
             "at most 3 jobs at once, LTRANS included, and 3 reached\n{stderr}"
         );
-        let stats = fs::read_to_string(tree.path("stats")).unwrap_or_default();
-        let figure = |key: &str| -> i64 {
-            let words: Vec<&str> = stats.split_whitespace().collect();
-            let at = words.iter().position(|w| *w == key);
-            at.and_then(|i| words.get(i + 1)?.parse().ok())
-                .unwrap_or_else(|| panic!("no {key} in {stats:?}"))
-        };
-        assert_eq!(stats.lines().count(), 1, "one broker: {stats}");
-        assert_eq!(figure("lost"), 0, "{stats}");
+        let stats = common::make_stats(&tree.path("stats"));
+        assert_eq!(stats.len(), 1, "one broker: {stats:?}");
+        assert_eq!(common::figure(&stats[0], "lost"), 0, "{stats:?}");
         assert!(
-            figure("max_in_use") >= 2,
-            "LTRANS jobs and make jobs held the two shared tokens: {stats}"
+            common::figure(&stats[0], "max_in_use") >= 2,
+            "LTRANS jobs and make jobs held the two shared tokens: {stats:?}"
         );
     }
 

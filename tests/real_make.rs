@@ -16,7 +16,7 @@ use std::process::{Command, Output, Stdio};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use common::{repo_file, stat, JobTree as Tree, Rng, BIN, PATIENCE};
+use common::{figure, repo_file, stat, JobTree as Tree, Rng, BIN, PATIENCE};
 
 /// GNU make 4.4.1 with herdless inside.
 fn herdless_make() -> PathBuf {
@@ -134,16 +134,7 @@ fn text(out: &Output) -> String {
 
 /// The figures of each broker a herdless make started (one line each).
 fn broker_lines(t: &Tree) -> Vec<Vec<(String, i64)>> {
-    fs::read_to_string(t.path("stats"))
-        .unwrap_or_default()
-        .lines()
-        .map(|l| {
-            let w: Vec<&str> = l.split_whitespace().collect();
-            w.chunks(2)
-                .map(|kv| (kv[0].to_string(), kv[1].parse().unwrap()))
-                .collect()
-        })
-        .collect()
+    common::make_stats(&t.path("stats"))
 }
 
 /// The figures of the one broker a herdless make started, which must have
@@ -154,13 +145,6 @@ fn only_broker_lost_none(t: &Tree, what: &str) -> Vec<(String, i64)> {
     let line = lines.remove(0);
     assert_eq!(figure(&line, "lost"), 0, "{what}: {line:?}");
     line
-}
-
-fn figure(line: &[(String, i64)], key: &str) -> i64 {
-    line.iter()
-        .find(|(k, _)| k == key)
-        .unwrap_or_else(|| panic!("no {key} in {line:?}"))
-        .1
 }
 
 /// Nothing of a broker is left in the tree's TMPDIR.

@@ -616,6 +616,30 @@ pub fn require(tool: &str) {
     );
 }
 
+/// The figures of each broker a make with herdless inside started, one
+/// line each in the file its `HERDLESS_MAKE_STATS` named: `key value`
+/// pairs.
+pub fn make_stats(file: &Path) -> Vec<Vec<(String, i64)>> {
+    std::fs::read_to_string(file)
+        .unwrap_or_default()
+        .lines()
+        .map(|l| {
+            let w: Vec<&str> = l.split_whitespace().collect();
+            w.chunks(2)
+                .map(|kv| (kv[0].to_string(), kv[1].parse().unwrap()))
+                .collect()
+        })
+        .collect()
+}
+
+/// The value of `key` in one line of [`make_stats`].
+pub fn figure(line: &[(String, i64)], key: &str) -> i64 {
+    line.iter()
+        .find(|(k, _)| k == key)
+        .unwrap_or_else(|| panic!("no {key} in {line:?}"))
+        .1
+}
+
 /// A file the repository's scripts build under `target/` (`rel`), or the
 /// one environment variable `var` names; `how` builds it.
 pub fn repo_file(rel: &str, var: &str, how: &str) -> PathBuf {
