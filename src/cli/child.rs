@@ -139,12 +139,52 @@ pub fn run_inheriting(
     for (k, v) in env {
         cmd.env(k, v);
     }
+    // The thread that passes signals on starts before the command does:
+    // once the command runs, nothing may fail before it is waited for
+    // (a process short of threads would leave it running unwatched, on a
+    // token given back).
+    let received = Arc::new(AtomicI32::new(0));
+    let (pid_tx, pid_rx) = std::sync::mpsc::channel::<Pid>();
+    let forwarder = {
+        let received = received.clone();
+        std::thread::Builder::new()
+            .name("herdless-signals".into())
+            .spawn(move || {
+                // No command, no signal to pass on (a signal that came
+                // meanwhile waits in `signals`).
+                let Ok(pid) = pid_rx.recv() else { return };
+                for info in signals.forever() {
+                    received.store(info.si_signo, Ordering::SeqCst);
+                    on_signal();
+                    // The terminal signals the whole process group itself.
+                    if herdless_platform::sent_by_kernel(info.si_code) {
+                        continue;
+                    }
+                    if let Ok(sig) = Signal::try_from(info.si_signo) {
+                        let _ = kill(pid, sig);
+                    }
+                }
+            })
+    };
+    let forwarder = match forwarder {
+        Ok(thread) => thread,
+        Err(e) => {
+            handle.close();
+            eprintln!(
+                "herdless: cannot run {}: cannot start a thread to pass signals on: {e}",
+                program.to_string_lossy()
+            );
+            return Ok(Outcome::NotStarted(126));
+        }
+    };
     let spawned = cmd.spawn();
     drop(inherit);
     let mut child = match spawned {
         Ok(child) => child,
         Err(e) => {
             handle.close();
+            drop(pid_tx);
+            let _ = forwarder.join();
             let code = match e.kind() {
                 io::ErrorKind::NotFound => 127,
                 _ => 126,
@@ -153,25 +193,9 @@ pub fn run_inheriting(
             return Ok(Outcome::NotStarted(code));
         }
     };
-    on_spawn(child.id());
     let pid = Pid::from_raw(child.id() as i32);
-    let received = Arc::new(AtomicI32::new(0));
-    let forwarder = {
-        let received = received.clone();
-        std::thread::spawn(move || {
-            for info in signals.forever() {
-                received.store(info.si_signo, Ordering::SeqCst);
-                on_signal();
-                // The terminal signals the whole process group itself.
-                if herdless_platform::sent_by_kernel(info.si_code) {
-                    continue;
-                }
-                if let Ok(sig) = Signal::try_from(info.si_signo) {
-                    let _ = kill(pid, sig);
-                }
-            }
-        })
-    };
+    let _ = pid_tx.send(pid);
+    on_spawn(child.id());
     let status = child.wait();
     handle.close();
     let _ = forwarder.join();
@@ -199,12 +223,23 @@ pub fn catching_stops<T>(
     let received = Arc::new(AtomicI32::new(0));
     let catcher = {
         let received = received.clone();
-        std::thread::spawn(move || {
-            for info in signals.forever() {
-                received.store(info.si_signo, Ordering::SeqCst);
-                on_signal();
-            }
-        })
+        std::thread::Builder::new()
+            .name("herdless-signals".into())
+            .spawn(move || {
+                for info in signals.forever() {
+                    received.store(info.si_signo, Ordering::SeqCst);
+                    on_signal();
+                }
+            })
+    };
+    let catcher = match catcher {
+        Ok(thread) => thread,
+        Err(e) => {
+            // Waiting for the broker matters more than the signals.
+            handle.close();
+            eprintln!("herdless: warning: cannot start a thread to catch signals: {e}");
+            return Ok((wait(), None));
+        }
     };
     let value = wait();
     handle.close();

@@ -548,51 +548,52 @@ mod imp_guard {
     /// must then read `FUTEX_OWNER_DIED`. Checked once per process.
     pub(super) fn kernel_walks_lists() -> io::Result<()> {
         static CHECKED: std::sync::OnceLock<Result<(), String>> = std::sync::OnceLock::new();
-        CHECKED
-            .get_or_init(|| {
-                let word = Box::new(AtomicU32::new(0));
-                let mut entry = Box::new(0usize);
-                let mut head = Box::new(Head {
-                    next: 0,
-                    futex_offset: 0,
-                    list_op_pending: 0,
-                });
-                let word_addr = &*word as *const AtomicU32 as usize;
-                let entry_addr = &mut *entry as *mut usize as usize;
-                let head_addr = &mut *head as *mut Head as usize;
-                *entry = head_addr;
-                head.next = entry_addr;
-                head.futex_offset =
-                    (word_addr as isize).wrapping_sub(entry_addr as isize) as libc::c_long;
-                let w = word_addr;
-                let outcome = std::thread::spawn(move || -> io::Result<()> {
-                    // SAFETY: `w` is the address of the boxed AtomicU32,
-                    // which the spawning thread keeps alive until after
-                    // this thread is joined.
-                    let word = unsafe { &*(w as *const AtomicU32) };
-                    // SAFETY: gettid has no arguments and cannot fail.
-                    let tid = unsafe { libc::gettid() } as u32;
-                    word.store(tid, SeqCst);
-                    // The C library's list is not put back: this thread
-                    // ends at once, and its list is the one walked.
-                    set_list(head_addr, std::mem::size_of::<Head>())
-                })
-                .join();
-                let seen = word.load(SeqCst);
-                drop((entry, head));
-                match outcome {
-                    Ok(Ok(())) if seen & FUTEX_OWNER_DIED != 0 && seen & FUTEX_TID_MASK == 0 => {
-                        Ok(())
-                    }
-                    Ok(Ok(())) => Err(format!(
-                        "the kernel does not walk robust futex lists (word {seen:#x})"
-                    )),
-                    Ok(Err(e)) => Err(format!("set_robust_list: {e}")),
-                    Err(_) => Err("the check's thread panicked".to_owned()),
-                }
-            })
-            .clone()
-            .map_err(|e| io::Error::new(io::ErrorKind::Unsupported, e))
+        let unsupported = |e: String| io::Error::new(io::ErrorKind::Unsupported, e);
+        if let Some(known) = CHECKED.get() {
+            return known.clone().map_err(unsupported);
+        }
+        let word = Box::new(AtomicU32::new(0));
+        let mut entry = Box::new(0usize);
+        let mut head = Box::new(Head {
+            next: 0,
+            futex_offset: 0,
+            list_op_pending: 0,
+        });
+        let word_addr = &*word as *const AtomicU32 as usize;
+        let entry_addr = &mut *entry as *mut usize as usize;
+        let head_addr = &mut *head as *mut Head as usize;
+        *entry = head_addr;
+        head.next = entry_addr;
+        head.futex_offset = (word_addr as isize).wrapping_sub(entry_addr as isize) as libc::c_long;
+        let w = word_addr;
+        // A process short of threads learns nothing of the kernel: that
+        // is not kept, and the next guard checks again.
+        let check = std::thread::Builder::new()
+            .name("herdless-check".into())
+            .spawn(move || -> io::Result<()> {
+                // SAFETY: `w` is the address of the boxed AtomicU32,
+                // which the spawning thread keeps alive until after
+                // this thread is joined.
+                let word = unsafe { &*(w as *const AtomicU32) };
+                // SAFETY: gettid has no arguments and cannot fail.
+                let tid = unsafe { libc::gettid() } as u32;
+                word.store(tid, SeqCst);
+                // The C library's list is not put back: this thread
+                // ends at once, and its list is the one walked.
+                set_list(head_addr, std::mem::size_of::<Head>())
+            })?;
+        let outcome = check.join();
+        let seen = word.load(SeqCst);
+        drop((entry, head));
+        let known = match outcome {
+            Ok(Ok(())) if seen & FUTEX_OWNER_DIED != 0 && seen & FUTEX_TID_MASK == 0 => Ok(()),
+            Ok(Ok(())) => Err(format!(
+                "the kernel does not walk robust futex lists (word {seen:#x})"
+            )),
+            Ok(Err(e)) => Err(format!("set_robust_list: {e}")),
+            Err(_) => Err("the check's thread panicked".to_owned()),
+        };
+        CHECKED.get_or_init(|| known).clone().map_err(unsupported)
     }
 
     pub(super) fn run(
