@@ -290,6 +290,84 @@ fn under_bmake() {
     nested_runs_share_the_outer_pool(Make::Bmake);
 }
 
+/// One recipe that starts eight `herdless run -j 2` at once, each running
+/// one job, under each make's `-j3`: each run takes its command's token
+/// from the outer jobserver as `exec` does (the recipe's slot for one of
+/// them, a token from the pipe for the others), where each used to count
+/// on the recipe's slot and all eight ran at once (8 jobs at `-j3`, under
+/// GNU make 4.4.1 as under the others). At most 3 at once, 3 reached,
+/// every job, every token back. Each run's own pool, whose command reads
+/// no jobserver, lends its classic pipe a token of the outer jobserver only
+/// for a while (`herdless::bridge`, "Backed pools"): one kept there for
+/// the whole run left the other runs short, and 3 were reached in about
+/// half the runs, after minutes.
+fn runs_started_together_share_the_recipe_s_slot(make: Make) {
+    let _serial = serial();
+    let jobs = 3;
+    let tree = Tree::new("nested-together");
+    let h = herdless();
+    let (plus, dot_make) = match make {
+        Make::Bmake => ("", " .MAKE"),
+        _ => ("+", ""),
+    };
+    let mf = tree.path().join("Makefile");
+    fs::write(
+        &mf,
+        format!(
+            "all:{dot_make}\n\t{plus}@for i in 1 2 3 4 5 6 7 8; do {h} run -j 2 -- {} & done; wait\n",
+            tree.job("t", jobs)
+        ),
+    )
+    .unwrap();
+    for outer in [Outer::External { jobs }, Outer::Direct { jobs }] {
+        let _ = fs::remove_file(tree.path().join("done"));
+        let _ = fs::remove_file(tree.path().join("peaks"));
+        let _ = fs::remove_file(tree.path().join("reached"));
+        let mut cmd = clean(make.program());
+        cmd.arg("-f").arg(&mf).current_dir(tree.path());
+        let what = format!("{make:?} {}", text_of(outer));
+        let server = match outer {
+            Outer::External { jobs } => Server::External {
+                tokens: jobs as usize - 1,
+            },
+            Outer::Direct { jobs } => Server::Direct { jobs },
+        };
+        let ran = classic_client_support::run_make(make, server, &mut cmd, tree.path(), &what);
+        let out = &ran.out;
+        assert!(out.status.success(), "{what}: {}", text(out));
+        assert!(
+            !String::from_utf8_lossy(&out.stderr).contains("INTERNAL"),
+            "{what}: {}",
+            text(out)
+        );
+        assert_eq!(tree.done(), 8, "{what}: {}", text(out));
+        assert_eq!(
+            tree.peak(),
+            jobs,
+            "{what}: at most {jobs} jobs at once, and {jobs} reached\n{}",
+            text(out)
+        );
+        if let Some(left) = &ran.left {
+            assert_tokens_back(make, left, jobs as usize - 1, &what);
+        }
+    }
+}
+
+#[test]
+fn runs_started_together_under_gnu_make_43_share_the_recipe_s_slot() {
+    runs_started_together_share_the_recipe_s_slot(Make::Gnu43);
+}
+
+#[test]
+fn runs_started_together_under_gnu_make_441_share_the_recipe_s_slot() {
+    runs_started_together_share_the_recipe_s_slot(Make::Gnu441);
+}
+
+#[test]
+fn runs_started_together_under_bmake_share_the_recipe_s_slot() {
+    runs_started_together_share_the_recipe_s_slot(Make::Bmake);
+}
+
 /// A recipe not marked `+`: GNU make closes its jobserver descriptors for
 /// it, so the inner run cannot borrow; it says so, as GNU make does, and
 /// runs in a pool of its own.

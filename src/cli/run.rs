@@ -11,8 +11,8 @@ use herdless::bridge::Bridge;
 use herdless::broker::{Broker, Config, Stopper};
 use herdless::classic::{Auth, Flavor, Jobserver, Program};
 use herdless::client::{
-    broker_from_env, jobserver_between, slot_env_value, Client, Options, CLASSIC_ENV, SLOT_ENV,
-    SOCKET_ENV,
+    broker_from_env, jobserver_between, slot_env_value, Client, Options, Token, CLASSIC_ENV,
+    SLOT_ENV, SOCKET_ENV,
 };
 use herdless::rundir::RunDir;
 use herdless::status::Status;
@@ -51,16 +51,39 @@ pub fn run(args: RunArgs) -> Result<u8> {
     let mut backing = None;
     if let Some(outer) = broker_from_env() {
         if !args.new_pool {
-            return run_joined(args, &outer);
-        }
-        eprintln!(
-            "herdless: warning: --new-pool: -j{} forced in a pool of its own; the pool at {} \
+            match Client::connect_with(&outer, Options::default().job_of_runner_above(true)) {
+                Ok(client) => return run_joined(args, &outer, client),
+                // A make with its broker inside, short of descriptors,
+                // serves the same pool through its classic jobserver.
+                Err(e) if e.is_no_room() => {
+                    // The recipe's slot is the broker's to lend, not the
+                    // pipe's.
+                    backing = outer_jobserver(&args, false);
+                    if backing.is_none() {
+                        eprintln!(
+                            "herdless: warning: {e}, and no classic jobserver is named in \
+                             MAKEFLAGS: using a pool of its own, -j{}, which the outer pool \
+                             does not bound",
+                            args.jobs
+                        );
+                    }
+                }
+                Err(e) => {
+                    return Err(e).with_context(|| {
+                        format!("cannot join the herdless pool at {}", outer.display())
+                    })
+                }
+            }
+        } else {
+            eprintln!(
+                "herdless: warning: --new-pool: -j{} forced in a pool of its own; the pool at {} \
              no longer bounds this subtree",
-            args.jobs,
-            outer.display()
-        );
+                args.jobs,
+                outer.display()
+            );
+        }
     } else {
-        backing = outer_jobserver(&args);
+        backing = outer_jobserver(&args, true);
     }
     // This process serves one connection per job from here on.
     super::raise_nofile_limit();
@@ -69,6 +92,12 @@ pub fn run(args: RunArgs) -> Result<u8> {
     config.admission = args.admission.admission()?;
     let mut broker = Broker::bind(dir.socket(), config)?;
     dir.set_bound();
+    // The command's token is held until the command and its broker have
+    // ended.
+    let (backing, _command_token) = match backing {
+        Some((backing, token)) => (Some(backing), token),
+        None => (None, None),
+    };
     if let Some(backing) = backing {
         broker = broker
             .with_backing(backing)
@@ -205,7 +234,7 @@ fn classic_side(
 /// make closes its descriptors for recipes not marked `+`) leaves the
 /// pool on its own, with a warning, as GNU make's "jobserver unavailable:
 /// using -j1" does.
-fn outer_jobserver(args: &RunArgs) -> Option<Backing> {
+fn outer_jobserver(args: &RunArgs, slot: bool) -> Option<(Backing, Option<Token>)> {
     let found = match jobserver_between() {
         Some(js) => Ok(Some(js)),
         None => Jobserver::from_env(),
@@ -232,7 +261,7 @@ fn outer_jobserver(args: &RunArgs) -> Option<Backing> {
         return None;
     }
     match Backing::open(&js, args.jobs) {
-        Ok(backing) => Some(backing),
+        Ok(backing) => Some((backing, command_token(js, slot))),
         Err(e) => {
             let rule = match js.flavor() {
                 Flavor::Gnu => "Add '+' to the parent make rule.",
@@ -242,6 +271,34 @@ fn outer_jobserver(args: &RunArgs) -> Option<Backing> {
                 "herdless: warning: jobserver unavailable ({e}): using a pool of its own, \
                  -j{}, which the outer make's -j does not bound. {rule}",
                 args.jobs
+            );
+            None
+        }
+    }
+}
+
+/// The outer jobserver's token for the command, taken as `exec` takes one
+/// (see [`Options::job_of_runner_above`]): the recipe's own slot when no
+/// other job of the recipe holds it, else a token read from the pipe. A
+/// recipe that starts several runs at once (`run … & run … &`) runs each
+/// command on a token of its own, where each used to count on the
+/// recipe's slot. One that cannot be opened leaves the command on the
+/// recipe's slot, with a warning. Without `slot`, the token comes from the
+/// pipe.
+fn command_token(js: Jobserver, slot: bool) -> Option<Token> {
+    let what = js.option().to_owned();
+    let options = match slot {
+        true => Options::default().job_of_runner_above(true),
+        false => Options::default().implicit_token(false),
+    };
+    let taken = Client::from_jobserver(js, options).and_then(|client| client.acquire());
+    match taken {
+        Ok(token) => Some(token),
+        Err(e) => {
+            let on = if slot { "the recipe's own" } else { "none" };
+            eprintln!(
+                "herdless: warning: cannot take the command's token from the outer jobserver \
+                 ({what}): {e}; the command runs on {on}"
             );
             None
         }
@@ -277,9 +334,7 @@ fn print_outer(f: &Figures) {
 /// with herdless inside, which a name cannot tell from a stock one), so
 /// `-j` caps it too; a classic client started deeper (by a script) reads
 /// the outer jobserver, which the cap does not reach.
-fn run_joined(args: RunArgs, outer: &std::path::Path) -> Result<u8> {
-    let client = Client::connect_with(outer, Options::default().job_of_runner_above(true))
-        .with_context(|| format!("cannot join the herdless pool at {}", outer.display()))?;
+fn run_joined(args: RunArgs, outer: &std::path::Path, client: Client) -> Result<u8> {
     let token = client
         .acquire()
         .context("cannot take a job token from the outer pool")?;

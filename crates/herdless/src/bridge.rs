@@ -133,6 +133,11 @@
 //! classic side is live: a classic client was seen taking or returning a
 //! token, or no native client has connected yet (the command may be a
 //! stock make, or a script that starts one: the first offer finds out).
+//! Until a classic client is seen, that offer is on trial: left unread
+//! for [`OFFER_WAIT`] it goes back to the outer jobserver, and the next
+//! one waits for the back-off's time, as many [`OFFER_WAIT`]s as the
+//! rounds of the table's mode (so a command that reads nothing, a
+//! script, holds no outer token idle for its whole run).
 //! Where the OS allows (Linux), the pipe is shrunk to one buffer, so a
 //! description opened for writing becomes writable, edge-triggered,
 //! exactly when a reader takes the last byte: the broker wakes and the
@@ -294,6 +299,14 @@ pub struct Bridge {
     /// The pool's tokens are borrowed from an outer jobserver (see
     /// [`Bridge::set_backed`]).
     backed: bool,
+    /// A backed pool's standing offer made before any classic client was
+    /// seen: when it went into the pipe. Unread for [`OFFER_WAIT`], it goes
+    /// back to the outer jobserver and the next one waits for the
+    /// back-off's time.
+    speculative_at: Option<std::time::Duration>,
+    /// When the broker must look at a backed pool's speculative standing
+    /// offer again: its expiry, or the time the next one is due.
+    speculative_due: Option<std::time::Duration>,
     /// The broker has a shared token table, which takes the free pool
     /// while the classic side is dormant (see [`Bridge::set_table`]).
     table: bool,
@@ -407,6 +420,8 @@ impl Bridge {
             stray: 0,
             lost: 0,
             backed: false,
+            speculative_at: None,
+            speculative_due: None,
             table: false,
             drained: None,
         })
@@ -534,7 +549,11 @@ impl Bridge {
         let due = Some(self.next_offer_time).filter(|&t| {
             t > self.balanced_at && self.table_mode() && !self.queued && self.expected_in_pipe == 0
         });
-        unread.into_iter().chain(due).min()
+        unread
+            .into_iter()
+            .chain(due)
+            .chain(self.speculative_due)
+            .min()
     }
 
     /// The descriptor to watch, edge-triggered, for writability: the pipe
@@ -676,6 +695,36 @@ impl Bridge {
         self.classic_seen || pool.external_connections() == 0
     }
 
+    /// A backed pool's standing offer while no classic client has been
+    /// seen (the command may be one that has not read yet, or read
+    /// nothing at all: a script): 1 to keep one in the pipe, 0 to have
+    /// none. Each one is a token the outer build cannot use, so one left
+    /// unread for [`OFFER_WAIT`] goes back and the next waits for the
+    /// back-off's time (doubling up to [`MAX_BACKOFF`]), as in the shared
+    /// table's mode: a command that never reads holds an outer token a
+    /// twentieth of the time at most, not for its whole run, and one
+    /// that reads late finds a token within the longest gap (0.75 s).
+    fn speculative_offer(&mut self, in_pipe: u32, now: std::time::Duration) -> u32 {
+        if in_pipe > 0 {
+            let at = *self.speculative_at.get_or_insert(now);
+            if now < at + OFFER_WAIT {
+                self.speculative_due = Some(at + OFFER_WAIT);
+                return 1;
+            }
+            self.speculative_at = None;
+            self.backoff = (self.backoff + 1).min(MAX_BACKOFF);
+            self.next_offer_time = now + OFFER_WAIT * ((1u32 << self.backoff) - 1);
+            self.speculative_due = Some(self.next_offer_time);
+            return 0;
+        }
+        self.speculative_at = None;
+        if now >= self.next_offer_time {
+            return 1;
+        }
+        self.speculative_due = Some(self.next_offer_time);
+        0
+    }
+
     /// Joins the pool as the `classic` client.
     pub fn attach(&mut self, pool: &mut Pool) {
         let id = pool.connect(ClientInfo {
@@ -763,6 +812,9 @@ impl Bridge {
                     patience: round(pool, waiting),
                     made_at: now,
                 });
+                if self.backed && !self.classic_seen && self.offer.is_none() {
+                    self.speculative_at = Some(now);
+                }
             }
             other => {
                 log!(
@@ -1016,11 +1068,18 @@ impl Bridge {
             self.keep_in_pipe(pool, in_pipe, keep, now);
             return;
         }
+        self.speculative_due = None;
         if natives_waiting == 0 && self.backed {
             // Nobody native is waiting, and every token is an outer one:
             // one standing offer at most, only for a live classic side.
             self.offer = None;
-            let keep = u32::from(self.standing_offer(pool));
+            let keep = if self.classic_seen {
+                1
+            } else if self.standing_offer(pool) {
+                self.speculative_offer(in_pipe, now)
+            } else {
+                0
+            };
             if keep == 0 && self.queued {
                 let _ = pool.cancel(id);
                 self.queued = false;
