@@ -3242,6 +3242,60 @@ fn a_top_make_short_of_descriptors_runs_where_a_stock_one_does() {
     }
 }
 
+/// A recipe of a herdless `make -j4` that starts 100 `herdless exec` jobs
+/// and 20 nested `herdless run -j2` at once, under `ulimit -n 64`: the
+/// make's broker, which keeps descriptors free for the make, turns most
+/// of them away ("no room"), and they used to fail (exit 125, the job
+/// never run: 83 of 100 under GNU make, where stock make ran them all).
+/// Each one turned away now takes its token from the classic jobserver
+/// the make exports, the same pool: every exec and run succeeds, every
+/// job runs, at most 4 at once, the broker turned some away and lost
+/// nothing.
+#[test]
+fn execs_turned_away_by_a_make_short_of_descriptors_use_its_classic_jobserver() {
+    for (name, make, _) in herdless_makes() {
+        let t = Tree::new(&format!("real-make-exec-no-room-{name}"));
+        let d = t.dir.display();
+        fs::write(
+            t.path("execs.sh"),
+            format!(
+                "i=0\nwhile [ $i -lt 100 ]; do\n  {BIN} exec sh {d}/job.sh {d} || echo exec >> {d}/failed &\n  \
+                 i=$((i + 1))\ndone\ni=0\nwhile [ $i -lt 20 ]; do\n  \
+                 {BIN} run -j2 -- sh {d}/job.sh {d} || echo run >> {d}/failed &\n  \
+                 i=$((i + 1))\ndone\nwait\n"
+            ),
+        )
+        .unwrap();
+        let recipe = if name == "gnu" {
+            format!("all:\n\t+@sh {d}/execs.sh\n")
+        } else {
+            format!("all: .MAKE\n\t@sh {d}/execs.sh\n")
+        };
+        fs::write(t.path("Makefile"), recipe).unwrap();
+        let mut cmd = make_cmd(&t, Path::new("/bin/sh"));
+        cmd.arg("-c")
+            .arg("ulimit -n 64 && exec \"$@\"")
+            .arg("sh")
+            .arg(&make)
+            .arg("-j4")
+            .env("JOB_SLEEP", "0.1");
+        let out = run(cmd);
+        let report = text(&out);
+        assert!(out.status.success(), "{name}: {report}");
+        let failed = fs::read_to_string(t.path("failed")).unwrap_or_default();
+        assert!(failed.is_empty(), "{name}: failed: {failed}\n{report}");
+        let (done, most) = t.counts();
+        assert_eq!(done, 120, "{name}: {report}");
+        assert!(most <= 4, "{name}: {most} jobs at once\n{report}");
+        let broker = only_broker_lost_none(&t, name);
+        assert!(
+            figure(&broker, "no_room") > 0,
+            "{name}: the broker turned nobody away: {broker:?}"
+        );
+        assert_no_leftovers(&t);
+    }
+}
+
 /// A herdless bmake sub-make that runs in compat mode (`-B` on its command
 /// line; or, in a recipe not marked `.MAKE`, a job pipe whose descriptors
 /// did not reach it) never calls `Job_ServerStart`, where a connection

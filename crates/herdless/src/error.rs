@@ -75,6 +75,14 @@ impl Error {
         self.kind
     }
 
+    /// Whether a broker turned this client away to keep descriptors free
+    /// for the process it runs in (a make with its broker inside that is
+    /// short of them). Asking it again gets the same answer; the classic
+    /// jobserver that the same broker serves is the way in.
+    pub fn is_no_room(&self) -> bool {
+        self.kind == ErrorKind::Refused && self.errno() == libc::EMFILE
+    }
+
     /// The closest `errno` value, for the C ABI and for exit codes.
     pub fn errno(&self) -> i32 {
         match self.kind {

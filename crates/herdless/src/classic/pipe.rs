@@ -259,8 +259,17 @@ fn open_fds(js: &Jobserver, r: RawFd, w: RawFd) -> Result<Pipe> {
             "{src} names jobserver fd {w} as the write end, but it is open for reading only"
         )));
     }
-    // Both ends of one pipe are one inode (and a fifo opened twice is too).
-    if (rmeta.dev(), rmeta.ino()) != (wmeta.dev(), wmeta.ino()) {
+    // Both ends of one pipe are one inode (and a fifo opened twice is too),
+    // but for a herdless broker's pipe: two FIFOs, the one read named in
+    // `HERDLESS_CLASSIC` (a client that its broker turned away, short of
+    // descriptors, comes here).
+    let broker_pair = || {
+        std::env::var_os(crate::client::CLASSIC_ENV).is_some_and(|own| {
+            own.as_encoded_bytes()
+                == crate::client::classic_env_value((rmeta.dev(), rmeta.ino())).as_bytes()
+        })
+    };
+    if (rmeta.dev(), rmeta.ino()) != (wmeta.dev(), wmeta.ino()) && !broker_pair() {
         return Err(bad(format!(
             "{src} names jobserver fds {r},{w}, which are not the two ends of one pipe"
         )));

@@ -378,7 +378,31 @@ impl Client {
         if let Some(path) = socket_from_env() {
             return match jobserver_between() {
                 Some(js) => Client::from_jobserver(js, options),
-                None => Client::connect_with(&path, options),
+                None => match Client::connect_with(&path, options) {
+                    // A make with its broker inside that is short of
+                    // descriptors turns new clients away; the classic
+                    // jobserver it exports is the same pool. Its slot for
+                    // the recipe is the broker's to lend: every token
+                    // comes from the pipe (a slot lent here too would be
+                    // one job over `-j`).
+                    Err(e) if e.is_no_room() => match Jobserver::from_env() {
+                        Ok(Some(js)) if !matches!(js.auth(), Auth::Disabled) => {
+                            crate::log!(
+                                crate::log::Level::Info,
+                                "{e}; using the classic jobserver {} instead",
+                                js.option()
+                            );
+                            let pipe_only = Options {
+                                implicit_token: false,
+                                job_of_runner_above: false,
+                                ..options
+                            };
+                            Client::from_jobserver(js, pipe_only)
+                        }
+                        _ => Err(e),
+                    },
+                    connected => connected,
+                },
             };
         }
         match Jobserver::from_env()? {

@@ -214,13 +214,6 @@ fn refusal(path: &Path, message: &str) -> Error {
     }
 }
 
-/// Whether the broker turned this client away to keep descriptors free
-/// for the process it runs in: asking again, with or without the table,
-/// gets the same answer.
-fn is_no_room(e: &Error) -> bool {
-    e.kind() == ErrorKind::Refused && e.errno() == libc::EMFILE
-}
-
 /// A connection whose hello is sent and whose welcome is not read yet
 /// ([`Native::start`]).
 pub(crate) struct Started {
@@ -277,7 +270,7 @@ impl Started {
         let path = native.path.clone();
         match native.handshake(fast) {
             Ok(native) => Ok(native),
-            Err(e) if e.kind() == ErrorKind::Refused && !is_busy(&e) && !is_no_room(&e) => {
+            Err(e) if e.kind() == ErrorKind::Refused && !is_busy(&e) && !e.is_no_room() => {
                 Native::connect_version(&path, ask, PROTOCOL_VERSION)
             }
             Err(e) if is_busy(&e) => Native::connect(&path, ask),
@@ -302,7 +295,7 @@ impl Native {
             // know): ask again in the oldest version, as a client of the
             // socket alone. A refusal for any other reason comes again,
             // and is reported then.
-            Err(e) if e.kind() == ErrorKind::Refused && !is_no_room(&e) => {
+            Err(e) if e.kind() == ErrorKind::Refused && !e.is_no_room() => {
                 Native::connect_version(path, ask, PROTOCOL_VERSION)
             }
             other => other,
