@@ -260,3 +260,54 @@ fn more_jobs_at_once_than_descriptors_all_run() {
     assert!(max <= 8, "{max} jobs at once under -j 8");
     assert_eq!(stat(&stderr, "tokens lost"), "0");
 }
+
+/// `herdless run` short of descriptors, under `ulimit -n` 5 to 24, in
+/// each style: it runs its command, or it fails with 125, saying what it
+/// could not do ("cannot …", never a bare "Too many open files"), and
+/// leaves nothing in `TMPDIR` either way. Below 17 it used to leave its
+/// directory behind at some limits (a socket bound before the event loop
+/// failed, a FIFO made before the next failed) and print only the system's
+/// words at others.
+#[test]
+fn run_short_of_descriptors_fails_cleanly_and_leaves_nothing() {
+    let tree = JobTree::new("run-nofile");
+    let tmp = tree.path("tmp");
+    std::fs::create_dir(&tmp).unwrap();
+    let mut ran = 0;
+    for style in ["pipe", "fifo"] {
+        for limit in 5..=24 {
+            let mut cmd = Command::new("/bin/sh");
+            cmd.arg("-c")
+                .arg("ulimit -n \"$0\" && exec \"$@\"")
+                .arg(limit.to_string())
+                .arg(BIN)
+                .args(["run", "-j", "4", "--style", style, "--", "true"])
+                .env("TMPDIR", &tmp)
+                .env_remove("HERDLESS_SOCKET")
+                .env_remove("MAKEFLAGS")
+                .env_remove("XDG_RUNTIME_DIR")
+                .stdin(Stdio::null());
+            let out = output_within(cmd);
+            let err = String::from_utf8_lossy(&out.stderr);
+            let what = format!("--style {style} at ulimit -n {limit}: {err}");
+            match out.status.code() {
+                Some(0) => ran += 1,
+                Some(125) => {
+                    assert!(
+                        err.lines()
+                            .all(|l| !l.starts_with("herdless: ")
+                                || l.starts_with("herdless: cannot ")),
+                        "{what}"
+                    )
+                }
+                other => panic!("status {other:?}, {what}"),
+            }
+            let left: Vec<_> = std::fs::read_dir(&tmp)
+                .unwrap()
+                .map(|e| e.unwrap().file_name())
+                .collect();
+            assert!(left.is_empty(), "{what}: left {left:?}");
+        }
+    }
+    assert!(ran > 0, "run never ran its command under ulimit -n 24");
+}

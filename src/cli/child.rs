@@ -17,7 +17,7 @@ use std::process::{Command, ExitStatus};
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::Arc;
 
-use anyhow::{anyhow, Result};
+use anyhow::{anyhow, Context, Result};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 use signal_hook::iterator::exfiltrator::WithRawSiginfo;
@@ -106,7 +106,7 @@ fn stop_signals() -> Result<SignalsInfo<WithRawSiginfo>> {
         .into_iter()
         .filter(|&sig| !herdless_platform::signal_ignored(sig).unwrap_or(false))
         .collect();
-    Ok(SignalsInfo::<WithRawSiginfo>::new(&watched)?)
+    SignalsInfo::<WithRawSiginfo>::new(&watched).context("cannot catch signals to pass them on")
 }
 
 pub fn run(argv: &[OsString], env: &[(&str, OsString)]) -> Result<Outcome> {

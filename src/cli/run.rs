@@ -120,7 +120,9 @@ pub fn run(args: RunArgs) -> Result<u8> {
     } else {
         let (bridge, more) = classic_side(&args, &dir, &mut inherit)?;
         env.extend(more);
-        broker = broker.with_bridge(bridge)?;
+        broker = broker
+            .with_bridge(bridge)
+            .context("cannot watch the classic jobserver")?;
     }
     broker.expect_command();
     let stopper = broker.stopper();
@@ -222,7 +224,9 @@ fn classic_side(
         .unwrap_or_else(|| Flavor::for_command_line(&args.command));
     let mut bridge = Bridge::create(dir.dir(), args.style, flavor, args.jobs)
         .context("cannot set up the classic jobserver")?;
-    let fds = bridge.take_inheritable_fds()?;
+    let fds = bridge
+        .take_inheritable_fds()
+        .context("cannot hand the classic jobserver's pipe to the command")?;
     let raw = fds.as_ref().map(|(r, w)| (r.as_raw_fd(), w.as_raw_fd()));
     let env = bridge.env(raw, std::env::var_os("MAKEFLAGS").as_deref());
     inherit.extend(fds.into_iter().flat_map(|(r, w)| [r, w]));
@@ -387,7 +391,9 @@ fn run_joined(args: RunArgs, outer: &std::path::Path, client: Client) -> Result<
         env.push((SLOT_ENV, slot_env_value(broker.top_slot()).into()));
         let (bridge, more) = classic_side(&args, &dir, &mut inherit)?;
         env.extend(more);
-        broker = broker.with_bridge(bridge)?;
+        broker = broker
+            .with_bridge(bridge)
+            .context("cannot watch the classic jobserver")?;
         let figures = broker.backing_figures();
         broker.expect_command();
         let stopper = broker.stopper();

@@ -339,6 +339,11 @@ impl Bridge {
     /// Makes the FIFOs in `dir` (the broker's private directory) for `-j
     /// jobs`. The bridge starts out assuming that the command may read the
     /// pipe (see "Who reads the pipe" in the module docs).
+    ///
+    /// # Errors
+    ///
+    /// Making or opening a FIFO (out of inodes or descriptors, say): what
+    /// it made is removed again, so the directory can go.
     pub fn create(dir: &Path, style: Style, flavor: Flavor, jobs: u32) -> io::Result<Bridge> {
         if style == Style::Fifo && flavor == Flavor::Bmake {
             return Err(io::Error::new(
@@ -350,6 +355,23 @@ impl Bridge {
             Style::Pipe => "offers.fifo",
             Style::Fifo => "jobserver.fifo",
         });
+        let made = Bridge::make(dir, style, flavor, jobs, offers_path.clone());
+        if made.is_err() {
+            let _ = std::fs::remove_file(&offers_path);
+            if style == Style::Pipe {
+                let _ = std::fs::remove_file(dir.join("returns.fifo"));
+            }
+        }
+        made
+    }
+
+    fn make(
+        dir: &Path,
+        style: Style,
+        flavor: Flavor,
+        jobs: u32,
+        offers_path: PathBuf,
+    ) -> io::Result<Bridge> {
         mkfifo(&offers_path)?;
         let offers = open_private(&offers_path)?;
         let meta = offers.metadata()?;

@@ -453,7 +453,7 @@ impl Broker {
                 )
             })?;
         // A second `listen` on a listening socket sets its queue length.
-        nix::sys::socket::listen(
+        let made = nix::sys::socket::listen(
             &listener,
             nix::sys::socket::Backlog::new(LISTEN_BACKLOG).expect("a valid backlog"),
         )
@@ -462,8 +462,20 @@ impl Broker {
                 io::Error::from(e).kind(),
                 format!("cannot listen on {}: {e}", socket.display()),
             )
-        })?;
-        Broker::on_listener(listener, config)
+        })
+        .and_then(|()| {
+            Broker::on_listener(listener, config).map_err(|e| {
+                io::Error::new(
+                    e.kind(),
+                    format!("cannot set up the broker's event loop: {e}"),
+                )
+            })
+        });
+        if made.is_err() {
+            // Nobody will listen on it: the directory can go.
+            let _ = std::fs::remove_file(socket);
+        }
+        made
     }
 
     /// Serves on a socket already listening, such as one a service manager

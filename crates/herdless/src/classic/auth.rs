@@ -428,7 +428,12 @@ impl Jobserver {
         let option = match (&auth, flavor) {
             (Auth::Fds { read, write }, Flavor::Bmake) => format!("-J {read},{write}"),
             (Auth::Fds { read, write }, Flavor::Gnu) => format!("--jobserver-auth={read},{write}"),
-            (Auth::Fifo(p), _) => format!("--jobserver-auth=fifo:{}", p.display()),
+            // One word of MAKEFLAGS, escaped as GNU make writes it: a
+            // TMPDIR with a space in it must not split the path.
+            (Auth::Fifo(p), _) => format!(
+                "--jobserver-auth=fifo:{}",
+                escape_word(&p.display().to_string())
+            ),
             (Auth::Disabled, Flavor::Bmake) => "-J -1,-1".to_owned(),
             (Auth::Disabled, Flavor::Gnu) => "--jobserver-auth=-2,-2".to_owned(),
         };
@@ -955,6 +960,19 @@ impl Scan {
     }
 }
 
+/// `word` as one word of `MAKEFLAGS`: a backslash before each blank and
+/// each backslash, which [`split_words`] takes away again.
+fn escape_word(word: &str) -> String {
+    let mut out = String::with_capacity(word.len());
+    for c in word.chars() {
+        if matches!(c, ' ' | '\t' | '\n' | '\\') {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out
+}
+
 /// Splits at unescaped blanks; a backslash keeps the next byte as it is.
 fn split_words(s: &[u8]) -> Vec<Vec<u8>> {
     let mut words = Vec::new();
@@ -1410,6 +1428,19 @@ mod tests {
 
     /// A jobserver's identity is its pipe's or FIFO's inode: both ends of
     /// one pipe, or the FIFO's path; anything else names none.
+    #[test]
+    fn a_fifo_path_with_blanks_and_backslashes_stays_one_word() {
+        for path in ["/tmp/sp ace/jobserver.fifo", "/tmp/t\tab\\x/j.fifo"] {
+            let js = Jobserver::new(Auth::Fifo(PathBuf::from(path)), Flavor::Gnu, Some(4));
+            let flags = js.makeflags(Some(OsStr::new("-k")));
+            let back = Jobserver::parse("MAKEFLAGS", &flags)
+                .unwrap()
+                .expect("a jobserver");
+            assert_eq!(back.auth(), &Auth::Fifo(PathBuf::from(path)), "{flags:?}");
+            assert_eq!(back.jobs(), Some(4));
+        }
+    }
+
     #[test]
     fn identity_is_one_pipe_or_a_fifo() {
         use std::os::fd::AsRawFd;
