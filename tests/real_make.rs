@@ -3242,6 +3242,43 @@ fn a_top_make_short_of_descriptors_runs_where_a_stock_one_does() {
     }
 }
 
+/// A bmake sub-make run under `ulimit -n 13` by a top `bmake -j4`: a
+/// stock top passes its job pipe on descriptors 15 and up
+/// (`JobCreatePipe(…, 15)`), leaving the sub-make the numbers below its
+/// limit for its own pipes; the herdless top passed its broker's two
+/// FIFOs on 12 and 13, and the sub-make failed (`Cannot create pipe`, in
+/// 10 of 10 runs at 13) where Debian's runs. It now moves them to 15 and
+/// up too. Three runs of each top: every run succeeds with its 3 jobs,
+/// and the herdless broker loses nothing.
+#[test]
+fn a_bmake_sub_make_with_few_descriptors_runs_under_a_herdless_top_as_under_a_stock_one() {
+    for (name, make) in [
+        ("stock", PathBuf::from("/usr/bin/bmake")),
+        ("herdless", herdless_bmake()),
+    ] {
+        for run_no in 0..3 {
+            let t = Tree::new(&format!("real-bmake-low-nofile-{name}-{run_no}"));
+            let d = t.dir.display();
+            t.flat_makefile("sub.mk", "j", 3);
+            fs::write(
+                t.path("Makefile"),
+                format!("all: s\ns: .MAKE\n\t@ulimit -n 13; ${{MAKE}} -f {d}/sub.mk\n"),
+            )
+            .unwrap();
+            let mut cmd = make_cmd(&t, &make);
+            cmd.arg("-j4").env("JOB_SLEEP", "0.1");
+            let out = run(cmd);
+            let report = text(&out);
+            assert!(out.status.success(), "{name}: {report}");
+            assert_eq!(t.counts().0, 3, "{name}: {report}");
+            if name == "herdless" {
+                only_broker_lost_none(&t, name);
+            }
+            assert_no_leftovers(&t);
+        }
+    }
+}
+
 /// A recipe of a herdless `make -j4` that starts 100 `herdless exec` jobs
 /// and 20 nested `herdless run -j2` at once, under `ulimit -n 64`: the
 /// make's broker, which keeps descriptors free for the make, turns most

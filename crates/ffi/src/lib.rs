@@ -1116,6 +1116,21 @@ pub struct herdless_broker_report {
     pub no_room: u64,
 }
 
+/// `fd` moved to the lowest free number from 15 up, inheritable as it was;
+/// `fd` itself where there is none (a limit of 16 or less).
+fn above_fifteen(fd: OwnedFd) -> OwnedFd {
+    use std::os::fd::FromRawFd;
+    if fd.as_raw_fd() >= 15 {
+        return fd;
+    }
+    match nix::fcntl::fcntl(&fd, nix::fcntl::FcntlArg::F_DUPFD(15)) {
+        // SAFETY: `moved` was just returned by fcntl(F_DUPFD): a new
+        // descriptor that nothing else owns.
+        Ok(moved) => unsafe { OwnedFd::from_raw_fd(moved) },
+        Err(_) => fd,
+    }
+}
+
 /// Starts a broker for `-j jobs` on a new thread of this process: the pool
 /// holds `jobs - 1` tokens, the last being the implicit token of the
 /// caller. Its socket lives in a fresh private directory (under
@@ -1224,6 +1239,11 @@ fn start_broker(
         let mut bridge =
             Bridge::create(dir.dir(), style, flavor, jobs).map_err(|e| io_errno(&e))?;
         fds = bridge.take_inheritable_fds().map_err(|e| io_errno(&e))?;
+        if flavor == Flavor::Bmake {
+            // Where bmake puts its own job pipe (`JobCreatePipe(…, 15)`):
+            // a sub-make run under a low `ulimit -n` finds room below it.
+            fds = fds.map(|(r, w)| (above_fifteen(r), above_fifteen(w)));
+        }
         let raw = fds.as_ref().map(|(r, w)| (r.as_raw_fd(), w.as_raw_fd()));
         let text = match bridge.auth(raw) {
             Auth::Fifo(path) => {
