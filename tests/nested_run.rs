@@ -368,6 +368,51 @@ fn runs_started_together_under_bmake_share_the_recipe_s_slot() {
     runs_started_together_share_the_recipe_s_slot(Make::Bmake);
 }
 
+/// Two `herdless run` started together by one recipe and stopped by
+/// `SIGTERM` (`timeout -s TERM`) while their commands run: one runs on the
+/// recipe's slot, the other on a byte it read from the outer jobserver,
+/// which it must write back before it dies of the signal it passes on.
+/// It used to die holding it: GNU make 4.3 then said "INTERNAL: Exiting
+/// with 2 jobserver tokens available; should be 3!". Every token is back,
+/// in the test's own pipe and in GNU make's count.
+#[test]
+fn runs_stopped_by_a_signal_give_the_command_s_token_back() {
+    let _serial = serial();
+    let make = Make::Gnu43;
+    let jobs = 3;
+    let tree = Tree::new("nested-together-stopped");
+    let h = herdless();
+    let mf = tree.path().join("Makefile");
+    fs::write(
+        &mf,
+        format!(
+            "all:\n\t+@for i in 1 2; do timeout -s TERM 1 {h} run -j 2 -- sleep 30 & done; wait\n"
+        ),
+    )
+    .unwrap();
+    for outer in [Outer::External { jobs }, Outer::Direct { jobs }] {
+        let mut cmd = clean(make.program());
+        cmd.arg("-f").arg(&mf).current_dir(tree.path());
+        let what = format!("{make:?} {}", text_of(outer));
+        let server = match outer {
+            Outer::External { jobs } => Server::External {
+                tokens: jobs as usize - 1,
+            },
+            Outer::Direct { jobs } => Server::Direct { jobs },
+        };
+        let ran = classic_client_support::run_make(make, server, &mut cmd, tree.path(), &what);
+        let out = &ran.out;
+        assert!(
+            !String::from_utf8_lossy(&out.stderr).contains("INTERNAL"),
+            "{what}: {}",
+            text(out)
+        );
+        if let Some(left) = &ran.left {
+            assert_tokens_back(make, left, jobs as usize - 1, &what);
+        }
+    }
+}
+
 /// A recipe not marked `+`: GNU make closes its jobserver descriptors for
 /// it, so the inner run cannot borrow; it says so, as GNU make does, and
 /// runs in a pool of its own.

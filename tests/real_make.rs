@@ -3279,57 +3279,68 @@ fn a_bmake_sub_make_with_few_descriptors_runs_under_a_herdless_top_as_under_a_st
     }
 }
 
-/// A recipe of a herdless `make -j4` that starts 100 `herdless exec` jobs
-/// and 20 nested `herdless run -j2` at once, under `ulimit -n 64`: the
-/// make's broker, which keeps descriptors free for the make, turns most
-/// of them away ("no room"), and they used to fail (exit 125, the job
-/// never run: 83 of 100 under GNU make, where stock make ran them all).
-/// Each one turned away now takes its token from the classic jobserver
-/// the make exports, the same pool: every exec and run succeeds, every
-/// job runs, at most 4 at once, the broker turned some away and lost
+/// Recipes of a herdless make that start many `herdless exec` jobs (and
+/// nested `herdless run -j2`) at once under `ulimit -n 64`: the make's
+/// broker, which keeps descriptors free for the make, turns most of them
+/// away ("no room"), and they used to fail (exit 125, the job never run:
+/// 83 of 100 under GNU make, where stock make ran them all). They now
+/// connect again until the make's other clients have ended. Two trees:
+/// one recipe of 100 execs and 20 runs at `-j4`, and two recipes of 60
+/// execs each at `-j2`, where each recipe's own token is all there is
+/// (taking tokens from the make's classic FIFO instead hung there: no
+/// recipe's token ever reaches it). Every exec and run succeeds, every
+/// job runs, at most N at once, the broker turned some away and lost
 /// nothing.
 #[test]
-fn execs_turned_away_by_a_make_short_of_descriptors_use_its_classic_jobserver() {
+fn execs_turned_away_by_a_make_short_of_descriptors_wait_for_room() {
     for (name, make, _) in herdless_makes() {
-        let t = Tree::new(&format!("real-make-exec-no-room-{name}"));
-        let d = t.dir.display();
-        fs::write(
-            t.path("execs.sh"),
-            format!(
-                "i=0\nwhile [ $i -lt 100 ]; do\n  {BIN} exec sh {d}/job.sh {d} || echo exec >> {d}/failed &\n  \
-                 i=$((i + 1))\ndone\ni=0\nwhile [ $i -lt 20 ]; do\n  \
-                 {BIN} run -j2 -- sh {d}/job.sh {d} || echo run >> {d}/failed &\n  \
-                 i=$((i + 1))\ndone\nwait\n"
-            ),
-        )
-        .unwrap();
-        let recipe = if name == "gnu" {
-            format!("all:\n\t+@sh {d}/execs.sh\n")
-        } else {
-            format!("all: .MAKE\n\t@sh {d}/execs.sh\n")
-        };
-        fs::write(t.path("Makefile"), recipe).unwrap();
-        let mut cmd = make_cmd(&t, Path::new("/bin/sh"));
-        cmd.arg("-c")
-            .arg("ulimit -n 64 && exec \"$@\"")
-            .arg("sh")
-            .arg(&make)
-            .arg("-j4")
-            .env("JOB_SLEEP", "0.1");
-        let out = run(cmd);
-        let report = text(&out);
-        assert!(out.status.success(), "{name}: {report}");
-        let failed = fs::read_to_string(t.path("failed")).unwrap_or_default();
-        assert!(failed.is_empty(), "{name}: failed: {failed}\n{report}");
-        let (done, most) = t.counts();
-        assert_eq!(done, 120, "{name}: {report}");
-        assert!(most <= 4, "{name}: {most} jobs at once\n{report}");
-        let broker = only_broker_lost_none(&t, name);
-        assert!(
-            figure(&broker, "no_room") > 0,
-            "{name}: the broker turned nobody away: {broker:?}"
-        );
-        assert_no_leftovers(&t);
+        for (jobs, recipes, execs, runs) in [(4, 1, 100, 20), (2, 2, 60, 0)] {
+            let what = format!("{name} at -j{jobs}, {recipes} recipe(s)");
+            let t = Tree::new(&format!("real-make-exec-no-room-{name}-{jobs}"));
+            let d = t.dir.display();
+            fs::write(
+                t.path("execs.sh"),
+                format!(
+                    "i=0\nwhile [ $i -lt {execs} ]; do\n  \
+                     {BIN} exec sh {d}/job.sh {d} || echo exec >> {d}/failed &\n  \
+                     i=$((i + 1))\ndone\ni=0\nwhile [ $i -lt {runs} ]; do\n  \
+                     {BIN} run -j2 -- sh {d}/job.sh {d} || echo run >> {d}/failed &\n  \
+                     i=$((i + 1))\ndone\nwait\n"
+                ),
+            )
+            .unwrap();
+            let targets: Vec<String> = (1..=recipes).map(|r| format!("r{r}")).collect();
+            let mut mk = format!("all: {}\n", targets.join(" "));
+            for target in &targets {
+                if name == "gnu" {
+                    mk += &format!("{target}:\n\t+@sh {d}/execs.sh\n");
+                } else {
+                    mk += &format!("{target}: .MAKE\n\t@sh {d}/execs.sh\n");
+                }
+            }
+            fs::write(t.path("Makefile"), mk).unwrap();
+            let mut cmd = make_cmd(&t, Path::new("/bin/sh"));
+            cmd.arg("-c")
+                .arg("ulimit -n 64 && exec \"$@\"")
+                .arg("sh")
+                .arg(&make)
+                .arg(format!("-j{jobs}"))
+                .env("JOB_SLEEP", "0.05");
+            let out = run(cmd);
+            let report = text(&out);
+            assert!(out.status.success(), "{what}: {report}");
+            let failed = fs::read_to_string(t.path("failed")).unwrap_or_default();
+            assert!(failed.is_empty(), "{what}: failed: {failed}\n{report}");
+            let (done, most) = t.counts();
+            assert_eq!(done, recipes * (execs + runs), "{what}: {report}");
+            assert!(most <= jobs as u32, "{what}: {most} jobs at once\n{report}");
+            let broker = only_broker_lost_none(&t, &what);
+            assert!(
+                figure(&broker, "no_room") > 0,
+                "{what}: the broker turned nobody away: {broker:?}"
+            );
+            assert_no_leftovers(&t);
+        }
     }
 }
 

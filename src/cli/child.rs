@@ -215,14 +215,16 @@ pub fn run_inheriting(
 /// received, if any. For the time after the command has ended, when there
 /// is nobody left to forward a signal to.
 pub fn catching_stops<T>(
-    on_signal: impl Fn() + Send + 'static,
+    on_signal: impl Fn() + Send + Sync + 'static,
     wait: impl FnOnce() -> T,
 ) -> Result<(T, Option<i32>)> {
     let mut signals = stop_signals()?;
     let handle = signals.handle();
     let received = Arc::new(AtomicI32::new(0));
+    let on_signal = Arc::new(on_signal);
     let catcher = {
         let received = received.clone();
+        let on_signal = on_signal.clone();
         std::thread::Builder::new()
             .name("herdless-signals".into())
             .spawn(move || {
@@ -235,9 +237,11 @@ pub fn catching_stops<T>(
     let catcher = match catcher {
         Ok(thread) => thread,
         Err(e) => {
-            // Waiting for the broker matters more than the signals.
+            // No signal could end a wait that may be long (sub-makes left
+            // in the background): end it at once, as a signal would.
             handle.close();
             eprintln!("herdless: warning: cannot start a thread to catch signals: {e}");
+            on_signal();
             return Ok((wait(), None));
         }
     };

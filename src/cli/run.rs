@@ -11,8 +11,8 @@ use herdless::bridge::Bridge;
 use herdless::broker::{Broker, Config, Stopper};
 use herdless::classic::{Auth, Flavor, Jobserver, Program};
 use herdless::client::{
-    broker_from_env, jobserver_between, slot_env_value, Client, Options, Token, CLASSIC_ENV,
-    SLOT_ENV, SOCKET_ENV,
+    broker_from_env, jobserver_between, slot_env_value, when_room, Client, Options, Token,
+    CLASSIC_ENV, SLOT_ENV, SOCKET_ENV,
 };
 use herdless::rundir::RunDir;
 use herdless::status::Status;
@@ -43,7 +43,8 @@ use super::RunArgs;
 /// classic jobserver (an outer make's `MAKEFLAGS`, also one between this
 /// process and such a broker: `herdless::client::jobserver_between`) its
 /// pool is *backed*
-/// by the outer one: the command's implicit token is the recipe's, and
+/// by the outer one: the command's token is taken there as `exec` takes
+/// one (the recipe's, unless another job of the recipe holds it), and
 /// each of the N − 1 others is borrowed from the outer jobserver when a
 /// job waits for it and given back as soon as none does (see
 /// `herdless::backing`).
@@ -51,39 +52,23 @@ pub fn run(args: RunArgs) -> Result<u8> {
     let mut backing = None;
     if let Some(outer) = broker_from_env() {
         if !args.new_pool {
-            match Client::connect_with(&outer, Options::default().job_of_runner_above(true)) {
-                Ok(client) => return run_joined(args, &outer, client),
-                // A make with its broker inside, short of descriptors,
-                // serves the same pool through its classic jobserver.
-                Err(e) if e.is_no_room() => {
-                    // The recipe's slot is the broker's to lend, not the
-                    // pipe's.
-                    backing = outer_jobserver(&args, false);
-                    if backing.is_none() {
-                        eprintln!(
-                            "herdless: warning: {e}, and no classic jobserver is named in \
-                             MAKEFLAGS: using a pool of its own, -j{}, which the outer pool \
-                             does not bound",
-                            args.jobs
-                        );
-                    }
-                }
-                Err(e) => {
-                    return Err(e).with_context(|| {
+            // A make with its broker inside, short of descriptors, turns
+            // new clients away until its others end: wait for room.
+            let client =
+                Client::connect_when_room(&outer, Options::default().job_of_runner_above(true))
+                    .with_context(|| {
                         format!("cannot join the herdless pool at {}", outer.display())
-                    })
-                }
-            }
-        } else {
-            eprintln!(
-                "herdless: warning: --new-pool: -j{} forced in a pool of its own; the pool at {} \
-             no longer bounds this subtree",
-                args.jobs,
-                outer.display()
-            );
+                    })?;
+            return run_joined(args, &outer, client);
         }
+        eprintln!(
+            "herdless: warning: --new-pool: -j{} forced in a pool of its own; the pool at {} \
+             no longer bounds this subtree",
+            args.jobs,
+            outer.display()
+        );
     } else {
-        backing = outer_jobserver(&args, true);
+        backing = outer_jobserver(&args)?;
     }
     // This process serves one connection per job from here on.
     super::raise_nofile_limit();
@@ -94,7 +79,7 @@ pub fn run(args: RunArgs) -> Result<u8> {
     dir.set_bound();
     // The command's token is held until the command and its broker have
     // ended.
-    let (backing, _command_token) = match backing {
+    let (backing, command_token) = match backing {
         Some((backing, token)) => (Some(backing), token),
         None => (None, None),
     };
@@ -168,6 +153,9 @@ pub fn run(args: RunArgs) -> Result<u8> {
             eprintln!("herdless: {lost} token(s) could not be given back to the outer jobserver");
         }
     }
+    // Back in the outer jobserver before this process ends, perhaps by a
+    // signal's default action.
+    drop(command_token);
     Ok(child::end(match stop_signal {
         Some(sig) => child::Exit::Signal(sig),
         None => outcome.exit(),
@@ -238,21 +226,27 @@ fn classic_side(
 /// make closes its descriptors for recipes not marked `+`) leaves the
 /// pool on its own, with a warning, as GNU make's "jobserver unavailable:
 /// using -j1" does.
-fn outer_jobserver(args: &RunArgs, slot: bool) -> Option<(Backing, Option<Token>)> {
+///
+/// # Errors
+///
+/// The command's token cannot be had (the outer build was aborted, its
+/// jobserver went away): the command must not run, as an `exec` job would
+/// not.
+fn outer_jobserver(args: &RunArgs) -> Result<Option<(Backing, Option<Token>)>> {
     let found = match jobserver_between() {
         Some(js) => Ok(Some(js)),
         None => Jobserver::from_env(),
     };
     let js = match found {
         Ok(Some(js)) if !matches!(js.auth(), Auth::Disabled) => js,
-        Ok(_) => return None,
+        Ok(_) => return Ok(None),
         Err(e) => {
             eprintln!(
                 "herdless: warning: jobserver unavailable: {e}; using a pool of its own, -j{}, \
                  which the outer make's -j does not bound",
                 args.jobs
             );
-            return None;
+            return Ok(None);
         }
     };
     if args.new_pool {
@@ -262,10 +256,10 @@ fn outer_jobserver(args: &RunArgs, slot: bool) -> Option<(Backing, Option<Token>
             args.jobs,
             js.option()
         );
-        return None;
+        return Ok(None);
     }
     match Backing::open(&js, args.jobs) {
-        Ok(backing) => Some((backing, command_token(js, slot))),
+        Ok(backing) => Ok(Some((backing, command_token(js)?))),
         Err(e) => {
             let rule = match js.flavor() {
                 Flavor::Gnu => "Add '+' to the parent make rule.",
@@ -276,7 +270,7 @@ fn outer_jobserver(args: &RunArgs, slot: bool) -> Option<(Backing, Option<Token>
                  -j{}, which the outer make's -j does not bound. {rule}",
                 args.jobs
             );
-            None
+            Ok(None)
         }
     }
 }
@@ -286,27 +280,25 @@ fn outer_jobserver(args: &RunArgs, slot: bool) -> Option<(Backing, Option<Token>
 /// other job of the recipe holds it, else a token read from the pipe. A
 /// recipe that starts several runs at once (`run … & run … &`) runs each
 /// command on a token of its own, where each used to count on the
-/// recipe's slot. One that cannot be opened leaves the command on the
-/// recipe's slot, with a warning. Without `slot`, the token comes from the
-/// pipe.
-fn command_token(js: Jobserver, slot: bool) -> Option<Token> {
+/// recipe's slot. A jobserver this process cannot open as a client leaves
+/// the command on the recipe's slot, with a warning; one whose token
+/// cannot be had (an abort, a jobserver gone) is an error.
+fn command_token(js: Jobserver) -> Result<Option<Token>> {
     let what = js.option().to_owned();
-    let options = match slot {
-        true => Options::default().job_of_runner_above(true),
-        false => Options::default().implicit_token(false),
-    };
-    let taken = Client::from_jobserver(js, options).and_then(|client| client.acquire());
-    match taken {
-        Ok(token) => Some(token),
+    let client = match Client::from_jobserver(js, Options::default().job_of_runner_above(true)) {
+        Ok(client) => client,
         Err(e) => {
-            let on = if slot { "the recipe's own" } else { "none" };
             eprintln!(
                 "herdless: warning: cannot take the command's token from the outer jobserver \
-                 ({what}): {e}; the command runs on {on}"
+                 ({what}): {e}; the command runs on the recipe's own"
             );
-            None
+            return Ok(None);
         }
-    }
+    };
+    let token = client
+        .acquire()
+        .with_context(|| format!("cannot take the command's token from {what}"))?;
+    Ok(Some(token))
 }
 
 /// The `--stats` line of a pool backed by an outer jobserver.
@@ -345,7 +337,8 @@ fn run_joined(args: RunArgs, outer: &std::path::Path, client: Client) -> Result<
     // The cap counts this process's own token and the job in its slot, one
     // real job between them: N + 1 of them is N jobs.
     let me = std::process::id();
-    let control = Client::control(outer).context("cannot reach the outer pool's controls")?;
+    let control =
+        when_room(|| Client::control(outer)).context("cannot reach the outer pool's controls")?;
     control
         .cap(me, Some(args.jobs.saturating_add(1)))
         .context("cannot cap this subtree in the outer pool")?;
@@ -368,8 +361,9 @@ fn run_joined(args: RunArgs, outer: &std::path::Path, client: Client) -> Result<
     if classic {
         super::raise_nofile_limit();
         let mut dir = RunDir::create().context("cannot prepare the socket directory")?;
-        let borrower = Client::connect_with(outer, Options::default().implicit_token(false))
-            .with_context(|| format!("cannot join the herdless pool at {}", outer.display()))?;
+        let borrower =
+            Client::connect_when_room(outer, Options::default().implicit_token(false))
+                .with_context(|| format!("cannot join the herdless pool at {}", outer.display()))?;
         let mut config = Config::new(args.jobs);
         config.admission = args.admission.admission()?;
         let mut broker = Broker::bind(dir.socket(), config)?;

@@ -175,7 +175,9 @@ unsafe fn handle<'a>(c: *const herdless_client) -> Option<&'a herdless_client> {
 /// Returns a new handle, owned by the caller (free it with
 /// `herdless_client_free`), or NULL with `errno` set: `ENOENT` when the
 /// environment names no jobserver, `ECONNREFUSED` when nobody listens on
-/// the socket or the broker refuses this client, `EBADF` when the classic
+/// the socket or the broker refuses this client (one that turns it away
+/// to keep descriptors free for the make it runs in is asked again, with
+/// growing pauses, for up to two minutes, then `EMFILE`), `EBADF` when the classic
 /// jobserver named is unusable, another value when the connection fails
 /// otherwise. `herdless_strerror(-errno)` describes it.
 #[no_mangle]

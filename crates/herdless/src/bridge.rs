@@ -571,11 +571,8 @@ impl Bridge {
         let due = Some(self.next_offer_time).filter(|&t| {
             t > self.balanced_at && self.table_mode() && !self.queued && self.expected_in_pipe == 0
         });
-        unread
-            .into_iter()
-            .chain(due)
-            .chain(self.speculative_due)
-            .min()
+        let speculative = self.speculative_due.filter(|_| self.aborted.is_none());
+        unread.into_iter().chain(due).chain(speculative).min()
     }
 
     /// The descriptor to watch, edge-triggered, for writability: the pipe
@@ -724,7 +721,7 @@ impl Bridge {
     /// unread for [`OFFER_WAIT`] goes back and the next waits for the
     /// back-off's time (doubling up to [`MAX_BACKOFF`]), as in the shared
     /// table's mode: a command that never reads holds an outer token a
-    /// twentieth of the time at most, not for its whole run, and one
+    /// sixteenth of the time at most, not for its whole run, and one
     /// that reads late finds a token within the longest gap (0.75 s).
     fn speculative_offer(&mut self, in_pipe: u32, now: std::time::Duration) -> u32 {
         if in_pipe > 0 {
@@ -1050,6 +1047,10 @@ impl Bridge {
         now: std::time::Duration,
     ) {
         self.balanced_at = now;
+        // Set again below only where a speculative offer is still to be
+        // looked at: a deadline left from before an abort or a stop would
+        // be in the past at every turn of the loop.
+        self.speculative_due = None;
         let Some(id) = self.client else {
             return;
         };
@@ -1090,7 +1091,6 @@ impl Bridge {
             self.keep_in_pipe(pool, in_pipe, keep, now);
             return;
         }
-        self.speculative_due = None;
         if natives_waiting == 0 && self.backed {
             // Nobody native is waiting, and every token is an outer one:
             // one standing offer at most, only for a live classic side.

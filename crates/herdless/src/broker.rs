@@ -443,7 +443,10 @@ impl Broker {
         }
         let listener = crate::rundir::bind(socket)
             .and_then(|l| {
-                l.set_nonblocking(true)?;
+                if let Err(e) = l.set_nonblocking(true) {
+                    let _ = std::fs::remove_file(socket);
+                    return Err(e);
+                }
                 Ok(UnixListener::from_std(l))
             })
             .map_err(|e| {

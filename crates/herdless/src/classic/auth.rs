@@ -428,8 +428,9 @@ impl Jobserver {
         let option = match (&auth, flavor) {
             (Auth::Fds { read, write }, Flavor::Bmake) => format!("-J {read},{write}"),
             (Auth::Fds { read, write }, Flavor::Gnu) => format!("--jobserver-auth={read},{write}"),
-            // One word of MAKEFLAGS, escaped as GNU make writes it: a
-            // TMPDIR with a space in it must not split the path.
+            // One word of MAKEFLAGS, its blanks and backslashes escaped
+            // as the makes' parsers (and this crate's) read them: a TMPDIR
+            // with a space in it must not split the path.
             (Auth::Fifo(p), _) => format!(
                 "--jobserver-auth=fifo:{}",
                 escape_word(&p.display().to_string())

@@ -292,6 +292,27 @@ impl std::fmt::Debug for Client {
     }
 }
 
+/// Runs `connect` again, with growing pauses, for up to two minutes, while
+/// the broker turns it away to keep descriptors free for the make it runs
+/// in ([`Error::is_no_room`]); see [`Client::connect_when_room`].
+pub fn when_room<T>(mut connect: impl FnMut() -> Result<T>) -> Result<T> {
+    let start = Instant::now();
+    let mut pause = Duration::from_millis(2);
+    let mut attempt: u32 = 0;
+    loop {
+        match connect() {
+            Err(e) if e.is_no_room() && start.elapsed() < native::BUSY_RETRY_FOR => {
+                attempt += 1;
+                // Spread the clients that were turned away together.
+                let spread = (std::process::id().wrapping_mul(2_654_435_761) ^ attempt) % 1000;
+                std::thread::sleep(pause + pause * spread / 1000);
+                pause = (pause * 2).min(native::BUSY_BACKOFF_MAX);
+            }
+            other => return other,
+        }
+    }
+}
+
 /// The socket named by `HERDLESS_SOCKET`, if it is set and not empty.
 pub fn socket_from_env() -> Option<PathBuf> {
     std::env::var_os(SOCKET_ENV)
@@ -378,31 +399,7 @@ impl Client {
         if let Some(path) = socket_from_env() {
             return match jobserver_between() {
                 Some(js) => Client::from_jobserver(js, options),
-                None => match Client::connect_with(&path, options) {
-                    // A make with its broker inside that is short of
-                    // descriptors turns new clients away; the classic
-                    // jobserver it exports is the same pool. Its slot for
-                    // the recipe is the broker's to lend: every token
-                    // comes from the pipe (a slot lent here too would be
-                    // one job over `-j`).
-                    Err(e) if e.is_no_room() => match Jobserver::from_env() {
-                        Ok(Some(js)) if !matches!(js.auth(), Auth::Disabled) => {
-                            crate::log!(
-                                crate::log::Level::Info,
-                                "{e}; using the classic jobserver {} instead",
-                                js.option()
-                            );
-                            let pipe_only = Options {
-                                implicit_token: false,
-                                job_of_runner_above: false,
-                                ..options
-                            };
-                            Client::from_jobserver(js, pipe_only)
-                        }
-                        _ => Err(e),
-                    },
-                    connected => connected,
-                },
+                None => Client::connect_when_room(&path, options),
             };
         }
         match Jobserver::from_env()? {
@@ -464,6 +461,20 @@ impl Client {
                 implicit_forgotten: AtomicBool::new(false),
             }),
         }
+    }
+
+    /// [`Client::connect_with`], asking again, with growing pauses, for up
+    /// to two minutes, while the broker turns this client away to keep
+    /// descriptors free for the make it runs in ([`Error::is_no_room`]):
+    /// room comes back as that make's other clients end. A client that
+    /// took its tokens from the make's classic jobserver instead would
+    /// wait there for good where the make holds its tokens for recipes
+    /// whose jobs were all turned away (the pipe never gets a token of
+    /// theirs); at the broker, the recipe's slot is lent to the first of
+    /// them that gets in.
+    pub fn connect_when_room(path: impl AsRef<Path>, options: Options) -> Result<Client> {
+        let path = path.as_ref();
+        when_room(|| Client::connect_with(path, options))
     }
 
     /// Connects to the broker listening on `path`, with default options.

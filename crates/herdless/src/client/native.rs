@@ -36,10 +36,10 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
 /// of file descriptors, or with too many connections in their handshake.
 /// A build that starts more jobs at once than the broker has descriptors
 /// waits for running jobs to end instead of failing.
-const BUSY_RETRY_FOR: Duration = Duration::from_secs(120);
+pub(crate) const BUSY_RETRY_FOR: Duration = Duration::from_secs(120);
 
 /// The longest pause between two attempts.
-const BUSY_BACKOFF_MAX: Duration = Duration::from_millis(200);
+pub(crate) const BUSY_BACKOFF_MAX: Duration = Duration::from_millis(200);
 
 #[derive(Default)]
 struct State {
