@@ -202,16 +202,7 @@ fn run_make(make: Make, outer: Outer, tree: &Tree, mark: bool, inner: &str) -> R
     };
     let mf = tree.path().join("Makefile");
     fs::write(&mf, makefile(make, tree, jobs, mark, inner)).unwrap();
-    let mut cmd = clean(make.program());
-    cmd.arg("-f").arg(&mf).current_dir(tree.path());
-    let what = format!("{make:?} {}", text_of(outer));
-    let server = match outer {
-        Outer::External { jobs } => Server::External {
-            tokens: jobs as usize - 1,
-        },
-        Outer::Direct { jobs } => Server::Direct { jobs },
-    };
-    classic_client_support::run_make(make, server, &mut cmd, tree.path(), &what)
+    run_makefile(make, outer, &mf, tree.path()).0
 }
 
 fn text_of(outer: Outer) -> String {
@@ -290,6 +281,21 @@ fn under_bmake() {
     nested_runs_share_the_outer_pool(Make::Bmake);
 }
 
+/// Runs `make -f mf` in `dir` under `outer`; returns what ran and its name.
+fn run_makefile(make: Make, outer: Outer, mf: &Path, dir: &Path) -> (Ran, String) {
+    let mut cmd = clean(make.program());
+    cmd.arg("-f").arg(mf).current_dir(dir);
+    let what = format!("{make:?} {}", text_of(outer));
+    let server = match outer {
+        Outer::External { jobs } => Server::External {
+            tokens: jobs as usize - 1,
+        },
+        Outer::Direct { jobs } => Server::Direct { jobs },
+    };
+    let ran = classic_client_support::run_make(make, server, &mut cmd, dir, &what);
+    (ran, what)
+}
+
 /// One recipe that starts eight `herdless run -j 2` at once, each running
 /// one job, under each make's `-j3`: each run takes its command's token
 /// from the outer jobserver as `exec` does (the recipe's slot for one of
@@ -323,16 +329,7 @@ fn runs_started_together_share_the_recipe_s_slot(make: Make) {
         let _ = fs::remove_file(tree.path().join("done"));
         let _ = fs::remove_file(tree.path().join("peaks"));
         let _ = fs::remove_file(tree.path().join("reached"));
-        let mut cmd = clean(make.program());
-        cmd.arg("-f").arg(&mf).current_dir(tree.path());
-        let what = format!("{make:?} {}", text_of(outer));
-        let server = match outer {
-            Outer::External { jobs } => Server::External {
-                tokens: jobs as usize - 1,
-            },
-            Outer::Direct { jobs } => Server::Direct { jobs },
-        };
-        let ran = classic_client_support::run_make(make, server, &mut cmd, tree.path(), &what);
+        let (ran, what) = run_makefile(make, outer, &mf, tree.path());
         let out = &ran.out;
         assert!(out.status.success(), "{what}: {}", text(out));
         assert!(
@@ -391,16 +388,7 @@ fn runs_stopped_by_a_signal_give_the_command_s_token_back() {
     )
     .unwrap();
     for outer in [Outer::External { jobs }, Outer::Direct { jobs }] {
-        let mut cmd = clean(make.program());
-        cmd.arg("-f").arg(&mf).current_dir(tree.path());
-        let what = format!("{make:?} {}", text_of(outer));
-        let server = match outer {
-            Outer::External { jobs } => Server::External {
-                tokens: jobs as usize - 1,
-            },
-            Outer::Direct { jobs } => Server::Direct { jobs },
-        };
-        let ran = classic_client_support::run_make(make, server, &mut cmd, tree.path(), &what);
+        let (ran, what) = run_makefile(make, outer, &mf, tree.path());
         let out = &ran.out;
         assert!(
             !String::from_utf8_lossy(&out.stderr).contains("INTERNAL"),
