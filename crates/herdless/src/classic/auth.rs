@@ -431,10 +431,9 @@ impl Jobserver {
             // One word of MAKEFLAGS, its blanks and backslashes escaped
             // as the makes' parsers (and this crate's) read them: a TMPDIR
             // with a space in it must not split the path.
-            (Auth::Fifo(p), _) => format!(
-                "--jobserver-auth=fifo:{}",
-                escape_word(&p.display().to_string())
-            ),
+            (Auth::Fifo(p), _) => {
+                format!("--jobserver-auth=fifo:{}", escape(&p.display().to_string()))
+            }
             (Auth::Disabled, Flavor::Bmake) => "-J -1,-1".to_owned(),
             (Auth::Disabled, Flavor::Gnu) => "--jobserver-auth=-2,-2".to_owned(),
         };
@@ -959,19 +958,6 @@ impl Scan {
         }
         0
     }
-}
-
-/// `word` as one word of `MAKEFLAGS`: a backslash before each blank and
-/// each backslash, which [`split_words`] takes away again.
-fn escape_word(word: &str) -> String {
-    let mut out = String::with_capacity(word.len());
-    for c in word.chars() {
-        if matches!(c, ' ' | '\t' | '\n' | '\\') {
-            out.push('\\');
-        }
-        out.push(c);
-    }
-    out
 }
 
 /// Splits at unescaped blanks; a backslash keeps the next byte as it is.

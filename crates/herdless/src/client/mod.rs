@@ -295,22 +295,8 @@ impl std::fmt::Debug for Client {
 /// Runs `connect` again, with growing pauses, for up to two minutes, while
 /// the broker turns it away to keep descriptors free for the make it runs
 /// in ([`Error::is_no_room`]); see [`Client::connect_when_room`].
-pub fn when_room<T>(mut connect: impl FnMut() -> Result<T>) -> Result<T> {
-    let start = Instant::now();
-    let mut pause = Duration::from_millis(2);
-    let mut attempt: u32 = 0;
-    loop {
-        match connect() {
-            Err(e) if e.is_no_room() && start.elapsed() < native::BUSY_RETRY_FOR => {
-                attempt += 1;
-                // Spread the clients that were turned away together.
-                let spread = (std::process::id().wrapping_mul(2_654_435_761) ^ attempt) % 1000;
-                std::thread::sleep(pause + pause * spread / 1000);
-                pause = (pause * 2).min(native::BUSY_BACKOFF_MAX);
-            }
-            other => return other,
-        }
-    }
+pub fn when_room<T>(connect: impl FnMut() -> Result<T>) -> Result<T> {
+    native::with_pauses(connect, Error::is_no_room).0
 }
 
 /// The socket named by `HERDLESS_SOCKET`, if it is set and not empty.

@@ -36,10 +36,10 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
 /// of file descriptors, or with too many connections in their handshake.
 /// A build that starts more jobs at once than the broker has descriptors
 /// waits for running jobs to end instead of failing.
-pub(crate) const BUSY_RETRY_FOR: Duration = Duration::from_secs(120);
+const BUSY_RETRY_FOR: Duration = Duration::from_secs(120);
 
 /// The longest pause between two attempts.
-pub(crate) const BUSY_BACKOFF_MAX: Duration = Duration::from_millis(200);
+const BUSY_BACKOFF_MAX: Duration = Duration::from_millis(200);
 
 #[derive(Default)]
 struct State {
@@ -180,6 +180,33 @@ enum AtHand<'a> {
     Token,
     /// None: the state, drained and settled, to go on with.
     Nothing(MutexGuard<'a, State>),
+}
+
+/// Runs `connect` again while `again` says so of its error, with growing
+/// pauses (spread between the processes turned away together), for up to
+/// [`BUSY_RETRY_FOR`]. Returns its last result, and whether that time ran
+/// out.
+pub(crate) fn with_pauses<T>(
+    mut connect: impl FnMut() -> Result<T>,
+    again: impl Fn(&Error) -> bool,
+) -> (Result<T>, bool) {
+    let start = Instant::now();
+    let mut pause = Duration::from_millis(1);
+    let mut attempt: u32 = 0;
+    loop {
+        match connect() {
+            Err(e) if again(&e) => {
+                if start.elapsed() >= BUSY_RETRY_FOR {
+                    return (Err(e), true);
+                }
+            }
+            done => return (done, false),
+        }
+        attempt += 1;
+        let spread = (std::process::id().wrapping_mul(2_654_435_761) ^ attempt) % 1000;
+        std::thread::sleep(pause + pause * spread / 1000);
+        pause = (pause * 2).min(BUSY_BACKOFF_MAX);
+    }
 }
 
 /// Whether a failed connection is worth trying again: the broker said it is
@@ -337,30 +364,16 @@ impl Native {
     /// naming `slot` as the one this client may borrow, trying again while
     /// the broker is busy.
     pub(crate) fn connect_version(path: &Path, ask: Ask, version: u16) -> Result<Native> {
-        let start = Instant::now();
-        let mut pause = Duration::from_millis(1);
-        let mut attempt: u32 = 0;
-        loop {
-            let err = match Native::connect_once(path, ask, version) {
-                Ok(native) => return Ok(native),
-                Err(e) if is_busy(&e) => e,
-                Err(e) => return Err(e),
-            };
-            if start.elapsed() >= BUSY_RETRY_FOR {
-                return Err(Error::new(
-                    err.kind(),
-                    format!(
-                        "the broker at {} stayed busy for {} s; last answer: {err}",
-                        path.display(),
-                        BUSY_RETRY_FOR.as_secs()
-                    ),
-                ));
-            }
-            attempt += 1;
-            // Spread the clients that were turned away together.
-            let spread = (std::process::id().wrapping_mul(2_654_435_761) ^ attempt) % 1000;
-            std::thread::sleep(pause + pause * spread / 1000);
-            pause = (pause * 2).min(BUSY_BACKOFF_MAX);
+        match with_pauses(|| Native::connect_once(path, ask, version), is_busy) {
+            (Err(err), true) => Err(Error::new(
+                err.kind(),
+                format!(
+                    "the broker at {} stayed busy for {} s; last answer: {err}",
+                    path.display(),
+                    BUSY_RETRY_FOR.as_secs()
+                ),
+            )),
+            (done, _) => done,
         }
     }
 
