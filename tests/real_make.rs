@@ -152,8 +152,10 @@ fn assert_no_leftovers(t: &Tree) {
     assert_none_left(t, "");
 }
 
-/// Nothing whose name starts with `prefix` is left in the tree's TMPDIR.
+/// Nothing whose name starts with `prefix` is left in the tree's TMPDIR,
+/// once every process of the tree has ended.
 fn assert_none_left(t: &Tree, prefix: &str) {
+    wait_for_the_tree_to_end(t);
     let left: Vec<_> = fs::read_dir(t.path("tmp"))
         .unwrap()
         .filter_map(|e| e.ok())
@@ -161,6 +163,51 @@ fn assert_none_left(t: &Tree, prefix: &str) {
         .filter(|f| f.to_string_lossy().starts_with(prefix))
         .collect();
     assert!(left.is_empty(), "left behind in TMPDIR: {left:?}");
+}
+
+/// Waits until no process started with the tree's TMPDIR is left. A
+/// bmake sub-make that finds the tree aborted exits at once (bmake's
+/// `.MAKE.DIE_QUIETLY`), stock or herdless, without waiting for its own
+/// sub-makes: those run on as orphans, which the top make does not wait
+/// for either, and one of them may be between creating its job's script
+/// file in TMPDIR and removing it when the top make has ended. What the
+/// tree leaves behind is what is there once they have ended too; an
+/// orphan still running after [`PATIENCE`] fails the test with what it
+/// runs. Linux (/proc); elsewhere it returns at once.
+fn wait_for_the_tree_to_end(t: &Tree) {
+    let mark = format!("TMPDIR={}", t.path("tmp").display()).into_bytes();
+    let left = || -> Vec<String> {
+        let Ok(procs) = fs::read_dir("/proc") else {
+            return Vec::new();
+        };
+        procs
+            .filter_map(|e| {
+                let pid: u32 = e.ok()?.file_name().to_str()?.parse().ok()?;
+                let env = fs::read(format!("/proc/{pid}/environ")).ok()?;
+                env.split(|&b| b == 0)
+                    .any(|v| v == mark.as_slice())
+                    .then(|| {
+                        let cmd = fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+                        format!(
+                            "{pid}: {}",
+                            String::from_utf8_lossy(&cmd).replace('\0', " ")
+                        )
+                    })
+            })
+            .collect()
+    };
+    let start = Instant::now();
+    loop {
+        let procs = left();
+        if procs.is_empty() {
+            return;
+        }
+        assert!(
+            start.elapsed() < PATIENCE,
+            "processes of the tree still run {PATIENCE:?} after it ended: {procs:?}"
+        );
+        thread::sleep(Duration::from_millis(20));
+    }
 }
 
 /// The sizes of tree to run at each `-j`: (N, jobs per makefile, each
