@@ -2193,7 +2193,9 @@ impl Broker {
         let (table_got, table_cancelled) = self.fast.as_ref().map_or((0, 0), |f| {
             (f.table.waits_got(), u64::from(f.table.waits_cancelled()))
         });
-        let table_waits = table_got.saturating_add(table_cancelled);
+        let grants = (stats.grants - lends).saturating_add(table_grants);
+        let immediate =
+            (stats.immediate - lends).saturating_add(table_grants.saturating_sub(table_got));
         // Waits in the table are timed by the clients that waited.
         let mut wait_ns = stats.wait_ns.clone();
         if let Some(f) = self.fast.as_ref() {
@@ -2208,11 +2210,12 @@ impl Broker {
             waiting: (self.pool.waiting() as u32)
                 .saturating_add(fast.as_ref().map_or(0, |f| f.waiting)),
             aborted: self.pool.aborted().map(|r| (r.byte() as char).to_string()),
-            grants: (stats.grants - lends).saturating_add(table_grants),
-            immediate: (stats.immediate - lends)
-                .saturating_add(table_grants.saturating_sub(table_got)),
+            grants,
+            immediate,
+            // Grants after a wait, in the queue or the table: a wait that
+            // ended at its deadline or was withdrawn granted nothing.
             // Figures the table's clients write are added without trust.
-            waits: stats.waits.saturating_add(table_waits),
+            waits: grants.saturating_sub(immediate),
             // A waiter woken by its giver's hand-off; a wait moved from the
             // table to the queue counts when its grant wakes it.
             wakeups: self

@@ -1478,7 +1478,14 @@ impl Native {
             // The broker ended every request with the abort.
             return Ok(());
         }
-        while st.ready > st.wanting {
+        // Grants beyond what blocked threads want go back, but for those
+        // that may be void: while earlier withdrawals are unanswered, a
+        // grant that raced one of them is taken back by the broker itself
+        // (its `TakenBack` is on the way), and giving it back too would
+        // take a token this client really holds off the broker's books.
+        // No request is sent while they are unanswered, so every such
+        // grant raced one. A moved wait's grant belongs to its thread.
+        while st.ready > st.wanting + st.nowait_cancels + st.moves_answered {
             st.ready -= 1;
             self.send(&Request::Release)?;
         }
