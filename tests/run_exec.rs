@@ -187,6 +187,27 @@ fn exec_without_a_broker_fails_at_once() {
         1,
         "{stderr}"
     );
+
+    // A name that is there but no socket (a regular file, a directory) is
+    // said to be no socket, not a broker's stale one.
+    let dir = std::env::temp_dir().join(format!("herdless-not-a-socket-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("file");
+    std::fs::write(&file, b"").unwrap();
+    for path in [&file, &dir] {
+        let out = output_within({
+            let mut c = herdless(&["exec", "true"]);
+            c.env("HERDLESS_SOCKET", path);
+            c
+        });
+        assert_eq!(out.status.code(), Some(125));
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            stderr.contains(&format!("{} is not a socket", path.display())),
+            "{stderr}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]

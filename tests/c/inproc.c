@@ -119,6 +119,17 @@ int main(void) {
     errno = 0;
     CHECK(herdless_broker_start(4, 0, "/nonexistent/dir") == NULL);
     CHECK_EQ(errno, ENOENT);
+    /* An empty directory name is the default, as NULL: not the current
+     * directory. */
+    {
+        herdless_broker *e = herdless_broker_start(2, 0, "");
+        REQUIRE(e != NULL);
+        char cwd[PATH_MAX];
+        REQUIRE(getcwd(cwd, sizeof cwd) != NULL);
+        const char *sock = herdless_broker_socket(e);
+        CHECK(sock[0] == '/' && strncmp(sock, cwd, strlen(cwd)) != 0);
+        CHECK_EQ(herdless_broker_stop(e, NULL), 0);
+    }
     CHECK_EQ(herdless_broker_stop(NULL, NULL), -EINVAL);
     CHECK(herdless_broker_socket(NULL) == NULL);
     CHECK_EQ(herdless_capacity(NULL), -EINVAL);

@@ -710,7 +710,7 @@ const char *herdless_strerror(int code);
  * (a make passes its own temporary directory, so that its users'
  * settings apply), unless the socket's path there would be too long for
  * a socket address: then in the first of the defaults above where it
- * fits. NULL picks the default above.
+ * fits. NULL or an empty string picks the default above.
  *
  * Call it before starting threads that read the environment: it sets
  * `HERDLESS_SOCKET` with `setenv`, and `HERDLESS_CLASSIC` (which classic

@@ -1153,7 +1153,7 @@ fn above_fifteen(fd: OwnedFd) -> OwnedFd {
 /// (a make passes its own temporary directory, so that its users'
 /// settings apply), unless the socket's path there would be too long for
 /// a socket address: then in the first of the defaults above where it
-/// fits. NULL picks the default above.
+/// fits. NULL or an empty string picks the default above.
 ///
 /// Call it before starting threads that read the environment: it sets
 /// `HERDLESS_SOCKET` with `setenv`, and `HERDLESS_CLASSIC` (which classic
@@ -1177,7 +1177,8 @@ pub unsafe extern "C" fn herdless_broker_start(
         // SAFETY: not NULL, and by this function's contract a
         // NUL-terminated string valid for the call; copied at once.
         let dir = unsafe { CStr::from_ptr(parent_dir) };
-        Some(std::path::PathBuf::from(OsStr::from_bytes(dir.to_bytes())))
+        // An empty name is no directory: the default, as for NULL.
+        (!dir.is_empty()).then(|| std::path::PathBuf::from(OsStr::from_bytes(dir.to_bytes())))
     };
     let made = catch_unwind(|| {
         standard_fds();

@@ -419,6 +419,14 @@ impl Native {
             }
             let what = match e.kind() {
                 io::ErrorKind::NotFound => "no herdless broker: socket {} does not exist",
+                // Connecting to a file that is not a socket is refused too.
+                io::ErrorKind::ConnectionRefused
+                    if std::fs::metadata(path).is_ok_and(|m| {
+                        !std::os::unix::fs::FileTypeExt::is_socket(&m.file_type())
+                    }) =>
+                {
+                    "no herdless broker: {} is not a socket"
+                }
                 io::ErrorKind::ConnectionRefused => {
                     "no herdless broker listening on {} (stale socket)"
                 }
