@@ -200,7 +200,8 @@ pub fn pool(data: &[u8]) {
                 | Effect::Cancelled { client, .. }
                 | Effect::TakenBack { client }
                 | Effect::Aborted { client, .. }
-                | Effect::Stopped { client } => client,
+                | Effect::Stopped { client }
+                | Effect::Swapped { client, .. } => client,
             };
             assert!(
                 connected.contains(&client),

@@ -564,6 +564,69 @@ fn herdless_bmake_sub_makes_started_together_by_one_recipe_keep_the_limit() {
     sub_makes_started_together("bmake", &herdless_bmake(), &[1, 2, 3]);
 }
 
+/// Two sub-makes started together by one recipe at `-j2`, one of one
+/// job and one of sixteen (`xargs -P 2`, and `&`): one runs on the
+/// recipe's slot, the other on the pool's one shared token. When the short
+/// one ends, the slot is free, and the long one, waiting for a second
+/// token in the shared table (where slots are not lent), used to wait
+/// for good: it ran its sixteen jobs one at a time, twice as long as
+/// stock make, with a token free. Now it holds the slot in place of its
+/// shared token, which goes to its wait: it runs two at once to the end.
+/// The long one starts 0.1 s after the short one, so that the short one
+/// holds the slot.
+/// Each job's start records how many run then: at least half of the
+/// seventeen see two.
+fn the_last_of_two_sub_makes_of_a_recipe_keeps_both_tokens(name: &str, make: &Path) {
+    for (form, recipe) in [
+        (
+            "xargs",
+            "@printf '1\\n2\\n' | xargs -P 2 -I@ sh -c 'sleep 0.@; exec ${MAKE} -f {d}/sub@.mk'",
+        ),
+        (
+            "background",
+            "@${MAKE} -f {d}/sub1.mk & (sleep 0.1; ${MAKE} -f {d}/sub2.mk) & wait",
+        ),
+    ] {
+        let t = Tree::new(&format!("real-make-last-of-two-{name}-{form}"));
+        t.flat_makefile("sub1.mk", "a", 1);
+        t.flat_makefile("sub2.mk", "b", 16);
+        let d = t.dir.display().to_string();
+        fs::write(
+            t.path("Makefile"),
+            format!("all:\n\t{}\n", recipe.replace("{d}", &d)),
+        )
+        .unwrap();
+        let mut cmd = make_cmd(&t, make);
+        cmd.arg("-j2").env("JOB_SLEEP", "0.3");
+        let out = run(cmd);
+        let report = text(&out);
+        let what = format!("{name} {form}");
+        assert!(out.status.success(), "{what}: {report}");
+        let (done, most) = t.counts();
+        assert_eq!(done, 17, "{what}: {report}");
+        assert!(most <= 2, "{what}: {most} jobs at once\n{report}");
+        let peaks = fs::read_to_string(t.path("peaks")).unwrap_or_default();
+        let two = peaks.lines().filter(|l| l.trim() == "2").count();
+        assert!(
+            two >= 8,
+            "{what}: only {two} of 17 jobs started beside another: {peaks:?}\n{report}"
+        );
+        let b = only_broker_lost_none(&t, &what);
+        assert_eq!(figure(&b, "reclaimed"), 0, "{what}: {b:?}");
+        assert_no_leftovers(&t);
+    }
+}
+
+#[test]
+fn the_last_of_two_gnu_sub_makes_of_a_recipe_keeps_both_tokens() {
+    the_last_of_two_sub_makes_of_a_recipe_keeps_both_tokens("gnu", &herdless_make());
+}
+
+#[test]
+fn the_last_of_two_bmake_sub_makes_of_a_recipe_keeps_both_tokens() {
+    the_last_of_two_sub_makes_of_a_recipe_keeps_both_tokens("bmake", &herdless_bmake());
+}
+
 #[test]
 fn herdless_gnu_sub_makes_behind_wrappers_keep_the_limit() {
     wrapped_sub_makes("gnu", &herdless_make());

@@ -1875,6 +1875,13 @@ impl Broker {
     }
 
     fn apply(&mut self, effect: Effect) {
+        if let Effect::Swapped { client, key } = effect {
+            log!(
+                Level::Debug,
+                "client {client} holds {key} in place of a shared token"
+            );
+            return;
+        }
         if let Some(table) = self.fast.as_ref().map(fast::FastState::client) {
             match effect {
                 Effect::Grant { client, .. } if client == table => {
@@ -1945,7 +1952,7 @@ impl Broker {
                 Effect::Cancelled { client, cancelled } => (client, Reply::Cancelled { cancelled }),
                 Effect::TakenBack { client } => (client, Reply::TakenBack),
                 Effect::Aborted { client, reason } => (client, Reply::Aborted { reason }),
-                Effect::Stopped { .. } => unreachable!("handled above"),
+                Effect::Stopped { .. } | Effect::Swapped { .. } => unreachable!("handled above"),
             };
             if let Some(&token) = self.by_client.get(&client) {
                 self.send(token, &reply);

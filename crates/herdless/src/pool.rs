@@ -128,6 +128,15 @@ pub enum Effect {
         /// Who asked.
         client: ClientId,
     },
+    /// `client` holds its slot `key` now, in place of one of its shared
+    /// tokens, which went back to the pool ([`Pool::swap_into_slot`]):
+    /// as many tokens held as before, nothing to tell it.
+    Swapped {
+        /// Who holds the slot.
+        client: ClientId,
+        /// The slot.
+        key: SlotKey,
+    },
     /// Tell `client` that the tree is aborting.
     Aborted {
         /// Who is told.
@@ -217,6 +226,9 @@ pub struct Stats {
     pub wakeups: u64,
     /// Grants that lent a slot.
     pub slot_grants: u64,
+    /// Shared tokens a client gave back for a free slot it names
+    /// (`Pool::swap_into_slot`).
+    pub swapped_into_slots: u64,
     /// Try-acquires answered "no token free".
     pub denied: u64,
     /// Pending acquires withdrawn by their client.
@@ -998,7 +1010,45 @@ impl Pool {
         if let Some(pos) = pos {
             let id = self.dequeue_at(pos, now);
             self.give(id, Source::Slot, true);
+            return;
         }
+        self.swap_into_slot(key, now);
+    }
+
+    /// Slot `key` is free and nobody waits for it: a client that names it
+    /// and holds a shared token in its place (a make started beside the
+    /// slot's borrower by one recipe, which took a shared token as its
+    /// share of the recipe's) holds the slot instead, and the shared token
+    /// goes to the next waiter. It holds as many tokens as before; without
+    /// this, a make that waits for more in the shared table, where slots
+    /// are not lent, never got the slot, and the pool ran one short.
+    pub(crate) fn swap_into_slot(&mut self, key: SlotKey, now: Duration) {
+        if !self.slots.get(&key).is_some_and(|s| s.users > 0) {
+            return;
+        }
+        let Some(id) = self
+            .clients
+            .iter()
+            .find(|(_, c)| c.info.borrows == Some(key) && c.pool_held > 0 && !c.slot_held)
+            .map(|(&id, _)| id)
+            .filter(|&id| self.may_borrow(id))
+        else {
+            return;
+        };
+        let client = self.clients.get_mut(&id).expect("client exists");
+        client.pool_held -= 1;
+        client.slot_held = true;
+        let slot = self.slots.get_mut(&key).expect("a lent slot exists");
+        if slot.counts {
+            self.counted_lent += 1;
+        }
+        slot.borrower = Some(id);
+        self.stats.swapped_into_slots += 1;
+        self.effects.push(Effect::Swapped { client: id, key });
+        if !self.retire_returned() {
+            self.free += 1;
+        }
+        self.dispatch_pool(now);
     }
 
     /// Checks the invariants that hold after every call; used by tests and

@@ -416,6 +416,18 @@ impl Model {
                 Effect::Stopped { client } => {
                     self.queue.retain(|&c| c != client);
                 }
+                Effect::Swapped { client, key } => {
+                    prop_assert_eq!(self.info(client).borrows, Some(key));
+                    let h = self.held.get_mut(&client).unwrap();
+                    prop_assert!(h.0 > 0 && !h.1, "{} swapped what it did not hold", client);
+                    h.0 -= 1;
+                    h.1 = true;
+                    prop_assert!(
+                        self.lent.insert(key, client).is_none(),
+                        "{} lent twice",
+                        key
+                    );
+                }
                 _ => {}
             }
         }

@@ -331,6 +331,16 @@ impl Model {
 
     fn apply(&mut self, effects: Vec<Effect>) -> Result<(), TestCaseError> {
         for e in effects {
+            if let Effect::Swapped { client, .. } = e {
+                // The slot in place of a shared token, which came back.
+                let held = self.held.get_mut(&client).unwrap();
+                prop_assert!(*held > 0, "{} swapped a token it did not hold", client);
+                *held -= 1;
+                prop_assert!(!self.slot[&client], "{} lent its slot twice", client);
+                self.slot.insert(client, true);
+                self.returned(1);
+                continue;
+            }
             let Effect::Grant {
                 client,
                 source,
