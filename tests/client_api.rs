@@ -832,10 +832,20 @@ impl StandIn {
         Client::connect_with(&self.socket, Options::default().implicit_token(false)).unwrap()
     }
 
-    /// The requests it read, once the client has closed.
-    fn seen(self) -> Vec<&'static str> {
+    /// Ends the client `c` of it: reads past every answer it sent (a
+    /// status round trip), finds nothing pending, closes; returns the
+    /// requests it read, which hold no `Release` (every grant it sent
+    /// was void: taken back).
+    fn finish(self, c: Client) -> Vec<&'static str> {
+        let _ = c.status_json();
+        assert!(!c.has_pending().unwrap());
+        drop(c);
         let seen = self.broker.join().unwrap();
         let _ = std::fs::remove_dir_all(&self.dir);
+        assert!(
+            !seen.contains(&"Release"),
+            "the client gave back a token the broker had taken back: {seen:?}"
+        );
         seen
     }
 }
@@ -856,16 +866,8 @@ fn a_grant_the_broker_took_back_is_void_in_the_client() {
     let c = broker.client();
     assert!(c.take_grant().unwrap().is_none(), "a request pending");
     c.cancel_pending_nowait().unwrap();
-    // The answers are read (a status round trip reads past them): nothing
-    // is pending, nothing held, nothing owed.
-    let _ = c.status_json();
-    assert!(!c.has_pending().unwrap());
-    drop(c);
-    let seen = broker.seen();
-    assert!(
-        !seen.contains(&"Release"),
-        "the client gave back a token the broker had taken back: {seen:?}"
-    );
+    // Once the answers are read: nothing pending, held or owed.
+    let seen = broker.finish(c);
     assert!(seen.contains(&"CancelNowait"), "{seen:?}");
 }
 
@@ -899,14 +901,7 @@ fn a_grant_racing_an_unanswered_withdrawal_is_not_given_back_by_the_next() {
         !c.has_pending().unwrap(),
         "a withdrawn request still pending"
     );
-    let _ = c.status_json();
-    assert!(!c.has_pending().unwrap());
-    drop(c);
-    let seen = broker.seen();
-    assert!(
-        !seen.contains(&"Release"),
-        "the client gave back a grant the broker was taking back: {seen:?}"
-    );
+    let seen = broker.finish(c);
     assert_eq!(
         seen.iter().filter(|&&n| n == "CancelNowait").count(),
         1,

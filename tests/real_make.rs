@@ -2622,18 +2622,26 @@ fn sleeping_descendants(top: i32) -> usize {
 }
 
 fn sigint(t: &Tree, make: &Path) {
+    interrupt_at_four_jobs(t, make, "30");
+    // Nothing finished: every job was interrupted.
+    assert_eq!(t.counts().0, 0);
+    assert_no_leftovers(t);
+}
+
+/// Runs `make -j4` on the tree, its jobs sleeping `sleep` seconds, until
+/// four jobs run, each in its `sleep`, then interrupts the whole group, as
+/// a terminal's ^C does, and waits for the make, which must fail. (Signalled
+/// as soon as the fourth job had counted itself, a loaded machine once
+/// showed that job's shell alive and its `sleep` started after the signal,
+/// so the make waited the whole sleep for it.)
+fn interrupt_at_four_jobs(t: &Tree, make: &Path, sleep: &str) {
     let mut cmd = make_cmd(t, make);
     cmd.arg("-j4")
-        .env("JOB_SLEEP", "30")
+        .env("JOB_SLEEP", sleep)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .process_group(0);
     let mut child = cmd.spawn().expect("spawn");
-    // Wait until four jobs run, each in its `sleep`, then interrupt the
-    // whole group, as a terminal's ^C does. (Signalled as soon as the
-    // fourth job had counted itself, a loaded machine once showed that
-    // job's shell alive and its `sleep` started after the signal, so the
-    // make waited the whole 30 s for it.)
     let start = Instant::now();
     while t.counts().1 < 4 || sleeping_descendants(child.id() as i32) < 4 {
         assert!(start.elapsed() < PATIENCE, "the tree never ran 4 jobs");
@@ -2642,9 +2650,6 @@ fn sigint(t: &Tree, make: &Path) {
     common::signal(-(child.id() as i32), libc::SIGINT);
     let status = common::wait_or_report(&mut child, PATIENCE, "make did not end on SIGINT");
     assert!(!status.success());
-    // Nothing finished: every job was interrupted.
-    assert_eq!(t.counts().0, 0);
-    assert_no_leftovers(t);
 }
 
 /// ^C to a bmake tree whose three sub-makes each run jobs of their own:
@@ -2673,21 +2678,7 @@ fn sigint_reaches_the_jobs_of_every_bmake_sub_make() {
             format!("all: s1 s2 s3\ns1 s2 s3: .MAKE\n\t@${{MAKE}} -f {d}/sub.mk P=$@\n"),
         )
         .unwrap();
-        let mut cmd = make_cmd(&t, &herdless_bmake());
-        cmd.arg("-j4")
-            .env("JOB_SLEEP", "5")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .process_group(0);
-        let mut child = cmd.spawn().expect("spawn");
-        let start = Instant::now();
-        while t.counts().1 < 4 || sleeping_descendants(child.id() as i32) < 4 {
-            assert!(start.elapsed() < PATIENCE, "round {round}: never 4 jobs");
-            thread::sleep(Duration::from_millis(20));
-        }
-        common::signal(-(child.id() as i32), libc::SIGINT);
-        let status = common::wait_or_report(&mut child, PATIENCE, "make did not end on SIGINT");
-        assert!(!status.success());
+        interrupt_at_four_jobs(&t, &herdless_bmake(), "5");
         wait_for_the_tree_to_end(&t);
         let interrupted = fs::read_to_string(t.path("interrupted")).unwrap_or_default();
         let mut subs: Vec<&str> = interrupted.lines().collect();
