@@ -574,8 +574,9 @@ fn herdless_bmake_sub_makes_started_together_by_one_recipe_keep_the_limit() {
 /// shared token, which goes to its wait: it runs two at once to the end.
 /// The long one starts 0.1 s after the short one, so that the short one
 /// holds the slot.
-/// Each job's start records how many run then: at least half of the
-/// seventeen see two.
+/// Each job's start records how many run then: at least six of the
+/// seventeen see two (at most two did before; about sixteen do now, and
+/// eight where the two chains fall into step).
 fn the_last_of_two_sub_makes_of_a_recipe_keeps_both_tokens(name: &str, make: &Path) {
     for (form, recipe) in [
         (
@@ -608,7 +609,7 @@ fn the_last_of_two_sub_makes_of_a_recipe_keeps_both_tokens(name: &str, make: &Pa
         let peaks = fs::read_to_string(t.path("peaks")).unwrap_or_default();
         let two = peaks.lines().filter(|l| l.trim() == "2").count();
         assert!(
-            two >= 8,
+            two >= 6,
             "{what}: only {two} of 17 jobs started beside another: {peaks:?}\n{report}"
         );
         let b = only_broker_lost_none(&t, &what);
@@ -2622,19 +2623,20 @@ fn sleeping_descendants(top: i32) -> usize {
 }
 
 fn sigint(t: &Tree, make: &Path) {
-    interrupt_at_four_jobs(t, make, "30");
+    interrupt_at_four_jobs(t, make, "30", &|| true);
     // Nothing finished: every job was interrupted.
     assert_eq!(t.counts().0, 0);
     assert_no_leftovers(t);
 }
 
 /// Runs `make -j4` on the tree, its jobs sleeping `sleep` seconds, until
-/// four jobs run, each in its `sleep`, then interrupts the whole group, as
+/// four jobs run, each in its `sleep`, and `also` holds, then interrupts
+/// the whole group, as
 /// a terminal's ^C does, and waits for the make, which must fail. (Signalled
 /// as soon as the fourth job had counted itself, a loaded machine once
 /// showed that job's shell alive and its `sleep` started after the signal,
 /// so the make waited the whole sleep for it.)
-fn interrupt_at_four_jobs(t: &Tree, make: &Path, sleep: &str) {
+fn interrupt_at_four_jobs(t: &Tree, make: &Path, sleep: &str, also: &dyn Fn() -> bool) {
     let mut cmd = make_cmd(t, make);
     cmd.arg("-j4")
         .env("JOB_SLEEP", sleep)
@@ -2643,7 +2645,7 @@ fn interrupt_at_four_jobs(t: &Tree, make: &Path, sleep: &str) {
         .process_group(0);
     let mut child = cmd.spawn().expect("spawn");
     let start = Instant::now();
-    while t.counts().1 < 4 || sleeping_descendants(child.id() as i32) < 4 {
+    while t.counts().1 < 4 || sleeping_descendants(child.id() as i32) < 4 || !also() {
         assert!(start.elapsed() < PATIENCE, "the tree never ran 4 jobs");
         thread::sleep(Duration::from_millis(20));
     }
@@ -2669,16 +2671,28 @@ fn sigint_reaches_the_jobs_of_every_bmake_sub_make() {
     for round in 0..8 {
         let t = Tree::new(&format!("real-bmake-sigint-subs-{round}"));
         let d = t.dir.display();
-        t.flat_makefile("sub.mk", "j", 4);
-        let mut sub = fs::read_to_string(t.path("sub.mk")).unwrap();
-        sub += &format!(".INTERRUPT:\n\t@echo ${{P}} >> {d}/interrupted\n");
-        fs::write(t.path("sub.mk"), sub).unwrap();
+        // Each job says which sub-make runs it before it counts itself.
+        fs::write(
+            t.path("sub.mk"),
+            format!(
+                "all: j1 j2 j3 j4\nj1 j2 j3 j4:\n\t@echo ${{P}} >> {d}/started; sh {d}/job.sh {d}\n\
+                 .INTERRUPT:\n\t@echo ${{P}} >> {d}/interrupted\n"
+            ),
+        )
+        .unwrap();
         fs::write(
             t.path("Makefile"),
             format!("all: s1 s2 s3\ns1 s2 s3: .MAKE\n\t@${{MAKE}} -f {d}/sub.mk P=$@\n"),
         )
         .unwrap();
-        interrupt_at_four_jobs(&t, &herdless_bmake(), "5");
+        // Every sub-make runs a job when the signal comes.
+        let all_started = || {
+            let started = fs::read_to_string(t.path("started")).unwrap_or_default();
+            ["s1", "s2", "s3"]
+                .iter()
+                .all(|s| started.lines().any(|l| l == *s))
+        };
+        interrupt_at_four_jobs(&t, &herdless_bmake(), "5", &all_started);
         wait_for_the_tree_to_end(&t);
         let interrupted = fs::read_to_string(t.path("interrupted")).unwrap_or_default();
         let mut subs: Vec<&str> = interrupted.lines().collect();

@@ -1026,13 +1026,13 @@ impl Pool {
         if !self.slots.get(&key).is_some_and(|s| s.users > 0) {
             return;
         }
-        let Some(id) = self
-            .clients
-            .iter()
-            .find(|(_, c)| c.info.borrows == Some(key) && c.pool_held > 0 && !c.slot_held)
-            .map(|(&id, _)| id)
-            .filter(|&id| self.may_borrow(id))
-        else {
+        // A client holding a shared token is busy.
+        let Some(id) = self.busy.iter().copied().find(|&id| {
+            self.clients
+                .get(&id)
+                .is_some_and(|c| c.info.borrows == Some(key) && c.pool_held > 0 && !c.slot_held)
+                && self.may_borrow(id)
+        }) else {
             return;
         };
         let client = self.clients.get_mut(&id).expect("client exists");
