@@ -220,15 +220,10 @@ pub struct Stats {
     pub grants: u64,
     /// Grants answered at once, without waiting.
     pub immediate: u64,
-    /// Acquires that had to wait in the queue.
-    pub waits: u64,
     /// Grants that woke a waiting client: one message to one process each.
     pub wakeups: u64,
     /// Grants that lent a slot.
     pub slot_grants: u64,
-    /// Shared tokens a client gave back for a free slot it names
-    /// (`Pool::swap_into_slot`).
-    pub swapped_into_slots: u64,
     /// Try-acquires answered "no token free".
     pub denied: u64,
     /// Pending acquires withdrawn by their client.
@@ -645,7 +640,6 @@ impl Pool {
             return Ok(());
         }
         if !self.grant_now(id) {
-            self.stats.waits += 1;
             self.client_mut(id)?.waiting += 1;
             self.queue.push_back(Waiter {
                 client: id,
@@ -1022,7 +1016,7 @@ impl Pool {
     /// goes to the next waiter. It holds as many tokens as before; without
     /// this, a make that waits for more in the shared table, where slots
     /// are not lent, never got the slot, and the pool ran one short.
-    pub(crate) fn swap_into_slot(&mut self, key: SlotKey, now: Duration) {
+    fn swap_into_slot(&mut self, key: SlotKey, now: Duration) {
         if !self.slots.get(&key).is_some_and(|s| s.users > 0) {
             return;
         }
@@ -1043,7 +1037,6 @@ impl Pool {
             self.counted_lent += 1;
         }
         slot.borrower = Some(id);
-        self.stats.swapped_into_slots += 1;
         self.effects.push(Effect::Swapped { client: id, key });
         if !self.retire_returned() {
             self.free += 1;
