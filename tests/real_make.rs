@@ -3812,6 +3812,39 @@ fn an_interrupted_bmake_sub_make_stops_the_other_branches() {
     assert_no_leftovers(&t);
 }
 
+/// A sub-make finds the recipe whose token it shares by its make's
+/// command name (`make`, `*-make`, `bmake`, `*-bmake`, ...): the herdless
+/// bmake installed as `herdless-bmake` is still one. Three sub-makes of
+/// two jobs each at `-j6` run all six jobs at once; before `*-bmake` was
+/// a bmake's name, the two sub-makes started on the top make's shared
+/// tokens found no make above them and waited for others, while the make
+/// held those tokens for them: never more than 4 at once.
+#[test]
+fn a_herdless_bmake_installed_as_herdless_bmake_lends_its_recipes_tokens() {
+    let t = Tree::new("real-bmake-renamed");
+    let bin = t.path("bin");
+    fs::create_dir_all(&bin).unwrap();
+    let make = bin.join("herdless-bmake");
+    fs::copy(herdless_bmake(), &make).unwrap();
+    let d = t.dir.display();
+    fs::write(
+        t.path("Makefile"),
+        format!("all: s1 s2 s3\ns1 s2 s3: .MAKE\n\t@${{MAKE}} -f {d}/sub.mk\n"),
+    )
+    .unwrap();
+    t.flat_makefile("sub.mk", "j", 2);
+    let mut cmd = make_cmd(&t, &make);
+    cmd.arg("-j6").env("JOB_SLEEP", "1");
+    let out = run(cmd);
+    let report = text(&out);
+    assert!(out.status.success(), "{report}");
+    let (done, most) = t.counts();
+    assert_eq!(done, 6, "{report}");
+    assert_eq!(most, 6, "{report}");
+    only_broker_lost_none(&t, "herdless-bmake");
+    assert_no_leftovers(&t);
+}
+
 #[test]
 fn a_failing_job_in_a_herdless_bmake_stops_the_tree() {
     bmake_abort(2);

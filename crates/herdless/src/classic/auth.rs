@@ -340,7 +340,8 @@ pub enum Program {
     /// `make`, `gmake`, `gnumake`, any other `*make` and `make-*` that is
     /// not a bmake: GNU make's conventions.
     GnuMake,
-    /// `bmake`, `bsdmake`, `pmake`: bmake's `-J` and abort tokens.
+    /// `bmake`, `bsdmake`, `pmake` and any `*-bmake`: bmake's `-J` and abort
+    /// tokens.
     Bmake,
     /// `ninja` and its rewrite `samu`.
     Ninja,
@@ -360,6 +361,8 @@ impl Program {
         let name = name.trim().to_ascii_lowercase();
         Some(match name.as_str() {
             "bmake" | "bsdmake" | "pmake" => Program::Bmake,
+            // A bmake by another prefix (`herdless-bmake`, `x86_64-bmake`).
+            n if n.ends_with("-bmake") => Program::Bmake,
             "ninja" | "samu" => Program::Ninja,
             "cargo" => Program::Cargo,
             "rustc" => Program::Rustc,
@@ -1114,7 +1117,7 @@ mod tests {
         ] {
             assert_eq!(of(n), Some(Program::GnuMake), "{n}");
         }
-        for n in ["bmake", "bsdmake", "/usr/bin/pmake"] {
+        for n in ["bmake", "bsdmake", "/usr/bin/pmake", "herdless-bmake"] {
             assert_eq!(of(n), Some(Program::Bmake), "{n}");
         }
         assert_eq!(of("samu"), Some(Program::Ninja));

@@ -422,6 +422,7 @@ mod tests {
             "gmake",
             "bmake",
             "bsdmake",
+            "herdless-bmake",
             "mingw32-make",
             "make-4.4.1",
             "ninja",
