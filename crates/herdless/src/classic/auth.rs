@@ -146,6 +146,11 @@ impl Program {
         }
         for (i, arg) in argv.iter().enumerate().skip(1) {
             let arg = arg.as_ref();
+            // An assignment's value names no program this line runs
+            // (`env BMAKE=/opt/bin/x-bmake gmake`).
+            if is_assignment(arg) {
+                continue;
+            }
             if let Some(program) = Program::of(arg) {
                 return vec![program];
             }
@@ -269,6 +274,17 @@ const SHELLS: [&str; 7] = ["sh", "bash", "dash", "zsh", "ksh", "mksh", "posh"];
 fn is_named(word: &OsStr, names: &[&str]) -> bool {
     let name = std::path::Path::new(word).file_name().unwrap_or(word);
     names.iter().any(|n| name == OsStr::new(n))
+}
+
+/// Whether `word` is a variable assignment (`NAME=VALUE`, no `/` before
+/// the `=`), as `env` and a shell read it.
+fn is_assignment(word: &OsStr) -> bool {
+    use std::os::unix::ffi::OsStrExt;
+    let bytes = word.as_bytes();
+    bytes
+        .iter()
+        .position(|&b| b == b'=')
+        .is_some_and(|eq| eq > 0 && !bytes[..eq].contains(&b'/'))
 }
 
 /// Whether `word` names a program to run: a path, or a file in a
@@ -1150,6 +1166,7 @@ mod tests {
                 Flavor::Bmake,
             ),
             (&["env", "X=1", "bsdmake"][..], Flavor::Bmake),
+            (&["env", "BMAKE=/opt/bin/x-bmake", "gmake"][..], Flavor::Gnu),
             (
                 &["env", "PATH=/opt/bin:/usr/bin", "bmake"][..],
                 Flavor::Bmake,
