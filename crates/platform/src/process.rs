@@ -72,13 +72,34 @@ impl ProcessTable {
         match &self.snapshot {
             None => {
                 let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-                parse_stat(&stat)
+                let (ppid, name) = parse_stat(&stat)?;
+                Some((ppid, untruncated(pid, name)))
             }
             Some(rows) => rows
                 .iter()
                 .find(|(p, _, _)| *p == pid)
                 .map(|(_, ppid, name)| (*ppid, name.clone())),
         }
+    }
+}
+
+/// The kernel keeps a command name of at most 15 bytes
+/// (`TASK_COMM_LEN` − 1): `x86_64-linux-gnu-make` reads `x86_64-linux-gn`.
+/// A name that long may have been cut; the file name of the first word of
+/// `/proc/PID/cmdline` is the whole of it when it begins with the cut one.
+fn untruncated(pid: u32, name: String) -> String {
+    const CUT_AT: usize = 15;
+    if name.len() != CUT_AT {
+        return name;
+    }
+    let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
+        return name;
+    };
+    let argv0 = cmdline.split(|&b| b == 0).next().unwrap_or_default();
+    let base = argv0.rsplit(|&b| b == b'/').next().unwrap_or_default();
+    match std::str::from_utf8(base) {
+        Ok(whole) if whole.len() > CUT_AT && whole.starts_with(&name) => whole.to_owned(),
+        _ => name,
     }
 }
 
@@ -268,6 +289,29 @@ mod tests {
             .parent_and_name(std::process::id())
             .expect("this process");
         assert_eq!(ppid, std::os::unix::process::parent_id());
+    }
+
+    /// A name over 15 bytes, which the kernel's command name cuts, reads
+    /// whole.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_long_command_name_reads_whole() {
+        let dir = std::env::temp_dir().join(format!("herdless-long-name-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let program = dir.join("x86_64-linux-gnu-bmake");
+        std::fs::copy("/bin/sleep", &program).unwrap();
+        let mut child = std::process::Command::new(&program)
+            .arg("30")
+            .spawn()
+            .unwrap();
+        let row = ProcessTable::read().parent_and_name(child.id());
+        let _ = child.kill();
+        let _ = child.wait();
+        let _ = std::fs::remove_dir_all(&dir);
+        assert_eq!(
+            row,
+            Some((std::process::id(), "x86_64-linux-gnu-bmake".to_owned()))
+        );
     }
 
     #[cfg(target_os = "linux")]
