@@ -3834,7 +3834,8 @@ fn a_herdless_bmake_installed_as_herdless_bmake_lends_its_recipes_tokens() {
     .unwrap();
     t.flat_makefile("sub.mk", "j", 2);
     let mut cmd = make_cmd(&t, &make);
-    cmd.arg("-j6").env("JOB_SLEEP", "1");
+    // Long enough that the six overlap on a loaded machine.
+    cmd.arg("-j6").env("JOB_SLEEP", "3");
     let out = run(cmd);
     let report = text(&out);
     assert!(out.status.success(), "{report}");
