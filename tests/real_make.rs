@@ -3771,8 +3771,27 @@ fn a_failure_stops_a_herdless_bmake_branch_that_runs_one_job_at_a_time() {
 /// nothing behind.
 #[test]
 fn an_interrupted_bmake_sub_make_stops_the_other_branches() {
+    interrupted_bmake_sub_make("interrupted", "sleep 1");
+}
+
+/// As above, with jobs that end only 0.5 s after their SIGINT: the
+/// interrupted sub-make's `.INTERRUPT` command ends first, so it reaps no
+/// killed job while `.INTERRUPT` runs, where a stock bmake puts the
+/// stopper. The other branch then ran all 5 of its jobs, each time with
+/// these jobs (and once in CI with the test above, where `.INTERRUPT`'s
+/// command happened to end first); the herdless bmake now puts the
+/// stopper in `JobInterrupt`, once it has passed the signal to its jobs.
+#[test]
+fn a_bmake_sub_make_whose_jobs_outlive_its_interrupt_target_stops_the_other_branches() {
+    interrupted_bmake_sub_make(
+        "interrupted-slow",
+        "exec sh -c 'trap \"sleep 0.5; exit 1\" INT; sleep 1 & wait'",
+    );
+}
+
+fn interrupted_bmake_sub_make(tag: &str, job: &str) {
     let (name, make) = ("herdless", herdless_bmake());
-    let t = Tree::new(&format!("real-bmake-interrupted-{name}"));
+    let t = Tree::new(&format!("real-bmake-{tag}-{name}"));
     let d = t.dir.display();
     fs::write(
         t.path("Makefile"),
@@ -3784,7 +3803,7 @@ fn an_interrupted_bmake_sub_make_stops_the_other_branches() {
     .unwrap();
     fs::write(
         t.path("a.mk"),
-        "all: x1 x2 x3\nx1 x2 x3:\n\t@sleep 1\n.INTERRUPT:\n\t@echo interrupted\n",
+        format!("all: x1 x2 x3\nx1 x2 x3:\n\t@{job}\n.INTERRUPT:\n\t@echo interrupted\n"),
     )
     .unwrap();
     t.flat_makefile("b.mk", "b", 5);
