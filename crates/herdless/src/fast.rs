@@ -1238,6 +1238,21 @@ impl Table {
     /// of its whose heir is not waiting for it is freed (the words
     /// returned, to hand on).
     pub fn finish_giver(&self, g: u32) -> (Vec<u32>, Vec<u32>) {
+        self.finish_giver_waking(g, true)
+    }
+
+    /// [`finish_giver`](Self::finish_giver) again, for a giver already
+    /// finished once: a heir it gifted and woke, or that the first pass
+    /// woke, is not woken again (it may be busy and take its gift later;
+    /// one wake-up is all it needs, as the wait word or the signal's
+    /// eventfd keeps it). What is still half done is finished as the
+    /// first pass does.
+    pub fn finish_giver_again(&self, g: u32) -> (Vec<u32>, Vec<u32>) {
+        self.finish_giver_waking(g, false)
+    }
+
+    /// Both of the above: `rewake` wakes a gifted heir already woken.
+    fn finish_giver_waking(&self, g: u32, rewake: bool) -> (Vec<u32>, Vec<u32>) {
         let mut moved = Vec::new();
         let mut freed = Vec::new();
         let Some(tid) = self.tid() else {
@@ -1260,13 +1275,17 @@ impl Table {
             if giver != (g & 0x7fff) {
                 continue;
             }
+            let mut woke_now = false;
             if claimed_by_g.contains(&h) && self.state(h).load(SeqCst) == waiting {
-                let _ = self
+                woke_now = self
                     .state(h)
-                    .compare_exchange(waiting, woken, SeqCst, SeqCst);
+                    .compare_exchange(waiting, woken, SeqCst, SeqCst)
+                    .is_ok();
             }
             if claimed_by_g.contains(&h) && self.state(h).load(SeqCst) == woken {
-                self.wake_slot(h);
+                if rewake || woke_now {
+                    self.wake_slot(h);
+                }
                 claimed_by_g.retain(|&k| k != h);
             } else if self.free_gift(i, v) {
                 freed.push(i);

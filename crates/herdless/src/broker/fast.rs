@@ -72,6 +72,10 @@ pub(super) struct FastState {
     /// grants counted when the broker first saw them (their wait behind
     /// the broker's queue is bounded by that).
     half_waiters_since: Option<u64>,
+    /// Owner ids of clients gone whose half-done hand-offs were finished
+    /// once (their heirs woken): a later sweep that still finds a gift of
+    /// theirs, not yet taken, wakes no heir again.
+    finished_givers: std::collections::HashSet<u32>,
 }
 
 impl FastState {
@@ -121,6 +125,7 @@ impl FastState {
             base_in_use: 0,
             moved: 0,
             half_waiters_since: None,
+            finished_givers: std::collections::HashSet::new(),
         })
     }
 
@@ -188,6 +193,7 @@ impl Broker {
         };
         fast.table.clear_slot(owner, false);
         fast.owners.insert(owner, token);
+        fast.finished_givers.remove(&owner);
         fast.table
             .set_hi(fast.owners.keys().copied().max().unwrap_or(0));
         if let Some(key) = key {
@@ -547,10 +553,17 @@ impl Broker {
         }
         let mut moved = Vec::new();
         for g in dead_givers {
-            let (m, _freed) = fast.table.finish_giver(g);
+            let (m, freed) = if fast.finished_givers.insert(g) {
+                fast.table.finish_giver(g)
+            } else {
+                // Its heir was woken: it takes the gift when it runs.
+                fast.table.finish_giver_again(g)
+            };
             moved.extend(m);
             // Freed words are handed on by the next read of the table.
-            fast.dirty = true;
+            if !freed.is_empty() {
+                fast.dirty = true;
+            }
         }
         // Caps count what each client holds from the table: the pool
         // learns it before the returned tokens reach its waiters.
@@ -653,6 +666,7 @@ impl Broker {
             .set_hi(fast.owners.keys().copied().max().unwrap_or(0));
         // What it was handing on when it died.
         let (moved, _freed) = fast.table.finish_giver(owner);
+        fast.finished_givers.insert(owner);
         if at_stop {
             fast.held_at_shutdown += u64::from(freed);
         } else {

@@ -616,3 +616,78 @@ fn a_dead_givers_claim_on_an_earlier_wait_moves_nothing() {
         dump(&t)
     );
 }
+
+/// A process that counts the wake signals it gets: each appends a line
+/// to `file` (its shell handles one signal at a time, between sleeps).
+fn signal_counter(file: &std::path::Path) -> std::process::Child {
+    let script = format!(
+        "trap 'echo u >> {}' URG; echo ready >> {0}; while :; do sleep 0.01; done",
+        file.display()
+    );
+    let child = std::process::Command::new("sh")
+        .arg("-c")
+        .arg(script)
+        .spawn()
+        .expect("sh");
+    let start = Instant::now();
+    while signals_counted(file).is_none() {
+        assert!(start.elapsed() < PATIENCE, "the counter never started");
+        thread::sleep(Duration::from_millis(5));
+    }
+    child
+}
+
+/// The wake signals counted so far, once the counter has started.
+fn signals_counted(file: &std::path::Path) -> Option<usize> {
+    let text = std::fs::read_to_string(file).ok()?;
+    let mut lines = text.lines();
+    (lines.next() == Some("ready")).then(|| lines.count())
+}
+
+#[test]
+fn a_dead_givers_heir_is_woken_once_however_often_the_broker_looks_again() {
+    let dir = std::env::temp_dir().join(format!("herdless-rewake-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("a scratch directory");
+    let file = dir.join("signals");
+    let mut counter = signal_counter(&file);
+    let (t, _guard) = guarded(1, 4);
+    assert_eq!(t.take(1, 0), Some(0));
+    // Slot 2 waits in a poll loop: its giver wakes it with a signal to
+    // the counting process.
+    let pid = counter.id();
+    let w = match t.poll_start(2, pid, &|| {}) {
+        PollStep::Waiting(w) => w,
+        other => panic!("slot 2 should wait: {other:?}"),
+    };
+    // Giver 1 claims, gifts and marks the heir woken, then dies before
+    // its signal.
+    assert_eq!(claim(&t, 1).0, 2);
+    gift_step(&t, 0, 1, 2);
+    assert!(wake_step(&t, 2, false));
+    assert_eq!(t.finish_giver(1), (vec![], vec![]));
+    let start = Instant::now();
+    while signals_counted(&file) != Some(1) {
+        assert!(start.elapsed() < PATIENCE, "the heir was never woken");
+        thread::sleep(Duration::from_millis(5));
+    }
+    // The heir is busy and has not taken its gift yet: the broker's later
+    // sweeps find the dead giver's gift again, and wake nobody.
+    for _ in 0..3 {
+        assert_eq!(t.finish_giver_again(1), (vec![], vec![]));
+        thread::sleep(Duration::from_millis(300));
+    }
+    let woken = signals_counted(&file);
+    let _ = counter.kill();
+    let _ = counter.wait();
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!(woken, Some(1), "one wake-up for one gift");
+    // The heir takes its gift when it looks.
+    match t.poll_check(2, w, &|| {}) {
+        PollStep::Ended(WaitEnd::Got(1)) => {}
+        other => panic!("the heir's gift: {other:?}, {}", dump(&t)),
+    }
+    assert_eq!(t.word(0).load(SeqCst), 2, "the heir holds the word");
+    assert_eq!(t.give_back(2, None), Some(false));
+    all_free(&t);
+}

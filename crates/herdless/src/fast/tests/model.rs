@@ -114,6 +114,9 @@ struct World {
     /// Whether a giver's steps may come as late as the schedule says. When
     /// not, a stopped giver's steps are run before its heir's next move.
     stale_steps: bool,
+    /// Dead givers finished once (`FastState::finished_givers`): a later
+    /// sweep finishes them again without waking their heirs again.
+    finished: Vec<bool>,
     log: Vec<String>,
 }
 
@@ -147,6 +150,7 @@ impl World {
             socket_only: 0,
             unsolicited: 0,
             stale_steps,
+            finished: vec![false; CLIENTS as usize + 1],
             log: Vec::new(),
         };
         w.reopen();
@@ -193,7 +197,12 @@ impl World {
     /// it claimed without a gift join the queue; freed words are handed
     /// on by the sweep.
     fn finish_giver(&mut self, g: u32) -> bool {
-        let (moved, freed) = self.t.finish_giver(g);
+        let again = std::mem::replace(&mut self.finished[g as usize], true);
+        let (moved, freed) = if again {
+            self.t.finish_giver_again(g)
+        } else {
+            self.t.finish_giver(g)
+        };
         if !moved.is_empty() || !freed.is_empty() {
             self.log.push(format!(
                 "  finish_giver({g}): moved {moved:?} freed {freed:?}"
@@ -591,6 +600,7 @@ impl World {
                 }
                 // `fast_admit`.
                 self.t.clear_slot(k, false);
+                self.finished[k as usize] = false;
                 let c = self.c(k);
                 c.alive = true;
             }
