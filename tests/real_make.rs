@@ -4480,3 +4480,60 @@ fn random_trees_keep_the_limit_when_one_process_is_stopped_a_while() {
         tree.assert_nothing_lost_or_left(&report);
     }
 }
+
+/// A bmake sub-make waits for a second token while its first job runs;
+/// that job ends, and its second job starts on the sub-make's own token
+/// (its recipe's). The wait it left is no longer wanted: the next token
+/// freed must go to the make behind it that still waits, not sit in this
+/// one until it ends. At `-j3`: sub-make `s` waits first (its `s2`), `w`
+/// second (its `w2`, while `w1` runs for 8 s); `s1` ends at 0.3 s and `s2`
+/// runs on `s`'s own token for 3 s; the top make's `q` ends at about
+/// 0.7 s and frees a token, which `w2` must get before `s2` ends (before
+/// the fix `s` kept it until its end).
+#[test]
+fn a_bmake_sub_make_that_needs_no_more_tokens_leaves_the_next_one_to_a_make_that_waits() {
+    let t = Tree::new("real-bmake-stale-wait");
+    let d = t.dir.display();
+    fs::write(
+        t.path("Makefile"),
+        format!(
+            "all: s w q\n\
+             s: .MAKE\n\t@${{MAKE}} -f {d}/s.mk\n\
+             w: .MAKE\n\t@sleep 0.2; ${{MAKE}} -f {d}/w.mk\n\
+             q: r\n\t@sleep 0.1\n\
+             r:\n\t@sleep 0.6\n"
+        ),
+    )
+    .unwrap();
+    fs::write(
+        t.path("s.mk"),
+        format!(
+            "all: s1 s2\n\
+             s1:\n\t@sleep 0.3\n\
+             s2:\n\t@sleep 3; test -e {d}/w2.started || touch {d}/w2.late\n"
+        ),
+    )
+    .unwrap();
+    fs::write(
+        t.path("w.mk"),
+        format!(
+            "all: w1 w2\n\
+             w1:\n\t@sleep 8\n\
+             w2:\n\t@touch {d}/w2.started\n"
+        ),
+    )
+    .unwrap();
+    let mut cmd = make_cmd(&t, &herdless_bmake());
+    cmd.arg("-j3");
+    let out = run(cmd);
+    let report = text(&out);
+    assert!(out.status.success(), "{report}");
+    assert!(t.path("w2.started").exists(), "{report}");
+    assert!(
+        !t.path("w2.late").exists(),
+        "w2 started only after s2 had run 3 s: the token freed at 0.7 s \
+         went to s, which no longer wanted one\n{report}"
+    );
+    only_broker_lost_none(&t, "bmake");
+    assert_no_leftovers(&t);
+}
