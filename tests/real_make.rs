@@ -4537,3 +4537,41 @@ fn a_bmake_sub_make_that_needs_no_more_tokens_leaves_the_next_one_to_a_make_that
     only_broker_lost_none(&t, "bmake");
     assert_no_leftovers(&t);
 }
+
+/// A make with herdless inside installed under a name herdless does not
+/// know as a make's (`hmake`, `hbmake`): it names itself to its jobs
+/// (`HERDLESS_RUNNER`), so the sub-makes of its recipes still run on
+/// their recipes' tokens. Three sub-makes of two jobs at `-j6` run all 6
+/// at once (4 when the sub-makes did not know their make: two of them
+/// then waited for shared tokens while the make held their recipes').
+#[test]
+fn herdless_makes_under_names_of_their_own_lend_their_recipes_tokens() {
+    for (tag, source, name, attr) in [
+        ("gnu", herdless_make(), "hmake", ""),
+        ("bmake", herdless_bmake(), "hbmake", " .MAKE"),
+    ] {
+        let t = Tree::new(&format!("real-make-own-name-{tag}"));
+        let bin = t.path("bin");
+        fs::create_dir_all(&bin).unwrap();
+        let make = bin.join(name);
+        fs::copy(&source, &make).unwrap();
+        let d = t.dir.display();
+        fs::write(
+            t.path("Makefile"),
+            format!("all: s1 s2 s3\ns1 s2 s3:{attr}\n\t@${{MAKE}} -f {d}/sub.mk\n"),
+        )
+        .unwrap();
+        t.flat_makefile("sub.mk", "j", 2);
+        let mut cmd = make_cmd(&t, &make);
+        // Long enough that the six overlap on a loaded machine.
+        cmd.arg("-j6").env("JOB_SLEEP", "3");
+        let out = run(cmd);
+        let report = text(&out);
+        assert!(out.status.success(), "{name}: {report}");
+        let (done, most) = t.counts();
+        assert_eq!(done, 6, "{name}: {report}");
+        assert_eq!(most, 6, "{name}: {report}");
+        only_broker_lost_none(&t, name);
+        assert_no_leftovers(&t);
+    }
+}

@@ -671,6 +671,9 @@ void herdless_client_free(herdless_client *c);
  * `MAKELEVEL` of this process when it connected; a make that had raised
  * it in its own environment for its jobs (bmake does) puts its own level
  * there instead, or every job of it matches and shares the one slot.
+ * Put `HERDLESS_RUNNER=` the make's process id (in decimal) beside it:
+ * the jobs of its recipes then know it for a make whatever its file is
+ * called, not only by its command name.
  *
  * Returns a NUL-terminated string owned by the handle, valid until
  * `herdless_client_free`, or NULL for a NULL handle and on a classic

@@ -979,6 +979,9 @@ pub unsafe extern "C" fn herdless_client_free(c: *mut herdless_client) {
 /// `MAKELEVEL` of this process when it connected; a make that had raised
 /// it in its own environment for its jobs (bmake does) puts its own level
 /// there instead, or every job of it matches and shares the one slot.
+/// Put `HERDLESS_RUNNER=` the make's process id (in decimal) beside it:
+/// the jobs of its recipes then know it for a make whatever its file is
+/// called, not only by its command name.
 ///
 /// Returns a NUL-terminated string owned by the handle, valid until
 /// `herdless_client_free`, or NULL for a NULL handle and on a classic

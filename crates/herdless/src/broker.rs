@@ -253,7 +253,9 @@ fn recipe_root(peer: Option<u32>, said: u32, slot: u64, flags: HelloFlags) -> Op
     let table = herdless_platform::ProcessTable::read();
     let ps = |pid: u32| table.parent_and_name(pid);
     let (ppid, _) = ps(peer)?;
-    Some(match crate::classic::slot::slot_owner(ppid, ps) {
+    // The client's environment is not the broker's to read: runners by
+    // their names.
+    Some(match crate::classic::slot::slot_owner(ppid, None, ps) {
         Owner::Shared(root) if root > 1 => Some(root),
         Owner::Shared(_) => None,
         Owner::Own => Some(peer),

@@ -66,9 +66,16 @@ pub(crate) enum Owner {
 /// many subshells lie between); else, with no job runner above,
 /// `Orphaned`; and a parent the table does not show, that parent (a
 /// table that cannot be read leaves each recipe's jobs to their shell).
-pub(crate) fn slot_owner(parent: u32, ps: impl Fn(u32) -> Option<(u32, String)>) -> Owner {
+/// A job runner is known by its command name, or is process `runner`
+/// (the make that named itself in [`RUNNER_ENV`](crate::client::RUNNER_ENV)).
+pub(crate) fn slot_owner(
+    parent: u32,
+    runner: Option<u32>,
+    ps: impl Fn(u32) -> Option<(u32, String)>,
+) -> Owner {
+    let is_runner = |pid: u32, name: &str| Some(pid) == runner || runs_each_job_in_a_slot(name);
     match ps(parent) {
-        Some((_, name)) if runs_each_job_in_a_slot(&name) => return Owner::Own,
+        Some((_, name)) if is_runner(parent, &name) => return Owner::Own,
         Some(_) => {}
         None => return Owner::Shared(parent),
     }
@@ -80,7 +87,7 @@ pub(crate) fn slot_owner(parent: u32, ps: impl Fn(u32) -> Option<(u32, String)>)
             break;
         }
         let Some((_, name)) = ps(ppid) else { break };
-        if runs_each_job_in_a_slot(&name) {
+        if is_runner(ppid, &name) {
             return Owner::Shared(pid);
         }
         pid = ppid;
@@ -109,7 +116,12 @@ pub(crate) fn this_slot_owner() -> Owner {
     if parent == 0 || !table.numbers_as_we_do() {
         return Owner::Own;
     }
-    match slot_owner(parent, |pid| table.parent_and_name(pid)) {
+    // A make with herdless inside names itself: known whatever its name.
+    let runner = std::env::var(crate::client::RUNNER_ENV)
+        .ok()
+        .and_then(|v| v.parse::<u32>().ok())
+        .filter(|&pid| pid > 1);
+    match slot_owner(parent, runner, |pid| table.parent_and_name(pid)) {
         Owner::Orphaned
             if herdless_platform::in_child_pid_namespace()
                 && !table.any_other_named(runs_each_job_in_a_slot) =>
@@ -463,24 +475,50 @@ mod tests {
         ];
         let t = table(&rows);
         // Run by make itself: its own slot.
-        assert_eq!(slot_owner(20, &t), Owner::Own);
+        assert_eq!(slot_owner(20, None, &t), Owner::Own);
         // Under the recipe's shell, or a subshell of it: the shell's slot.
-        assert_eq!(slot_owner(30, &t), Owner::Shared(30));
-        assert_eq!(slot_owner(40, &t), Owner::Shared(30));
+        assert_eq!(slot_owner(30, None, &t), Owner::Shared(30));
+        assert_eq!(slot_owner(40, None, &t), Owner::Shared(30));
         // Under a herdless exec that runs a script: the script's slot.
-        assert_eq!(slot_owner(60, &t), Owner::Shared(60));
+        assert_eq!(slot_owner(60, None, &t), Owner::Shared(60));
         // A job of a job whose outer exec holds the recipe shell's slot: a
         // slot of its own below the outer job, never the one the outer job
         // holds (which would wait for ever for the job it is part of).
-        assert_eq!(slot_owner(80, &t), Owner::Own);
-        assert_eq!(slot_owner(90, &t), Owner::Shared(90));
+        assert_eq!(slot_owner(80, None, &t), Owner::Own);
+        assert_eq!(slot_owner(90, None, &t), Owner::Shared(90));
         // No job runner above (orphaned, or under another parent): none.
-        assert_eq!(slot_owner(70, &t), Owner::Orphaned);
-        assert_eq!(slot_owner(10, &t), Owner::Orphaned);
+        assert_eq!(slot_owner(70, None, &t), Owner::Orphaned);
+        assert_eq!(slot_owner(10, None, &t), Owner::Orphaned);
         // A job reparented to init itself.
-        assert_eq!(slot_owner(1, &t), Owner::Orphaned);
+        assert_eq!(slot_owner(1, None, &t), Owner::Orphaned);
         // An unknown parent: its pid all the same.
-        assert_eq!(slot_owner(99, &t), Owner::Shared(99));
+        assert_eq!(slot_owner(99, None, &t), Owner::Shared(99));
+    }
+
+    #[test]
+    fn a_make_that_names_itself_is_a_runner_whatever_its_name() {
+        let rows = [
+            (1, 0, "init"),
+            (10, 1, "bash"),
+            (20, 10, "hbmake"), // a make under a name of its own
+            (30, 20, "sh"),     // its recipe's shell
+            (40, 30, "sh"),     // a subshell of it
+            (50, 40, "hbmake"), // a sub-make that named itself too
+            (60, 50, "sh"),
+        ];
+        let t = table(&rows);
+        // By its name alone it is no runner: its recipe's jobs find none.
+        assert_eq!(slot_owner(40, None, &t), Owner::Orphaned);
+        assert_eq!(slot_owner(20, None, &t), Owner::Orphaned);
+        // Named in the environment: its recipe's shell owns the slot.
+        assert_eq!(slot_owner(20, Some(20), &t), Owner::Own);
+        assert_eq!(slot_owner(30, Some(20), &t), Owner::Shared(30));
+        assert_eq!(slot_owner(40, Some(20), &t), Owner::Shared(30));
+        // The nearest make names itself for its own jobs.
+        assert_eq!(slot_owner(60, Some(50), &t), Owner::Shared(60));
+        assert_eq!(slot_owner(50, Some(50), &t), Owner::Own);
+        // A name that is no process of the tree changes nothing.
+        assert_eq!(slot_owner(40, Some(77), &t), Owner::Orphaned);
     }
 
     fn test_slot(tag: u64) -> SharedSlot {

@@ -84,6 +84,13 @@ pub const SOCKET_ENV: &str = "HERDLESS_SOCKET";
 /// value is [`slot_env_value`].
 pub const SLOT_ENV: &str = "HERDLESS_SLOT";
 
+/// The environment variable in which a make with herdless inside names
+/// itself (its process id, in decimal) to the jobs it runs: a job of its
+/// recipes finds its recipe's slot below that process whatever the make's
+/// file is called (the process tree is otherwise read by command names,
+/// and a make installed as `hbmake` would not be known as one).
+pub const RUNNER_ENV: &str = "HERDLESS_RUNNER";
+
 /// The value of [`SLOT_ENV`] for slot `id`: the id in hex, `/`, and the
 /// `MAKELEVEL` of this environment (empty when unset). A job that sees
 /// another `MAKELEVEL` knows a make lies between it and the runner.
