@@ -144,11 +144,29 @@ impl Program {
         if !is_named(first, &WRAPPERS) {
             return Vec::new();
         }
+        let mut wrapper = first;
+        let mut values = 0;
         for (i, arg) in argv.iter().enumerate().skip(1) {
             let arg = arg.as_ref();
+            if values > 0 {
+                // An option's value names no program this line runs
+                // (`env -C build-bmake gmake`), except `env -S`'s, which
+                // is the command line itself.
+                values -= 1;
+                if is_named(wrapper, &["env"])
+                    && matches!(argv[i - 1].as_ref().to_str(), Some("-S" | "--split-string"))
+                {
+                    return programs_in_script(&arg.to_string_lossy());
+                }
+                continue;
+            }
             // An assignment's value names no program this line runs
             // (`env BMAKE=/opt/bin/x-bmake gmake`).
             if is_assignment(arg) {
+                continue;
+            }
+            if arg.to_string_lossy().starts_with('-') {
+                values = option_values(wrapper, arg);
                 continue;
             }
             if let Some(program) = Program::of(arg) {
@@ -156,6 +174,11 @@ impl Program {
             }
             if is_named(arg, &SHELLS) {
                 return programs_in_shell_arguments(&argv[i + 1..]);
+            }
+            if is_named(arg, &WRAPPERS) {
+                // A wrapper in a wrapper (`nice -n 5 timeout 600 bmake`).
+                wrapper = arg;
+                continue;
             }
             if is_command_word(arg) {
                 break;
@@ -207,7 +230,8 @@ fn programs_in_script(script: &str) -> Vec<Program> {
     ];
     let mut programs = Vec::new();
     let mut at_command = true;
-    let mut in_wrapper = false;
+    let mut in_wrapper: Option<&str> = None;
+    let mut values = 0;
     let mut word = String::new();
     let mut words = Vec::new();
     for c in script.chars().chain(std::iter::once('\n')) {
@@ -226,10 +250,16 @@ fn programs_in_script(script: &str) -> Vec<Program> {
         if w.is_empty() {
             // An operator or a line's end: a command comes next.
             at_command = true;
-            in_wrapper = false;
+            in_wrapper = None;
+            values = 0;
             continue;
         }
         if !at_command {
+            continue;
+        }
+        if values > 0 {
+            // A wrapper's option's value (`env -C build-bmake gmake`).
+            values -= 1;
             continue;
         }
         let is_assignment = w
@@ -238,13 +268,20 @@ fn programs_in_script(script: &str) -> Vec<Program> {
         if KEYWORDS.contains(&w.as_str()) || is_assignment {
             continue;
         }
-        if in_wrapper && (w.starts_with('-') || w.starts_with(|c: char| c.is_ascii_digit())) {
-            // A wrapper's option or value (`timeout 600`, `nice -n 5`).
-            continue;
+        if let Some(wrapper) = in_wrapper {
+            if w.starts_with('-') {
+                // A wrapper's option, and the words that are its value.
+                values = option_values(OsStr::new(wrapper), OsStr::new(w));
+                continue;
+            }
+            if w.starts_with(|c: char| c.is_ascii_digit()) {
+                // A wrapper's argument (`timeout 600`, `taskset 0x3`).
+                continue;
+            }
         }
         programs.extend(Program::of(OsStr::new(w)));
-        in_wrapper = is_named(OsStr::new(w), &WRAPPERS);
-        at_command = in_wrapper;
+        in_wrapper = is_named(OsStr::new(w), &WRAPPERS).then_some(w.as_str());
+        at_command = in_wrapper.is_some();
     }
     programs
 }
@@ -266,6 +303,157 @@ const WRAPPERS: [&str; 14] = [
     "firejail",
     "systemd-run",
 ];
+
+/// How many of the words after `option` (a word of `wrapper`'s that
+/// starts with `-`) are its value: 0 for a flag, an option whose value is
+/// in the same word (`-n5`, `--chdir=dir`) and an option not known here.
+/// The options of the wrappers above whose value is a separate word, from
+/// their manuals (coreutils, util-linux, GNU time, bubblewrap, systemd).
+fn option_values(wrapper: &OsStr, option: &OsStr) -> usize {
+    let name = std::path::Path::new(wrapper)
+        .file_name()
+        .unwrap_or(wrapper)
+        .to_string_lossy();
+    let option = option.to_string_lossy();
+    let one: &[&str] = match name.as_ref() {
+        "env" => &[
+            "-u",
+            "--unset",
+            "-C",
+            "--chdir",
+            "-S",
+            "--split-string",
+            "-a",
+            "--argv0",
+        ],
+        "timeout" => &["-s", "--signal", "-k", "--kill-after"],
+        "nice" => &["-n", "--adjustment"],
+        "time" => &["-f", "--format", "-o", "--output"],
+        "stdbuf" => &["-i", "--input", "-o", "--output", "-e", "--error"],
+        "ionice" => &[
+            "-c",
+            "--class",
+            "-n",
+            "--classdata",
+            "-p",
+            "--pid",
+            "-P",
+            "--pgid",
+            "-u",
+            "--uid",
+        ],
+        "chrt" => &[
+            "-T",
+            "--sched-runtime",
+            "-P",
+            "--sched-period",
+            "-D",
+            "--sched-deadline",
+        ],
+        "unshare" => &[
+            "-S",
+            "--setuid",
+            "-G",
+            "--setgid",
+            "-R",
+            "--root",
+            "-w",
+            "--wd",
+            "--propagation",
+            "--map-user",
+            "--map-group",
+            "--map-users",
+            "--map-groups",
+            "--monotonic",
+            "--boottime",
+        ],
+        "systemd-run" => &[
+            "-p",
+            "--property",
+            "-E",
+            "--setenv",
+            "-u",
+            "--unit",
+            "--uid",
+            "--gid",
+            "--nice",
+            "-M",
+            "--machine",
+            "-H",
+            "--host",
+            "--description",
+            "--slice",
+            "--working-directory",
+            "--on-active",
+            "--on-boot",
+            "--on-startup",
+            "--on-unit-active",
+            "--on-unit-inactive",
+            "--on-calendar",
+            "--path-property",
+            "--socket-property",
+            "--timer-property",
+            "--service-type",
+            "--expand-environment",
+        ],
+        "bwrap" => {
+            const TWO: [&str; 12] = [
+                "--bind",
+                "--ro-bind",
+                "--dev-bind",
+                "--bind-try",
+                "--ro-bind-try",
+                "--dev-bind-try",
+                "--symlink",
+                "--setenv",
+                "--file",
+                "--bind-data",
+                "--ro-bind-data",
+                "--chmod",
+            ];
+            if TWO.contains(&option.as_ref()) {
+                return 2;
+            }
+            &[
+                "--chdir",
+                "--unsetenv",
+                "--dev",
+                "--proc",
+                "--tmpfs",
+                "--mqueue",
+                "--dir",
+                "--remount-ro",
+                "--uid",
+                "--gid",
+                "--hostname",
+                "--lock-file",
+                "--sync-fd",
+                "--seccomp",
+                "--add-seccomp-fd",
+                "--exec-label",
+                "--file-label",
+                "--cap-add",
+                "--cap-drop",
+                "--userns",
+                "--userns2",
+                "--pidns",
+                "--info-fd",
+                "--json-status-fd",
+                "--block-fd",
+                "--userns-block-fd",
+                "--args",
+                "--perms",
+                "--size",
+                "--argv0",
+                "--overlay-src",
+                "--tmp-overlay",
+                "--ro-overlay",
+            ]
+        }
+        _ => &[],
+    };
+    usize::from(one.contains(&option.as_ref()))
+}
 
 /// Shells whose `-c` string [`Flavor::for_script`] reads.
 const SHELLS: [&str; 7] = ["sh", "bash", "dash", "zsh", "ksh", "mksh", "posh"];
@@ -375,6 +563,10 @@ impl Program {
     pub fn of(command: &OsStr) -> Option<Program> {
         let name = Path::new(command).file_name()?.to_string_lossy();
         let name = name.trim().to_ascii_lowercase();
+        // An option (`-Cbuild-bmake`), never a program's name.
+        if name.starts_with('-') {
+            return None;
+        }
         Some(match name.as_str() {
             "bmake" | "bsdmake" | "pmake" => Program::Bmake,
             // A bmake by another prefix (`herdless-bmake`, `x86_64-bmake`).
@@ -1172,6 +1364,35 @@ mod tests {
                 Flavor::Bmake,
             ),
             (&["unshare", "--pid", "--fork", "gmake"][..], Flavor::Gnu),
+            // An option's value names no program (a directory, a file).
+            (&["env", "-C", "build-bmake", "gmake"][..], Flavor::Gnu),
+            (&["env", "-Cbuild-bmake", "gmake"][..], Flavor::Gnu),
+            (&["env", "--chdir", "x-bmake", "make"][..], Flavor::Gnu),
+            (&["env", "-u", "MAKEFLAGS", "bmake"][..], Flavor::Bmake),
+            (&["time", "-o", "out-bmake", "gmake"][..], Flavor::Gnu),
+            (
+                &["bwrap", "--bind", "/src", "/w-bmake", "gmake"][..],
+                Flavor::Gnu,
+            ),
+            (
+                &["systemd-run", "--unit", "x-bmake", "--wait", "gmake"][..],
+                Flavor::Gnu,
+            ),
+            // `env -S` splits its value into the command line.
+            (&["env", "-S", "bmake -j4"][..], Flavor::Bmake),
+            // A wrapper in a wrapper.
+            (
+                &["nice", "-n", "5", "timeout", "-s", "KILL", "600", "bmake"][..],
+                Flavor::Bmake,
+            ),
+            (
+                &["sh", "-c", "env -C build-bmake gmake -j4"][..],
+                Flavor::Gnu,
+            ),
+            (
+                &["sh", "-c", "nice -n 5 timeout -k 9 600 bmake"][..],
+                Flavor::Bmake,
+            ),
             (&["timeout", "600", "./build.sh", "bmake"][..], Flavor::Gnu),
             (&["nice", "-n", "5", "sh", "-c", "bmake"][..], Flavor::Bmake),
             (&["sh", "-c", "bmake"][..], Flavor::Bmake),
