@@ -115,6 +115,7 @@ fn header_declares_the_api() {
         "void herdless_client_free(herdless_client *c);",
         "const char *herdless_strerror(int code);",
         "const char *herdless_slot_env(const herdless_client *c);",
+        "const char *herdless_runner_env(const herdless_client *c);",
         "herdless_client *herdless_client_native_from_env_as(unsigned int flags);",
         "herdless_connecting *herdless_connect_begin_as(unsigned int flags);",
         "int herdless_implicit_token(herdless_client *c);",

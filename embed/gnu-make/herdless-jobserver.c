@@ -121,18 +121,20 @@ export_variable (const char *name, const char *value)
    own MAKELEVEL (make raises the variable only in its children's
    environment). Its recipes run one level below: a `herdless exec` in
    one, or a sub-make beside others, shares that recipe's slot, the token
-   this make took for it. It names itself in HERDLESS_RUNNER, so that its
-   recipes' jobs know it for a make whatever its file is called. */
+   this make took for it. It names itself in HERDLESS_RUNNER
+   (herdless_runner_env), so that its recipes' jobs know it for a make
+   whatever its file is called. */
 static void
 export_slot (void)
 {
   const char *slot = herdless_slot_env (hl);
   const char *eq = slot ? strchr (slot, '=') : NULL;
-  char pid[32];
+  const char *runner = herdless_runner_env (hl);
+  const char *req = runner ? strchr (runner, '=') : NULL;
   if (eq)
     export_variable ("HERDLESS_SLOT", eq + 1);
-  snprintf (pid, sizeof pid, "%ld", (long) getpid ());
-  export_variable ("HERDLESS_RUNNER", pid);
+  if (req)
+    export_variable ("HERDLESS_RUNNER", req + 1);
 }
 
 /* This make now takes its tokens from herdless: its jobs learn its slot,

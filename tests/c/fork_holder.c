@@ -29,6 +29,13 @@ int main(int argc, char **argv) {
     CHECK(slot != NULL && strncmp(slot, "HERDLESS_SLOT=", 14) == 0 &&
           strlen(slot) >= 14 + 17 && slot[14 + 16] == '/');
     CHECK(herdless_slot_env(NULL) == NULL);
+    /* This process, for a make's jobs: HERDLESS_RUNNER=PID[:PIDNS]. */
+    const char *runner = herdless_runner_env(c);
+    char want[64];
+    snprintf(want, sizeof want, "HERDLESS_RUNNER=%ld", (long)getpid());
+    CHECK(runner != NULL && strncmp(runner, want, strlen(want)) == 0 &&
+          (runner[strlen(want)] == '\0' || runner[strlen(want)] == ':'));
+    CHECK(herdless_runner_env(NULL) == NULL);
     /* Checks before the fork are counted in the child's report. */
     fflush(stdout);
     pid_t child = fork();

@@ -671,9 +671,7 @@ void herdless_client_free(herdless_client *c);
  * `MAKELEVEL` of this process when it connected; a make that had raised
  * it in its own environment for its jobs (bmake does) puts its own level
  * there instead, or every job of it matches and shares the one slot.
- * Put `HERDLESS_RUNNER=` the make's process id (in decimal) beside it:
- * the jobs of its recipes then know it for a make whatever its file is
- * called, not only by its command name.
+ * Put `herdless_runner_env` beside it.
  *
  * Returns a NUL-terminated string owned by the handle, valid until
  * `herdless_client_free`, or NULL for a NULL handle and on a classic
@@ -684,6 +682,26 @@ void herdless_client_free(herdless_client *c);
  * `c` is NULL or a live handle.
  */
 const char *herdless_slot_env(const herdless_client *c);
+
+/**
+ * The other variable a make puts into the environment of each job it
+ * starts, `HERDLESS_RUNNER=…`: this process's id and PID namespace, as
+ * they were when the handle was made. A job of the make's recipes finds
+ * the recipe whose token it shares (README, "How many jobs") by walking
+ * up the process tree to a make, which it knows by its command name
+ * (`make`, `bmake`, …) or by this variable: a make installed under a
+ * name of its own (`hmake`) is then known too. A job in another PID
+ * namespace ignores it.
+ *
+ * Returns a NUL-terminated string owned by the handle, valid until
+ * `herdless_client_free`, or NULL for a NULL handle and on a classic
+ * jobserver (as `herdless_slot_env`).
+ *
+ * # Safety
+ *
+ * `c` is NULL or a live handle.
+ */
+const char *herdless_runner_env(const herdless_client *c);
 
 /**
  * A static, NUL-terminated English description of `code` (negative, as

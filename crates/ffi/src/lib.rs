@@ -79,6 +79,8 @@ pub struct herdless_client {
     held: AtomicU32,
     /// `HERDLESS_SLOT=…` for the make's jobs (see `herdless_slot_env`).
     slot_env: Option<CString>,
+    /// `HERDLESS_RUNNER=…` for the make's jobs (see `herdless_runner_env`).
+    runner_env: Option<CString>,
 }
 
 impl herdless_client {
@@ -112,10 +114,21 @@ fn into_handle(made: std::thread::Result<Result<Client, c_int>>) -> *mut herdles
             let slot_env = client
                 .job_env()
                 .and_then(|(k, v)| CString::new(format!("{k}={v}")).ok());
+            // Only where there is a broker: a job of the make's recipes
+            // goes by it to find the recipe whose slot it shares there.
+            let runner_env = slot_env.as_ref().and_then(|_| {
+                CString::new(format!(
+                    "{}={}",
+                    client::RUNNER_ENV,
+                    client::runner_env_value()
+                ))
+                .ok()
+            });
             return Box::into_raw(Box::new(herdless_client {
                 client,
                 held: AtomicU32::new(0),
                 slot_env,
+                runner_env,
             }));
         }
         Ok(Err(errno)) => errno,
@@ -979,9 +992,7 @@ pub unsafe extern "C" fn herdless_client_free(c: *mut herdless_client) {
 /// `MAKELEVEL` of this process when it connected; a make that had raised
 /// it in its own environment for its jobs (bmake does) puts its own level
 /// there instead, or every job of it matches and shares the one slot.
-/// Put `HERDLESS_RUNNER=` the make's process id (in decimal) beside it:
-/// the jobs of its recipes then know it for a make whatever its file is
-/// called, not only by its command name.
+/// Put `herdless_runner_env` beside it.
 ///
 /// Returns a NUL-terminated string owned by the handle, valid until
 /// `herdless_client_free`, or NULL for a NULL handle and on a classic
@@ -997,6 +1008,31 @@ pub unsafe extern "C" fn herdless_slot_env(c: *const herdless_client) -> *const 
         return ptr::null();
     };
     c.slot_env.as_ref().map_or(ptr::null(), |s| s.as_ptr())
+}
+
+/// The other variable a make puts into the environment of each job it
+/// starts, `HERDLESS_RUNNER=…`: this process's id and PID namespace, as
+/// they were when the handle was made. A job of the make's recipes finds
+/// the recipe whose token it shares (README, "How many jobs") by walking
+/// up the process tree to a make, which it knows by its command name
+/// (`make`, `bmake`, …) or by this variable: a make installed under a
+/// name of its own (`hmake`) is then known too. A job in another PID
+/// namespace ignores it.
+///
+/// Returns a NUL-terminated string owned by the handle, valid until
+/// `herdless_client_free`, or NULL for a NULL handle and on a classic
+/// jobserver (as `herdless_slot_env`).
+///
+/// # Safety
+///
+/// `c` is NULL or a live handle.
+#[no_mangle]
+pub unsafe extern "C" fn herdless_runner_env(c: *const herdless_client) -> *const c_char {
+    // SAFETY: this function's contract is `handle`'s.
+    let Some(c) = (unsafe { handle(c) }) else {
+        return ptr::null();
+    };
+    c.runner_env.as_ref().map_or(ptr::null(), |s| s.as_ptr())
 }
 
 /// A static, NUL-terminated English description of `code` (negative, as

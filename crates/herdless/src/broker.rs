@@ -253,15 +253,17 @@ fn recipe_root(peer: Option<u32>, said: u32, slot: u64, flags: HelloFlags) -> Op
     let table = herdless_platform::ProcessTable::read();
     let ps = |pid: u32| table.parent_and_name(pid);
     let (ppid, _) = ps(peer)?;
-    // The client's environment is not the broker's to read: runners by
-    // their names.
-    Some(match crate::classic::slot::slot_owner(ppid, None, ps) {
-        Owner::Shared(root) if root > 1 => Some(root),
-        Owner::Shared(_) => None,
-        Owner::Own => Some(peer),
-        Owner::Orphaned if flags.contains(HelloFlags::RUNNER) => Some(peer),
-        Owner::Orphaned => None,
-    })
+    // The client's environment, where a make with herdless inside names
+    // itself, is not the broker's to read: runners by their names.
+    Some(
+        match crate::classic::slot::slot_owner(ppid, |_| false, ps) {
+            Owner::Shared(root) if root > 1 => Some(root),
+            Owner::Shared(_) => None,
+            Owner::Own => Some(peer),
+            Owner::Orphaned if flags.contains(HelloFlags::RUNNER) => Some(peer),
+            Owner::Orphaned => None,
+        },
+    )
 }
 
 /// A fresh, unguessable slot id: 64 bits from the standard library's

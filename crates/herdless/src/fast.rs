@@ -1246,7 +1246,12 @@ impl Table {
     /// woke, is not woken again (it may be busy and take its gift later;
     /// one wake-up is all it needs, as the wait word or the signal's
     /// eventfd keeps it). What is still half done is finished as the
-    /// first pass does.
+    /// first pass does. A giver dead when it was finished first can have
+    /// done nothing since; one whose connection the broker closed while
+    /// its process ran on (a client cut off for breaking the rules) could
+    /// still mark a heir woken and die before its wake-up call, and that
+    /// heir is not woken here: a rule-breaker can stall a waiter in other
+    /// ways too (by writing its state word).
     pub fn finish_giver_again(&self, g: u32) -> (Vec<u32>, Vec<u32>) {
         self.finish_giver_waking(g, false)
     }

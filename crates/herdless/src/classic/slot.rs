@@ -66,14 +66,16 @@ pub(crate) enum Owner {
 /// many subshells lie between); else, with no job runner above,
 /// `Orphaned`; and a parent the table does not show, that parent (a
 /// table that cannot be read leaves each recipe's jobs to their shell).
-/// A job runner is known by its command name, or is process `runner`
-/// (the make that named itself in [`RUNNER_ENV`](crate::client::RUNNER_ENV)).
+/// A job runner is known by its command name, or by its process id
+/// (`runner`: the make that named itself in
+/// [`RUNNER_ENV`](crate::client::RUNNER_ENV), or, for the broker, a make
+/// connected to it as a runner).
 pub(crate) fn slot_owner(
     parent: u32,
-    runner: Option<u32>,
+    runner: impl Fn(u32) -> bool,
     ps: impl Fn(u32) -> Option<(u32, String)>,
 ) -> Owner {
-    let is_runner = |pid: u32, name: &str| Some(pid) == runner || runs_each_job_in_a_slot(name);
+    let is_runner = |pid: u32, name: &str| runner(pid) || runs_each_job_in_a_slot(name);
     match ps(parent) {
         Some((_, name)) if is_runner(parent, &name) => return Owner::Own,
         Some(_) => {}
@@ -117,11 +119,12 @@ pub(crate) fn this_slot_owner() -> Owner {
         return Owner::Own;
     }
     // A make with herdless inside names itself: known whatever its name.
-    let runner = std::env::var(crate::client::RUNNER_ENV)
-        .ok()
-        .and_then(|v| v.parse::<u32>().ok())
-        .filter(|&pid| pid > 1);
-    match slot_owner(parent, runner, |pid| table.parent_and_name(pid)) {
+    let runner = crate::client::runner_named_in_env();
+    match slot_owner(
+        parent,
+        |pid| Some(pid) == runner,
+        |pid| table.parent_and_name(pid),
+    ) {
         Owner::Orphaned
             if herdless_platform::in_child_pid_namespace()
                 && !table.any_other_named(runs_each_job_in_a_slot) =>
@@ -475,24 +478,24 @@ mod tests {
         ];
         let t = table(&rows);
         // Run by make itself: its own slot.
-        assert_eq!(slot_owner(20, None, &t), Owner::Own);
+        assert_eq!(slot_owner(20, |_| false, &t), Owner::Own);
         // Under the recipe's shell, or a subshell of it: the shell's slot.
-        assert_eq!(slot_owner(30, None, &t), Owner::Shared(30));
-        assert_eq!(slot_owner(40, None, &t), Owner::Shared(30));
+        assert_eq!(slot_owner(30, |_| false, &t), Owner::Shared(30));
+        assert_eq!(slot_owner(40, |_| false, &t), Owner::Shared(30));
         // Under a herdless exec that runs a script: the script's slot.
-        assert_eq!(slot_owner(60, None, &t), Owner::Shared(60));
+        assert_eq!(slot_owner(60, |_| false, &t), Owner::Shared(60));
         // A job of a job whose outer exec holds the recipe shell's slot: a
         // slot of its own below the outer job, never the one the outer job
         // holds (which would wait for ever for the job it is part of).
-        assert_eq!(slot_owner(80, None, &t), Owner::Own);
-        assert_eq!(slot_owner(90, None, &t), Owner::Shared(90));
+        assert_eq!(slot_owner(80, |_| false, &t), Owner::Own);
+        assert_eq!(slot_owner(90, |_| false, &t), Owner::Shared(90));
         // No job runner above (orphaned, or under another parent): none.
-        assert_eq!(slot_owner(70, None, &t), Owner::Orphaned);
-        assert_eq!(slot_owner(10, None, &t), Owner::Orphaned);
+        assert_eq!(slot_owner(70, |_| false, &t), Owner::Orphaned);
+        assert_eq!(slot_owner(10, |_| false, &t), Owner::Orphaned);
         // A job reparented to init itself.
-        assert_eq!(slot_owner(1, None, &t), Owner::Orphaned);
+        assert_eq!(slot_owner(1, |_| false, &t), Owner::Orphaned);
         // An unknown parent: its pid all the same.
-        assert_eq!(slot_owner(99, None, &t), Owner::Shared(99));
+        assert_eq!(slot_owner(99, |_| false, &t), Owner::Shared(99));
     }
 
     #[test]
@@ -508,17 +511,17 @@ mod tests {
         ];
         let t = table(&rows);
         // By its name alone it is no runner: its recipe's jobs find none.
-        assert_eq!(slot_owner(40, None, &t), Owner::Orphaned);
-        assert_eq!(slot_owner(20, None, &t), Owner::Orphaned);
+        assert_eq!(slot_owner(40, |_| false, &t), Owner::Orphaned);
+        assert_eq!(slot_owner(20, |_| false, &t), Owner::Orphaned);
         // Named in the environment: its recipe's shell owns the slot.
-        assert_eq!(slot_owner(20, Some(20), &t), Owner::Own);
-        assert_eq!(slot_owner(30, Some(20), &t), Owner::Shared(30));
-        assert_eq!(slot_owner(40, Some(20), &t), Owner::Shared(30));
+        assert_eq!(slot_owner(20, |p| p == 20, &t), Owner::Own);
+        assert_eq!(slot_owner(30, |p| p == 20, &t), Owner::Shared(30));
+        assert_eq!(slot_owner(40, |p| p == 20, &t), Owner::Shared(30));
         // The nearest make names itself for its own jobs.
-        assert_eq!(slot_owner(60, Some(50), &t), Owner::Shared(60));
-        assert_eq!(slot_owner(50, Some(50), &t), Owner::Own);
+        assert_eq!(slot_owner(60, |p| p == 50, &t), Owner::Shared(60));
+        assert_eq!(slot_owner(50, |p| p == 50, &t), Owner::Own);
         // A name that is no process of the tree changes nothing.
-        assert_eq!(slot_owner(40, Some(77), &t), Owner::Orphaned);
+        assert_eq!(slot_owner(40, |p| p == 77, &t), Owner::Orphaned);
     }
 
     fn test_slot(tag: u64) -> SharedSlot {

@@ -85,11 +85,45 @@ pub const SOCKET_ENV: &str = "HERDLESS_SOCKET";
 pub const SLOT_ENV: &str = "HERDLESS_SLOT";
 
 /// The environment variable in which a make with herdless inside names
-/// itself (its process id, in decimal) to the jobs it runs: a job of its
+/// itself to the jobs it runs ([`runner_env_value`]): a job of its
 /// recipes finds its recipe's slot below that process whatever the make's
 /// file is called (the process tree is otherwise read by command names,
 /// and a make installed as `hbmake` would not be known as one).
 pub const RUNNER_ENV: &str = "HERDLESS_RUNNER";
+
+/// The value of [`RUNNER_ENV`] for this process: its process id, and,
+/// where the OS tells, `:` and its PID namespace's inode number. A job in
+/// another PID namespace (a recipe's `bwrap --unshare-pid`, a container
+/// given the environment) numbers processes otherwise, and ignores it.
+pub fn runner_env_value() -> String {
+    let pid = std::process::id();
+    match herdless_platform::pid_namespace() {
+        Some(ns) => format!("{pid}:{ns}"),
+        None => pid.to_string(),
+    }
+}
+
+/// The process [`RUNNER_ENV`] names, if its value is one this process may
+/// go by: a process id above 1, in this process's PID namespace where the
+/// value names one.
+pub(crate) fn runner_named_in_env() -> Option<u32> {
+    let value = std::env::var(RUNNER_ENV).ok()?;
+    parse_runner_env(&value, herdless_platform::pid_namespace())
+}
+
+/// Parses a [`RUNNER_ENV`] value, given this process's PID namespace.
+fn parse_runner_env(value: &str, own_ns: Option<u32>) -> Option<u32> {
+    let (pid, ns) = match value.split_once(':') {
+        Some((pid, ns)) => (pid, Some(ns.parse::<u32>().ok()?)),
+        None => (value, None),
+    };
+    let pid = pid.parse::<u32>().ok().filter(|&p| p > 1)?;
+    match (ns, own_ns) {
+        (Some(ns), Some(own)) if ns != own => None,
+        (Some(_), None) => None,
+        _ => Some(pid),
+    }
+}
 
 /// The value of [`SLOT_ENV`] for slot `id`: the id in hex, `/`, and the
 /// `MAKELEVEL` of this environment (empty when unset). A job that sees
@@ -1202,6 +1236,25 @@ impl Client {
         match &self.inner.backend {
             Backend::Native(n) => n.release(),
             Backend::Classic(c) => c.release_any(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_runner_env;
+
+    #[test]
+    fn a_runner_is_named_by_pid_in_this_pid_namespace() {
+        assert_eq!(parse_runner_env("4242", Some(7)), Some(4242));
+        assert_eq!(parse_runner_env("4242:7", Some(7)), Some(4242));
+        assert_eq!(parse_runner_env("4242", None), Some(4242));
+        // Another namespace numbers processes otherwise.
+        assert_eq!(parse_runner_env("4242:8", Some(7)), None);
+        assert_eq!(parse_runner_env("4242:8", None), None);
+        // Not a process this walk may take for a make.
+        for bad in ["", "1", "0", "-5", "x", "4242:", "4242:x", ":7", "4242:7:7"] {
+            assert_eq!(parse_runner_env(bad, Some(7)), None, "{bad:?}");
         }
     }
 }
