@@ -3840,15 +3840,27 @@ fn interrupted_bmake_sub_make(tag: &str, job: &str) {
 /// held those tokens for them: never more than 4 at once.
 #[test]
 fn a_herdless_bmake_installed_as_herdless_bmake_lends_its_recipes_tokens() {
-    let t = Tree::new("real-bmake-renamed");
+    renamed_make_lends_its_recipes_tokens(
+        "real-bmake-renamed",
+        &herdless_bmake(),
+        "herdless-bmake",
+        " .MAKE",
+    );
+}
+
+/// Runs three sub-makes of two jobs at `-j6` with the make `source`
+/// installed as `name` (the sub-make rule's attributes `attr`): all 6
+/// must run at once, with no token lost and nothing left behind.
+fn renamed_make_lends_its_recipes_tokens(tag: &str, source: &Path, name: &str, attr: &str) {
+    let t = Tree::new(tag);
     let bin = t.path("bin");
     fs::create_dir_all(&bin).unwrap();
-    let make = bin.join("herdless-bmake");
-    fs::copy(herdless_bmake(), &make).unwrap();
+    let make = bin.join(name);
+    fs::copy(source, &make).unwrap();
     let d = t.dir.display();
     fs::write(
         t.path("Makefile"),
-        format!("all: s1 s2 s3\ns1 s2 s3: .MAKE\n\t@${{MAKE}} -f {d}/sub.mk\n"),
+        format!("all: s1 s2 s3\ns1 s2 s3:{attr}\n\t@${{MAKE}} -f {d}/sub.mk\n"),
     )
     .unwrap();
     t.flat_makefile("sub.mk", "j", 2);
@@ -3857,11 +3869,11 @@ fn a_herdless_bmake_installed_as_herdless_bmake_lends_its_recipes_tokens() {
     cmd.arg("-j6").env("JOB_SLEEP", "3");
     let out = run(cmd);
     let report = text(&out);
-    assert!(out.status.success(), "{report}");
+    assert!(out.status.success(), "{name}: {report}");
     let (done, most) = t.counts();
-    assert_eq!(done, 6, "{report}");
-    assert_eq!(most, 6, "{report}");
-    only_broker_lost_none(&t, "herdless-bmake");
+    assert_eq!(done, 6, "{name}: {report}");
+    assert_eq!(most, 6, "{name}: {report}");
+    only_broker_lost_none(&t, name);
     assert_no_leftovers(&t);
 }
 
@@ -4494,35 +4506,36 @@ fn random_trees_keep_the_limit_when_one_process_is_stopped_a_while() {
 fn a_bmake_sub_make_that_needs_no_more_tokens_leaves_the_next_one_to_a_make_that_waits() {
     let t = Tree::new("real-bmake-stale-wait");
     let d = t.dir.display();
-    fs::write(
-        t.path("Makefile"),
-        format!(
-            "all: s w q\n\
-             s: .MAKE\n\t@${{MAKE}} -f {d}/s.mk\n\
-             w: .MAKE\n\t@sleep 0.2; ${{MAKE}} -f {d}/w.mk\n\
-             q: r\n\t@sleep 0.1\n\
-             r:\n\t@sleep 0.6\n"
+    for (file, text) in [
+        (
+            "Makefile",
+            format!(
+                "all: s w q\n\
+                 s: .MAKE\n\t@${{MAKE}} -f {d}/s.mk\n\
+                 w: .MAKE\n\t@sleep 0.2; ${{MAKE}} -f {d}/w.mk\n\
+                 q: r\n\t@sleep 0.1\n\
+                 r:\n\t@sleep 0.6\n"
+            ),
         ),
-    )
-    .unwrap();
-    fs::write(
-        t.path("s.mk"),
-        format!(
-            "all: s1 s2\n\
-             s1:\n\t@sleep 0.3\n\
-             s2:\n\t@sleep 3; test -e {d}/w2.started || touch {d}/w2.late\n"
+        (
+            "s.mk",
+            format!(
+                "all: s1 s2\n\
+                 s1:\n\t@sleep 0.3\n\
+                 s2:\n\t@sleep 3; test -e {d}/w2.started || touch {d}/w2.late\n"
+            ),
         ),
-    )
-    .unwrap();
-    fs::write(
-        t.path("w.mk"),
-        format!(
-            "all: w1 w2\n\
-             w1:\n\t@sleep 8\n\
-             w2:\n\t@touch {d}/w2.started\n"
+        (
+            "w.mk",
+            format!(
+                "all: w1 w2\n\
+                 w1:\n\t@sleep 8\n\
+                 w2:\n\t@touch {d}/w2.started\n"
+            ),
         ),
-    )
-    .unwrap();
+    ] {
+        fs::write(t.path(file), text).unwrap();
+    }
     let mut cmd = make_cmd(&t, &herdless_bmake());
     cmd.arg("-j3");
     let out = run(cmd);
@@ -4546,32 +4559,11 @@ fn a_bmake_sub_make_that_needs_no_more_tokens_leaves_the_next_one_to_a_make_that
 /// then waited for shared tokens while the make held their recipes').
 #[test]
 fn herdless_makes_under_names_of_their_own_lend_their_recipes_tokens() {
-    for (tag, source, name, attr) in [
-        ("gnu", herdless_make(), "hmake", ""),
-        ("bmake", herdless_bmake(), "hbmake", " .MAKE"),
-    ] {
-        let t = Tree::new(&format!("real-make-own-name-{tag}"));
-        let bin = t.path("bin");
-        fs::create_dir_all(&bin).unwrap();
-        let make = bin.join(name);
-        fs::copy(&source, &make).unwrap();
-        let d = t.dir.display();
-        fs::write(
-            t.path("Makefile"),
-            format!("all: s1 s2 s3\ns1 s2 s3:{attr}\n\t@${{MAKE}} -f {d}/sub.mk\n"),
-        )
-        .unwrap();
-        t.flat_makefile("sub.mk", "j", 2);
-        let mut cmd = make_cmd(&t, &make);
-        // Long enough that the six overlap on a loaded machine.
-        cmd.arg("-j6").env("JOB_SLEEP", "3");
-        let out = run(cmd);
-        let report = text(&out);
-        assert!(out.status.success(), "{name}: {report}");
-        let (done, most) = t.counts();
-        assert_eq!(done, 6, "{name}: {report}");
-        assert_eq!(most, 6, "{name}: {report}");
-        only_broker_lost_none(&t, name);
-        assert_no_leftovers(&t);
-    }
+    renamed_make_lends_its_recipes_tokens("real-make-own-name-gnu", &herdless_make(), "hmake", "");
+    renamed_make_lends_its_recipes_tokens(
+        "real-make-own-name-bmake",
+        &herdless_bmake(),
+        "hbmake",
+        " .MAKE",
+    );
 }
