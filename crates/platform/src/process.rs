@@ -304,6 +304,19 @@ mod tests {
             .arg("30")
             .spawn()
             .unwrap();
+        // Read once it sleeps, its exec done: in the middle of one the new
+        // name is set before the new arguments are, and a process whose
+        // name reads cut has no whole one to read yet. (Every process the
+        // recipe walk reads is an ancestor of a running client.)
+        let start = std::time::Instant::now();
+        let pid = child.id();
+        let args_set =
+            || std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| !c.is_empty());
+        while (process_state(pid) != Some('S') || !args_set())
+            && start.elapsed() < std::time::Duration::from_secs(10)
+        {
+            std::thread::sleep(std::time::Duration::from_millis(2));
+        }
         let row = ProcessTable::read().parent_and_name(child.id());
         let _ = child.kill();
         let _ = child.wait();
