@@ -224,3 +224,35 @@ fn connect_as_nobody(socket: &std::path::Path) -> String {
         String::from_utf8_lossy(&out.stderr)
     )
 }
+
+/// A `-j` out of range is refused with a clear error, by the library
+/// (`Broker::bind`, `InvalidInput`) and by `herdless run`, and makes no
+/// socket.
+#[test]
+fn a_jobs_figure_out_of_range_is_refused() {
+    use herdless::broker::{Broker, Config, MAX_JOBS};
+    let dir = std::env::temp_dir().join(format!("herdless-bad-jobs-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let socket = dir.join("broker.sock");
+    for jobs in [0, MAX_JOBS + 1, u32::MAX] {
+        let e = Broker::bind(&socket, Config::new(jobs))
+            .err()
+            .expect("refused");
+        assert_eq!(e.kind(), std::io::ErrorKind::InvalidInput, "-j {jobs}: {e}");
+        assert!(e.to_string().contains("out of range"), "-j {jobs}: {e}");
+        assert!(!socket.exists(), "-j {jobs} left a socket");
+    }
+    let broker = Broker::bind(&socket, Config::new(MAX_JOBS)).expect("-j MAX_JOBS");
+    drop(broker);
+    let _ = std::fs::remove_dir_all(&dir);
+    for jobs in ["0", "65537"] {
+        let out = std::process::Command::new(common::BIN)
+            .args(["run", "-j", jobs, "--", "true"])
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "-j {jobs}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("not in 1..=65536"), "-j {jobs}: {err}");
+    }
+}

@@ -44,7 +44,7 @@ struct HerdArgs {
     modes: Vec<BenchMode>,
     /// Numbers of waiting processes, comma-separated.
     #[arg(long, value_name = "W[,W…]", value_delimiter = ',', default_value = "1,8,64,256",
-          value_parser = clap::value_parser!(u32).range(1..=65536))]
+          value_parser = clap::value_parser!(u32).range(1..=i64::from(herdless::broker::MAX_JOBS)))]
     waiters: Vec<u32>,
     /// Tokens handed out per mode and W.
     #[arg(long, value_name = "G", default_value_t = 200,

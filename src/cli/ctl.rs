@@ -23,7 +23,7 @@ enum What {
     /// loses its token).
     Jobs {
         /// The new job count.
-        #[arg(value_parser = clap::value_parser!(u32).range(1..=65536))]
+        #[arg(value_parser = clap::value_parser!(u32).range(1..=i64::from(herdless::broker::MAX_JOBS)))]
         n: u32,
     },
     /// Let process PID and all its descendants hold at most N job tokens at

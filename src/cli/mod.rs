@@ -82,7 +82,7 @@ enum Command {
 #[derive(clap::Args, Debug)]
 struct RunArgs {
     /// At most N jobs at once in the whole tree (as make's -j).
-    #[arg(short = 'j', long = "jobs", value_name = "N", value_parser = clap::value_parser!(u32).range(1..=65536))]
+    #[arg(short = 'j', long = "jobs", value_name = "N", value_parser = clap::value_parser!(u32).range(1..=i64::from(herdless::broker::MAX_JOBS)))]
     jobs: u32,
     /// Print the broker's statistics to stderr when CMD ends.
     #[arg(long)]
@@ -117,7 +117,7 @@ struct RunArgs {
 #[derive(clap::Args, Debug)]
 struct ServeArgs {
     /// At most N jobs at once (as make's -j).
-    #[arg(short = 'j', long = "jobs", value_name = "N", value_parser = clap::value_parser!(u32).range(1..=65536))]
+    #[arg(short = 'j', long = "jobs", value_name = "N", value_parser = clap::value_parser!(u32).range(1..=i64::from(herdless::broker::MAX_JOBS)))]
     jobs: u32,
     /// Listen on this path (its directory must be private: mode 0700).
     /// Under socket activation (LISTEN_FDS) the passed socket is used and

@@ -114,6 +114,12 @@ int main(void) {
     CHECK(herdless_broker_start(0, 0, NULL) == NULL);
     CHECK_EQ(errno, EINVAL);
     errno = 0;
+    CHECK(herdless_broker_start(65537, 0, NULL) == NULL);
+    CHECK_EQ(errno, EINVAL);
+    errno = 0;
+    CHECK(herdless_broker_start(4000000000u, 0, NULL) == NULL);
+    CHECK_EQ(errno, EINVAL);
+    errno = 0;
     CHECK(herdless_broker_start(4, 64, NULL) == NULL);
     CHECK_EQ(errno, EINVAL);
     errno = 0;

@@ -724,7 +724,9 @@ const char *herdless_strerror(int code);
  *
  * Returns a new handle, owned by the caller (stop it with
  * `herdless_broker_stop`), or NULL with `errno` set: `EINVAL` when `jobs`
- * is 0 or `flags` is not one of the combinations above, another value
+ * is 0 or more than 65536 (a make given more should run its stock
+ * jobserver, or none) or `flags` is not one of the combinations above,
+ * another value
  * when the directory, socket or FIFOs cannot be made.
  *
  * `parent_dir`, when not NULL, is where the private directory is made

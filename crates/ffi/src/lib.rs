@@ -1185,7 +1185,9 @@ fn above_fifteen(fd: OwnedFd) -> OwnedFd {
 ///
 /// Returns a new handle, owned by the caller (stop it with
 /// `herdless_broker_stop`), or NULL with `errno` set: `EINVAL` when `jobs`
-/// is 0 or `flags` is not one of the combinations above, another value
+/// is 0 or more than 65536 (a make given more should run its stock
+/// jobserver, or none) or `flags` is not one of the combinations above,
+/// another value
 /// when the directory, socket or FIFOs cannot be made.
 ///
 /// `parent_dir`, when not NULL, is where the private directory is made
@@ -1264,7 +1266,7 @@ fn start_broker(
         }
         _ => return Err(libc::EINVAL),
     };
-    if jobs == 0 {
+    if !(1..=herdless_lib::broker::MAX_JOBS).contains(&jobs) {
         return Err(libc::EINVAL);
     }
     let mut dir = match parent {

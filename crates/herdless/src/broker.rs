@@ -103,6 +103,21 @@ const EXIT_BIT: usize = 1 << (usize::BITS - 2);
 /// descriptors beyond one per connection and one per holder.
 const IDLE_EXIT_FDS: usize = 1024;
 
+/// The largest `-j` a broker serves. More is no build's real limit, and
+/// a stock make's own jobserver stalls well below it (its pipe fills).
+pub const MAX_JOBS: u32 = 65536;
+
+/// Checks a `-j` figure: 1 to [`MAX_JOBS`].
+fn check_jobs(jobs: u32) -> io::Result<()> {
+    if !(1..=MAX_JOBS).contains(&jobs) {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("-j {jobs} is out of range (1 to {MAX_JOBS})"),
+        ));
+    }
+    Ok(())
+}
+
 /// How a broker is set up.
 #[derive(Clone, Debug)]
 pub struct Config {
@@ -420,14 +435,10 @@ fn ns_to_us(ns: u64) -> f64 {
 impl Broker {
     /// Listens on `socket` (whose directory the caller has made private,
     /// see [`crate::rundir`]). A stale socket file left by a dead broker is
-    /// replaced; a live one is an `AddrInUse` error.
+    /// replaced; a live one is an `AddrInUse` error. A `-j` of 0 or above
+    /// [`MAX_JOBS`] is an `InvalidInput` error.
     pub fn bind(socket: &Path, config: Config) -> io::Result<Broker> {
-        if config.jobs == 0 {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                "-j must be at least 1",
-            ));
-        }
+        check_jobs(config.jobs)?;
         if let Ok(meta) = std::fs::symlink_metadata(socket) {
             use std::os::unix::fs::FileTypeExt;
             if !meta.file_type().is_socket() {
@@ -491,12 +502,7 @@ impl Broker {
         listener: std::os::unix::net::UnixListener,
         config: Config,
     ) -> io::Result<Broker> {
-        if config.jobs == 0 {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                "-j must be at least 1",
-            ));
-        }
+        check_jobs(config.jobs)?;
         listener.set_nonblocking(true)?;
         Broker::on_listener(UnixListener::from_std(listener), config)
     }

@@ -177,8 +177,11 @@ impl Broker {
         let now = self.now();
         match op {
             ControlOp::SetJobs(jobs) => {
-                if !(1..=65536).contains(&jobs) {
-                    return Err(format!("-j {jobs} is out of range (1 to 65536)"));
+                if !(1..=super::MAX_JOBS).contains(&jobs) {
+                    return Err(format!(
+                        "-j {jobs} is out of range (1 to {})",
+                        super::MAX_JOBS
+                    ));
                 }
                 log!(
                     Level::Info,
