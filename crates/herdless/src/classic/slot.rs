@@ -68,8 +68,8 @@ pub(crate) enum Owner {
 /// table that cannot be read leaves each recipe's jobs to their shell).
 /// A job runner is known by its command name, or by its process id
 /// (`runner`: the make that named itself in
-/// [`RUNNER_ENV`](crate::client::RUNNER_ENV), or, for the broker, a make
-/// connected to it as a runner).
+/// [`RUNNER_ENV`](crate::client::RUNNER_ENV); the broker, which cannot
+/// read a client's environment, names none).
 pub(crate) fn slot_owner(
     parent: u32,
     runner: impl Fn(u32) -> bool,
