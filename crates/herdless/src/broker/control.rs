@@ -177,12 +177,7 @@ impl Broker {
         let now = self.now();
         match op {
             ControlOp::SetJobs(jobs) => {
-                if !(1..=super::MAX_JOBS).contains(&jobs) {
-                    return Err(format!(
-                        "-j {jobs} is out of range (1 to {})",
-                        super::MAX_JOBS
-                    ));
-                }
+                super::check_jobs(jobs).map_err(|e| e.to_string())?;
                 log!(
                     Level::Info,
                     "client {id} set -j {jobs} (was {})",
