@@ -482,6 +482,10 @@ fn starve_driver() -> ! {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(0);
+    let rounds: u64 = std::env::var("HERDLESS_TEST_ROUNDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(20_000);
     let churners: Vec<_> = (0..4)
         .map(|_| {
             let (stop, native, socket) = (stop.clone(), native.clone(), socket.clone());
@@ -489,7 +493,7 @@ fn starve_driver() -> ! {
                 let c = Client::connect_with(&socket, Options::default().implicit_token(false))
                     .unwrap();
                 let mut n = 0u64;
-                while !stop.load(Ordering::SeqCst) && n < 20_000 {
+                while !stop.load(Ordering::SeqCst) && n < rounds {
                     let t = c.acquire().unwrap();
                     native.fetch_add(1, Ordering::SeqCst);
                     if hold > 0 {
@@ -501,6 +505,36 @@ fn starve_driver() -> ! {
             })
         })
         .collect();
+    if std::env::var_os("HERDLESS_TEST_NO_READ").is_some() {
+        // No classic client at all: the broker's figures tell what became
+        // of the bridge's offers while the natives contended, from their
+        // 200th grant (the pipe's first fill and the start behind) to
+        // their last.
+        let figures = || {
+            let json = Client::observe(&socket).unwrap().json().unwrap();
+            let s: herdless::status::Status = serde_json::from_str(&json).unwrap();
+            let (classic, fast) = (s.classic.expect("a bridge"), s.fast.expect("a table"));
+            [classic.offered, classic.taken_back, fast.moved, fast.grants]
+        };
+        while native.load(Ordering::SeqCst) < 200 {
+            std::thread::yield_now();
+        }
+        let before = figures();
+        for c in churners {
+            c.join().unwrap();
+        }
+        let after = figures();
+        let d: Vec<u64> = after.iter().zip(before).map(|(a, b)| a - b).collect();
+        println!(
+            "role: natives {} offered {} taken back {} moved {} table grants {}",
+            native.load(Ordering::SeqCst),
+            d[0],
+            d[1],
+            d[2],
+            d[3]
+        );
+        std::process::exit(0);
+    }
     // Let the natives contend before the classic client asks.
     while native.load(Ordering::SeqCst) < 200 {
         std::thread::yield_now();
@@ -796,6 +830,51 @@ fn a_classic_client_is_not_starved_by_natives_contending_in_the_shared_table() {
     // its own implicit token).
     let (waited, total) = starve(&[("HERDLESS_TEST_HOLD_US", "50")]);
     assert_not_starved("table", waited, total);
+}
+
+/// Four natives contend in the shared table at `-j3` (two of them always
+/// wait there) and no classic client ever reads the pipe. The bridge's
+/// offers, due every few rounds of grants, go ahead of the waits in the
+/// table, which stay where they are: while an offer is out the broker
+/// serves them itself, and none is moved to its queue (each offer used to
+/// move every wait in the table there, to be granted over the socket).
+/// Counted from the natives' 200th grant: at the start the pipe holds
+/// the whole pool, and the first waits may meet a closed table.
+#[cfg(target_os = "linux")]
+#[test]
+fn offers_made_while_natives_wait_in_the_table_leave_their_waits_there() {
+    let mut cmd = Command::new(BIN);
+    cmd.args(["run", "-j", "3", "--"])
+        .arg(std::env::current_exe().unwrap())
+        .args(["--exact", "helper_process", "--nocapture"])
+        .env("HERDLESS_TEST_ROLE", "starve-driver")
+        .env("HERDLESS_TEST_HOLD_US", "50")
+        .env("HERDLESS_TEST_ROUNDS", "3000")
+        .env("HERDLESS_TEST_NO_READ", "1")
+        .env_remove("MAKEFLAGS")
+        .env_remove("HERDLESS_SOCKET");
+    let out = cmd.output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stdout}{stderr}");
+    let line = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("role: "))
+        .unwrap_or_else(|| panic!("{stdout}{stderr}"));
+    eprintln!("{line}");
+    let figure = |name: &str| -> u64 {
+        let rest = line.split(&format!("{name} ")).nth(1).unwrap();
+        rest.split_whitespace().next().unwrap().parse().unwrap()
+    };
+    assert_eq!(figure("natives"), 4 * 3000, "{line}");
+    assert!(figure("offered") >= 10, "too few offers to tell: {line}");
+    assert!(figure("back") >= 10, "{line}");
+    assert!(figure("grants") > 0, "{line}");
+    assert_eq!(
+        figure("moved"),
+        0,
+        "waits moved to the broker's queue: {line}"
+    );
 }
 
 #[test]

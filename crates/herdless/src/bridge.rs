@@ -625,6 +625,25 @@ impl Bridge {
         self.table_mode() && !self.queued && (self.held(pool) == 0 || self.standing_offer_out(pool))
     }
 
+    /// Whether the bridge's ask for an offer waits in the pool's queue.
+    pub fn offer_queued(&self) -> bool {
+        self.queued
+    }
+
+    /// Whether the one token out is an offer made for waiting natives, in
+    /// [`table_mode`](Self::table_mode), unread: the table stays
+    /// half-open meanwhile, its clients give back to the broker, and the
+    /// broker hands what they give back to the oldest waiter in the table
+    /// itself (a release is then a broker event, as the offer's rules
+    /// need).
+    pub fn offer_out_to_waiters(&self, pool: &Pool) -> bool {
+        self.table_mode()
+            && !self.queued
+            && self.offer.is_some()
+            && self.expected_in_pipe == 1
+            && self.held(pool) == 1
+    }
+
     /// Tokens the classic side holds in the pool's books: in the pipe, or
     /// taken from it.
     fn held(&self, pool: &Pool) -> u32 {

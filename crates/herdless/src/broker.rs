@@ -704,8 +704,7 @@ impl Broker {
                 .as_ref()
                 .is_some_and(|b| b.offer_due(grants, natives_waiting, now))
             {
-                // The table's waiters asked before the bridge's offer.
-                self.fast_take_back_for_socket();
+                self.fast_ask_for_offer();
             }
             let view = match (&self.bridge, &self.fast) {
                 (Some(_), Some(f)) => crate::bridge::TableView {
@@ -747,8 +746,19 @@ impl Broker {
         let (Some(bridge), Some(fast)) = (self.bridge.as_ref(), self.fast.as_ref()) else {
             return false;
         };
-        let notify = bridge.notify(&self.pool);
+        // The table half-open around an offer, its waiters served by the
+        // broker: a free token here (none waited when it came) goes to the
+        // first wait that starts, which tells the broker.
+        let serving = !fast.table.is_open() && self.fast_may_serve();
+        let notify = if serving && self.pool.free() > 0 {
+            crate::fast::Notify::FirstWait
+        } else {
+            bridge.notify(&self.pool)
+        };
         fast.table.set_notify(notify);
+        if serving {
+            return notify == crate::fast::Notify::FirstWait && fast.table.waiting_count() > 0;
+        }
         match notify {
             crate::fast::Notify::FirstWait => {
                 fast.table.is_open() && fast.table.waiting_count() > 0

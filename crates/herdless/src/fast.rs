@@ -650,11 +650,25 @@ impl Table {
     /// move the token (`cur → gift(giver, heir)`), wake the heir (its
     /// state *waiting → woken*, then `FUTEX_WAKE`).
     pub fn hand_on(&self, i: u32, cur: u32, giver: u32) -> HandOn {
+        self.hand_on_if(i, cur, giver, false)
+    }
+
+    /// The broker hands free word `i` to the oldest waiter whatever the
+    /// gate says: a half-open table whose waiters the broker serves
+    /// itself, one token at a time, while its clients give back to it.
+    /// [`HandOn::Freed`] when nobody waits (the word stays free).
+    pub fn hand_free_on(&self, i: u32) -> HandOn {
+        self.hand_on_if(i, FREE, BROKER_GIVER, true)
+    }
+
+    /// [`hand_on`](Self::hand_on), looking for an heir while the gate is
+    /// open (read again at every look), or at any gate with `any_gate`.
+    fn hand_on_if(&self, i: u32, cur: u32, giver: u32, any_gate: bool) -> HandOn {
         let w = self.word(i);
         let mut cur = cur;
         loop {
             let heir = match self.tid() {
-                Some(tid) if self.is_open() => self.heir(tid).map(|(h, t)| (tid, h, t)),
+                Some(tid) if any_gate || self.is_open() => self.heir(tid).map(|(h, t)| (tid, h, t)),
                 _ => None,
             };
             match heir {

@@ -17,7 +17,7 @@ use std::os::fd::AsFd;
 use mio::Token;
 
 use super::Broker;
-use crate::fast::{as_gift, Table, BROKER_GIVER, FREE, MAX_SLOTS, OUT};
+use crate::fast::{as_gift, HandOn, Table, BROKER_GIVER, FREE, MAX_SLOTS, OUT};
 use crate::log;
 use crate::log::Level;
 use crate::pool::{ClientId, ClientInfo, SlotKey};
@@ -319,21 +319,110 @@ impl Broker {
                 .all(|&key| !self.pool.slot_lendable(key))
     }
 
+    /// Whether the table may be half-open with the broker serving its
+    /// waiters itself: the classic bridge's offer for waiting natives is
+    /// out, and nothing else keeps the table from opening. Clients give
+    /// back to the broker meanwhile (the offer's rules count releases as
+    /// broker events), and the broker hands each token to the oldest
+    /// waiter in the table: their waits stay where they are.
+    pub(super) fn fast_may_serve(&self) -> bool {
+        let Some(fast) = self.fast.as_ref() else {
+            return false;
+        };
+        fast.guard.is_some()
+            && self.pool.plain()
+            && self
+                .bridge
+                .as_ref()
+                .is_some_and(|b| b.offer_out_to_waiters(&self.pool))
+            && fast
+                .named_slots
+                .keys()
+                .all(|&key| !self.pool.slot_lendable(key))
+    }
+
+    /// Whether the pool's queue holds the classic bridge's ask for an
+    /// offer alone: it goes ahead of the waits in the table, which stay
+    /// there (the broker serves them once the offer is out).
+    fn fast_offer_alone_queued(&self) -> bool {
+        self.pool.waiting() == 1
+            && self
+                .bridge
+                .as_ref()
+                .is_some_and(crate::bridge::Bridge::offer_queued)
+    }
+
+    /// Lends free pool tokens to the half-open table and hands each to the
+    /// oldest waiter there, while both last (see
+    /// [`fast_may_serve`](Self::fast_may_serve)). A word nobody takes
+    /// goes back to the pool.
+    fn fast_serve_waiters(&mut self) {
+        loop {
+            let Some(fast) = self.fast.as_ref() else {
+                return;
+            };
+            if self.pool.free() == 0
+                || fast.lent_count >= fast.table.words()
+                || fast.table.waiting_count() == 0
+            {
+                return;
+            }
+            let Some(i) = fast.lent.iter().position(|l| !l) else {
+                return;
+            };
+            let client = fast.client;
+            let free = self.pool.free();
+            if self.pool.try_acquire(client).is_err() || self.pool.free() == free {
+                return;
+            }
+            // The grant's effect lends word `i` (the first not lent).
+            self.apply_effects();
+            let Some(fast) = self.fast.as_mut() else {
+                return;
+            };
+            if !fast.lent[i] || fast.table.hand_free_on(i as u32) == HandOn::Handed {
+                continue;
+            }
+            // Its waiter withdrew meanwhile: the word goes back.
+            if fast.table.take_back(i as u32) {
+                fast.lent[i] = false;
+                fast.lent_count -= 1;
+                let now = self.now();
+                let _ = self.pool.release(client, now);
+                self.apply_effects();
+            }
+            return;
+        }
+    }
+
     /// Brings the table in line with the pool: open and lend free tokens,
     /// half-open or close and take back free words. Called after every
     /// event.
     pub(super) fn fast_balance(&mut self) {
         let open = self.fast_may_open();
-        let half = !open && self.fast_may_half_open();
+        let serve = !open && self.fast_may_serve();
+        let half = !open && !serve && self.fast_may_half_open();
+        let offer_alone = half && self.fast_offer_alone_queued();
         let capacity = u64::from(self.pool.capacity());
         let grants = self.native_grants;
         let Some(fast) = self.fast.as_mut() else {
             return;
         };
-        if !half {
+        if !half || offer_alone {
             fast.half_waiters_since = None;
         }
-        if open {
+        if serve {
+            let was_open = fast.table.is_open();
+            fast.table.half_open_gate();
+            // After the gate: a giver that read it open handed its word on
+            // or freed it, and the reading here takes a free one back
+            // (Dekker, as for closing); the pool's free tokens then go to
+            // the waiters, oldest first.
+            if was_open || fast.dirty {
+                self.fast_sweep(true);
+            }
+            self.fast_serve_waiters();
+        } else if open {
             // What the broker holds back counts down in the table's count
             // before a lent word can be taken: the count's peak never
             // sees a token twice.
@@ -370,7 +459,11 @@ impl Broker {
             // the table until its next opening, and join the queue, in
             // ticket order, if the queue outlasts a round of grants
             // (capacity) after the broker first sees them.
-            let mv = if was_open {
+            let mv = if offer_alone {
+                // The bridge's offer goes first; the waits stay here and
+                // are served as soon as it is out (`fast_may_serve`).
+                false
+            } else if was_open {
                 true
             } else if fast.table.waiting_count() == 0 {
                 fast.half_waiters_since = None;
@@ -711,6 +804,34 @@ impl Broker {
         // Clients waiting in the table asked first: they queue first.
         self.fast_move_waiters();
         self.fast_sweep(true);
+    }
+}
+
+impl Broker {
+    /// The classic bridge's next offer is due. It is asked for in the
+    /// pool's queue, ahead of the waits in the table, which stay there
+    /// (the table half-opens, so that the next token given back reaches
+    /// the broker, and the broker serves them itself while the offer is
+    /// out: `fast_may_serve`). A free word, when the table has one, is
+    /// taken back for it at once, with the table left open: a take and
+    /// the taking back are each one compare-and-swap of that word.
+    pub(super) fn fast_ask_for_offer(&mut self) {
+        if self.pool.free() > 0 {
+            return;
+        }
+        let Some(fast) = self.fast.as_mut() else {
+            return;
+        };
+        let Some(i) =
+            (0..fast.table.words()).find(|&i| fast.lent[i as usize] && fast.table.take_back(i))
+        else {
+            return;
+        };
+        fast.lent[i as usize] = false;
+        fast.lent_count -= 1;
+        let (client, now) = (fast.client, self.now());
+        let _ = self.pool.release(client, now);
+        self.apply_effects();
     }
 }
 
