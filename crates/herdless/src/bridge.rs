@@ -92,9 +92,9 @@
 //! table holds the pool's free tokens only while the classic side is
 //! *dormant* (the command connected natively, no classic client has been
 //! seen at work) and the bridge holds nothing but the standing offer: no
-//! other token in the pipe, no request in the pool's queue. Every offer
-//! is asked for with the table closed, where a grant or a release is a
-//! broker event again and the rules above hold as they are:
+//! other token in the pipe, no request in the pool's queue. An offer made
+//! for waiting natives is out with the table half-open, where a release
+//! is a broker event again and the rules above hold as they are:
 //!
 //! - the broker sees no grant or wait in the open table, so the table's
 //!   notify word counts takes and waits there down to the next offer's
@@ -102,17 +102,20 @@
 //!   message): natives busy in the table wake the broker about once per
 //!   offer;
 //! - an offer that is due is asked for in the pool's queue, as above,
-//!   whether natives wait or not; that closes the table: its waiters go
-//!   to the queue first, in ticket order, its free words back to the
-//!   pool, and the offer follows. An offer made while no native waits is
+//!   whether natives wait or not: a free word left in the table is taken
+//!   back for it; otherwise the ask half-opens the table and takes the
+//!   next token given back there, ahead of the waits in the table, which
+//!   stay where they are. While an offer made for them is out, the table
+//!   stays half-open: its clients give back to the broker, which hands
+//!   each token to the oldest waiter in the table itself (nobody is moved
+//!   to the pool's queue, to be granted over the socket). An offer made
+//!   while no native waits is
 //!   a *standing offer*: the table opens again with the rest of the free
 //!   pool, and its notify word asks for the first wait that starts there
 //!   (takes are not told), so natives that find a free word cost the
 //!   broker nothing; the first native that waits, in the table or at the
 //!   broker, has the offer taken back, and the back-off grows;
-//! - once the offer is read or taken back, and the queue has drained (the
-//!   table is *half-open* meanwhile, so new waits start in it rather than
-//!   in the queue), the table opens again.
+//! - once the offer is taken back, the table opens again.
 //!
 //! A classic client that reads an offer wakes the classic side for good:
 //! the table stays closed from then on. With a table the pipe is shrunk to
@@ -617,10 +620,13 @@ impl Bridge {
     /// Whether the shared table may be open now: in
     /// [`table_mode`](Self::table_mode), with nothing asked for in the
     /// pool and nothing in the pipe but the standing offer. An offer made
-    /// for waiting natives is made with the table closed, where every
-    /// grant and release is a broker event again; the standing offer
+    /// for waiting natives is out with the table half-open, where every
+    /// release is a broker event again ([`offer_out_to_waiters`]); the
+    /// standing offer
     /// leaves it open, and the first wait in it tells the broker
     /// ([`notify`](Self::notify)), which takes the offer back for it.
+    ///
+    /// [`offer_out_to_waiters`]: Self::offer_out_to_waiters
     pub fn leaves_pool_to_table(&self, pool: &Pool) -> bool {
         self.table_mode() && !self.queued && (self.held(pool) == 0 || self.standing_offer_out(pool))
     }
@@ -663,9 +669,9 @@ impl Bridge {
 
     /// In [`table_mode`](Self::table_mode), whether the next
     /// [`balance`](Self::balance) asks for an offer in the pool's queue
-    /// (`native_grants` counted as there): the broker first closes the
-    /// table, so that the natives waiting in it, who asked first, queue
-    /// first.
+    /// (`native_grants` counted as there): the broker first takes a free
+    /// word of the table back for it, when there is one; otherwise the ask
+    /// goes ahead of the natives waiting in the table, who stay there.
     /// `natives_waiting`: natives waiting in the pool's queue and in the
     /// table.
     pub fn offer_due(
@@ -1023,8 +1029,8 @@ impl Bridge {
     /// or, when no native waits (`idle`), its time, whichever comes first
     /// (see [`Bridge::back_off`]). Natives that wait are granted tokens as
     /// others are released, in the table too, and those grants count; an
-    /// offer made by the clock while they contend would close the table
-    /// and move their waits for nothing more.
+    /// offer made by the clock while they contend would only send their
+    /// releases through the broker for nothing more.
     fn offer_allowed(&self, native_grants: u64, idle: bool, now: std::time::Duration) -> bool {
         native_grants >= self.next_offer_at || (idle && now >= self.next_offer_time)
     }
@@ -1102,9 +1108,9 @@ impl Bridge {
         let table_mode = self.table_mode();
         if natives_waiting == 0 && table_mode {
             // The table takes the free pool: one standing offer while no
-            // native waits, once the back-off allows, asked for in the
-            // pool's queue (which closes the table and takes its free
-            // words back).
+            // native waits, once the back-off allows: a free word the
+            // broker took back from the table, or asked for in the pool's
+            // queue (which half-opens the table).
             self.offer = None;
             let keep = u32::from(in_pipe > 0 || self.offer_allowed(native_grants, true, now));
             self.keep_in_pipe(pool, in_pipe, keep, now);
@@ -1160,11 +1166,11 @@ impl Bridge {
                 // still to come. What the classic side holds never counts:
                 // the classic protocol cannot promise it comes back (a long
                 // job, or a holder that died with it).
-                // The shared table is closed while an offer is out, so a
-                // release there is a broker event too (its client tells
-                // the broker); its holders count as they wait, not as the
-                // table's client, which holds the words in the pool's
-                // books.
+                // The shared table is half-open (or closed) while an offer
+                // for waiting natives is out, so a release there is a
+                // broker event too (its client tells the broker); its
+                // holders count as they wait, not as the table's client,
+                // which holds the words in the pool's books.
                 let table_client = table
                     .client
                     .is_some_and(|t| pool.held_by(t).unwrap_or(0) > 0);
