@@ -19,12 +19,15 @@ use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{Helper, Rng, Serve, PATIENCE};
+use common::{Helper, Rng, Serve, BIN, PATIENCE};
 use herdless::client::{Client, ErrorKind, Options};
 use herdless::protocol::{AbortReason, Request};
 
 #[test]
 fn helper_process() {
+    if std::env::var("HERDLESS_TEST_ROLE").as_deref() == Ok("chaos-driver") {
+        chaos_driver();
+    }
     common::helper_main();
 }
 
@@ -164,13 +167,75 @@ fn flooder(socket: &std::path::Path, unit: Request, stop: &AtomicBool) {
 
 #[test]
 fn chaos() {
+    let seed = chaos_seed();
+    let serve = Serve::start(JOBS);
+    let (ops, kills, samples, garbage) = storm(&serve.socket, seed);
+    let socket = serve.socket.clone();
+
+    // Every token comes back.
+    let s = serve.wait_for("every token back", |s| {
+        s.free == s.capacity && s.waiting == 0
+    });
+    assert_eq!(s.lost, 0, "seed {seed}");
+    assert!(
+        s.max_in_use <= JOBS,
+        "seed {seed}: max in use {}",
+        s.max_in_use
+    );
+
+    // Last, an abort reaches waiters and stops all granting.
+    let holder = Client::connect_with(&socket, Options::default().implicit_token(false)).unwrap();
+    let tokens: Vec<_> = (0..JOBS - 1).map(|_| holder.acquire().unwrap()).collect();
+    let waiters: Vec<_> = (0..3)
+        .map(|_| {
+            let socket = socket.clone();
+            std::thread::spawn(move || {
+                let c = Client::connect_with(&socket, Options::default().implicit_token(false))
+                    .unwrap();
+                c.acquire_timeout(PATIENCE).map(|t| t.is_some())
+            })
+        })
+        .collect();
+    serve.wait_for("3 waiters", |s| s.waiting == 3);
+    holder.abort(AbortReason::Error).unwrap();
+    for w in waiters {
+        let got = w.join().unwrap();
+        assert!(
+            matches!(&got, Err(e) if e.kind() == ErrorKind::Aborted(AbortReason::Error)),
+            "seed {seed}: a waiter got {:?}",
+            got.map_err(|e| e.to_string())
+        );
+    }
+    drop(tokens);
+    drop(holder);
+    let s = serve.wait_for("tokens back after the abort", |s| s.free == s.capacity);
+    assert_eq!(s.lost, 0);
+    let (exit, log) = serve.stop();
+    assert!(exit.success(), "seed {seed}: {log}");
+    assert!(log.contains("tokens lost   0"), "seed {seed}: {log}");
+    eprintln!(
+        "chaos seed {seed}: {ops} operations, {kills} kills, {} samples, {} garbage connections, \
+         max in use {} of {JOBS}, tokens lost {}",
+        samples, garbage, s.max_in_use, s.lost
+    );
+}
+
+/// The seed of this run (`HERDLESS_CHAOS_SEED`, printed).
+fn chaos_seed() -> u64 {
     let seed: u64 = std::env::var("HERDLESS_CHAOS_SEED")
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(0x5eed_c4a0);
     eprintln!("chaos seed {seed} (HERDLESS_CHAOS_SEED={seed} replays it)");
-    let serve = Serve::start(JOBS);
-    let socket = serve.socket.clone();
+    seed
+}
+
+/// The storm itself against the broker at `socket`: well-behaved workers,
+/// floods, garbage, killed clients and a checker of the invariants at
+/// random moments. Returns (operations done, kills, samples, garbage
+/// connections) once every worker is done and the rest has stopped.
+fn storm(socket: &std::path::Path, seed: u64) -> (usize, usize, u32, u64) {
+    let socket = socket.to_path_buf();
     let stop = Arc::new(AtomicBool::new(false));
     let held = Arc::new(Held {
         now: AtomicI64::new(0),
@@ -263,7 +328,6 @@ fn chaos() {
     for f in flooders {
         f.join().unwrap();
     }
-
     // Every well-behaved client was served to the end.
     assert_eq!(ops, WORKERS as usize * OPS_PER_WORKER, "seed {seed}");
     assert_eq!(kills, KILLS);
@@ -273,53 +337,74 @@ fn chaos() {
         "seed {seed}: {max_here} tokens held at once in this process"
     );
     assert_eq!(held.now.load(Ordering::SeqCst), 0);
-    // Every token comes back.
-    let s = serve.wait_for("every token back", |s| {
-        s.free == s.capacity && s.waiting == 0
-    });
-    assert_eq!(s.lost, 0, "seed {seed}");
-    assert!(
-        s.max_in_use <= JOBS,
-        "seed {seed}: max in use {}",
-        s.max_in_use
-    );
-
-    // Last, an abort reaches waiters and stops all granting.
-    let holder = Client::connect_with(&socket, Options::default().implicit_token(false)).unwrap();
-    let tokens: Vec<_> = (0..JOBS - 1).map(|_| holder.acquire().unwrap()).collect();
-    let waiters: Vec<_> = (0..3)
-        .map(|_| {
-            let socket = socket.clone();
-            std::thread::spawn(move || {
-                let c = Client::connect_with(&socket, Options::default().implicit_token(false))
-                    .unwrap();
-                c.acquire_timeout(PATIENCE).map(|t| t.is_some())
-            })
-        })
-        .collect();
-    serve.wait_for("3 waiters", |s| s.waiting == 3);
-    holder.abort(AbortReason::Error).unwrap();
-    for w in waiters {
-        let got = w.join().unwrap();
-        assert!(
-            matches!(&got, Err(e) if e.kind() == ErrorKind::Aborted(AbortReason::Error)),
-            "seed {seed}: a waiter got {:?}",
-            got.map_err(|e| e.to_string())
-        );
-    }
-    drop(tokens);
-    drop(holder);
-    let s = serve.wait_for("tokens back after the abort", |s| s.free == s.capacity);
-    assert_eq!(s.lost, 0);
-    let (exit, log) = serve.stop();
-    assert!(exit.success(), "seed {seed}: {log}");
-    assert!(log.contains("tokens lost   0"), "seed {seed}: {log}");
-    eprintln!(
-        "chaos seed {seed}: {ops} operations, {kills} kills, {} samples, {} garbage connections, \
-         max in use {} of {JOBS}, tokens lost {}",
+    (
+        ops,
+        kills,
         samples.load(Ordering::Relaxed),
         garbage_sent.load(Ordering::Relaxed),
-        s.max_in_use,
-        s.lost
+    )
+}
+
+/// The storm above under a classic bridge whose classic side stays
+/// dormant: the command of `herdless run` is this test's driver, whose
+/// workers are native clients of its own process, so the shared table
+/// holds the pool, and the bridge's offers, which nobody reads, come and
+/// go while natives wait there (the broker then serves the table's
+/// waiters itself) and clients are killed holding or awaiting tokens. The
+/// checker's invariants hold at every sample, every worker is served, and
+/// the run ends with no token lost, classic ones included.
+#[cfg(target_os = "linux")]
+#[test]
+fn chaos_under_a_classic_bridge_nobody_reads() {
+    let seed = chaos_seed();
+    let out = std::process::Command::new(BIN)
+        .args(["run", "-j", &JOBS.to_string(), "--stats", "--"])
+        .arg(std::env::current_exe().unwrap())
+        .args(["--exact", "helper_process", "--nocapture"])
+        .env("HERDLESS_TEST_ROLE", "chaos-driver")
+        .env("HERDLESS_CHAOS_SEED", seed.to_string())
+        .env_remove("MAKEFLAGS")
+        .env_remove("HERDLESS_SOCKET")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "seed {seed}: {stdout}{stderr}");
+    let line = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("chaos-driver: "))
+        .unwrap_or_else(|| panic!("seed {seed}: {stdout}{stderr}"));
+    eprintln!("chaos seed {seed} under a bridge: {line}");
+    let figure = |name: &str| -> u64 {
+        let rest = line.split(&format!("{name} ")).nth(1).unwrap();
+        rest.split_whitespace().next().unwrap().parse().unwrap()
+    };
+    assert_eq!(figure("lost"), 0, "seed {seed}: {line}");
+    // The bridge made offers while the natives contended, and the table
+    // served them: the storm ran through the code it is meant to attack.
+    assert!(figure("offered") > u64::from(JOBS), "seed {seed}: {line}");
+    assert!(figure("grants") > 0, "seed {seed}: {line}");
+    assert!(stderr.contains("tokens lost   0"), "seed {seed}: {stderr}");
+    assert!(
+        stderr.contains("classic clients not seen"),
+        "seed {seed}: the classic side woke: {stderr}"
     );
+}
+
+/// The command of the test above: the storm against the broker of the
+/// `herdless run` it runs under, then the broker's figures.
+fn chaos_driver() -> ! {
+    let socket = std::path::PathBuf::from(std::env::var_os("HERDLESS_SOCKET").unwrap());
+    let seed = chaos_seed();
+    let (ops, kills, samples, garbage) = storm(&socket, seed);
+    let json = Client::observe(&socket).unwrap().json().unwrap();
+    let s: herdless::status::Status = serde_json::from_str(&json).unwrap();
+    let classic = s.classic.expect("a bridge");
+    let fast = s.fast.expect("a table");
+    println!(
+        "chaos-driver: {ops} ops {kills} kills {samples} samples {garbage} garbage \
+         offered {} taken back {} moved {} table grants {} max in use {} lost {}",
+        classic.offered, classic.taken_back, fast.moved, fast.grants, s.max_in_use, s.lost
+    );
+    std::process::exit(0);
 }
