@@ -115,7 +115,8 @@
 //!   (takes are not told), so natives that find a free word cost the
 //!   broker nothing; the first native that waits, in the table or at the
 //!   broker, has the offer taken back, and the back-off grows;
-//! - once the offer is taken back, the table opens again.
+//! - once the offer is taken back, the table opens again; an offer still
+//!   unread when no native waits any more stays as the standing offer.
 //!
 //! A classic client that reads an offer wakes the classic side for good:
 //! the table stays closed from then on. With a table the pipe is shrunk to
@@ -631,6 +632,12 @@ impl Bridge {
         self.table_mode() && !self.queued && (self.held(pool) == 0 || self.standing_offer_out(pool))
     }
 
+    /// The natives waiting in the shared table at the last
+    /// [`balance`](Self::balance).
+    pub fn table_waiting_seen(&self) -> usize {
+        self.table_waiting
+    }
+
     /// Whether the bridge's ask for an offer waits in the pool's queue.
     pub fn offer_queued(&self) -> bool {
         self.queued
@@ -641,7 +648,7 @@ impl Bridge {
     /// half-open meanwhile, its clients give back to the broker, and the
     /// broker hands what they give back to the oldest waiter in the table
     /// itself (a release is then a broker event, as the offer's rules
-    /// need).
+    /// need, and the first wait that starts tells it too).
     pub fn offer_out_to_waiters(&self, pool: &Pool) -> bool {
         self.table_mode()
             && !self.queued
@@ -849,8 +856,9 @@ impl Bridge {
                 // natives may take back as soon as they wait.
                 let waiting = pool.waiting_grantable(Some(id)) as u64 + self.table_waiting as u64;
                 // A grant the bridge waited for in the queue is an offer
-                // too: the natives that queued ahead of it may all hold a
-                // token by now, and wait again at once.
+                // too: natives that queued ahead of it, or that it went
+                // ahead of in the shared table, may all hold a token by
+                // now, and wait again at once.
                 self.offer = (waiting > 0 || waited).then_some(Offer {
                     native_grants_at: native_grants,
                     patience: round(pool, waiting),

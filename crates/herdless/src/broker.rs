@@ -734,7 +734,9 @@ impl Broker {
 
     /// Tells the shared table's clients when to tell the broker of what
     /// they do there. Returns whether a wait is already in the open table
-    /// that the standing offer must be taken back for: the word is written
+    /// that the standing offer must be taken back for (or, in the table
+    /// half-open around an offer for waiting natives, one that the last
+    /// balance did not see, or that a free token can go to): the word is written
     /// before the waits are read, and a client starts its wait before it
     /// reads the word (both sequentially consistent), so a wait either
     /// sees the word or is seen here.
@@ -746,18 +748,23 @@ impl Broker {
         let (Some(bridge), Some(fast)) = (self.bridge.as_ref(), self.fast.as_ref()) else {
             return false;
         };
-        // The table half-open around an offer, its waiters served by the
-        // broker: a free token here (none waited when it came) goes to the
-        // first wait that starts, which tells the broker.
+        // The table half-open around an offer for waiting natives, its
+        // waiters served by the broker: the first wait that starts tells
+        // the broker, whose rules for the offer count waits (a native that
+        // stops holding to wait may leave no release to come), and which
+        // hands it a token left free here (none waited when it came).
         let serving = !fast.table.is_open() && self.fast_may_serve();
-        let notify = if serving && self.pool.free() > 0 {
+        let notify = if serving {
             crate::fast::Notify::FirstWait
         } else {
             bridge.notify(&self.pool)
         };
         fast.table.set_notify(notify);
         if serving {
-            return notify == crate::fast::Notify::FirstWait && fast.table.waiting_count() > 0;
+            // A wait that started before the word was written, and after
+            // this event's balance read the table, is seen here.
+            let waiting = fast.table.waiting_count();
+            return waiting > 0 && (self.pool.free() > 0 || waiting != bridge.table_waiting_seen());
         }
         match notify {
             crate::fast::Notify::FirstWait => {

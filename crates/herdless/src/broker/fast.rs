@@ -297,9 +297,10 @@ impl Broker {
 
     /// Whether the table may be half-open (`crate::fast::HALF_OPEN`):
     /// it may not be open only because waiters are queued at the broker
-    /// (or, under a classic bridge, the bridge's offer is out), and clients
-    /// may wait in it. Never with the queue empty: the table's waiters
-    /// would then wait for nobody. New waits then start in the table
+    /// (under a classic bridge, the bridge's ask for an offer among them),
+    /// and clients may wait in it. Never with the queue empty: the table's
+    /// waiters would then wait for nobody (but while the broker serves
+    /// them itself, [`fast_may_serve`](Self::fast_may_serve)). New waits then start in the table
     /// rather than at the broker, so the broker's queue drains and the
     /// table opens again, however hard clients contend.
     fn fast_may_half_open(&self) -> bool {
@@ -329,8 +330,11 @@ impl Broker {
         let Some(fast) = self.fast.as_ref() else {
             return false;
         };
+        // Every free token must fit in the table, as for opening: one that
+        // does not would stay in the pool while natives wait there.
         fast.guard.is_some()
             && self.pool.plain()
+            && self.pool.free() <= fast.table.words() - fast.lent_count
             && self
                 .bridge
                 .as_ref()
@@ -357,6 +361,12 @@ impl Broker {
     /// [`fast_may_serve`](Self::fast_may_serve)). A word nobody takes
     /// goes back to the pool.
     fn fast_serve_waiters(&mut self) {
+        if self.pool.free() > 0 {
+            // As before lending to an open table: what the broker holds
+            // back counts down first, so the table's peak never sees a
+            // token twice.
+            self.note_in_use();
+        }
         loop {
             let Some(fast) = self.fast.as_ref() else {
                 return;
@@ -420,6 +430,10 @@ impl Broker {
             // the waiters, oldest first.
             if was_open || fast.dirty {
                 self.fast_sweep(true);
+                // Words freed by that sweep (a dead giver's) come back too.
+                if self.fast.as_ref().is_some_and(|f| f.dirty) {
+                    self.fast_sweep(true);
+                }
             }
             self.fast_serve_waiters();
         } else if open {
