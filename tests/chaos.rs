@@ -19,7 +19,7 @@ use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{Helper, Rng, Serve, BIN, PATIENCE};
+use common::{Helper, Rng, Serve, PATIENCE};
 use herdless::client::{Client, ErrorKind, Options};
 use herdless::protocol::{AbortReason, Request};
 
@@ -357,7 +357,7 @@ fn storm(socket: &std::path::Path, seed: u64) -> (usize, usize, u32, u64) {
 #[test]
 fn chaos_under_a_classic_bridge_nobody_reads() {
     let seed = chaos_seed();
-    let out = std::process::Command::new(BIN)
+    let out = std::process::Command::new(common::BIN)
         .args(["run", "-j", &JOBS.to_string(), "--stats", "--"])
         .arg(std::env::current_exe().unwrap())
         .args(["--exact", "helper_process", "--nocapture"])
