@@ -456,6 +456,8 @@ fn helper_process() {
         Ok("hog-driver") => hog_driver(),
         Ok("classic-hog") => classic_hog(),
         Ok("holder-driver") => holder_driver(),
+        Ok("table-kill-driver") => table_kill_driver(),
+        Ok("table-churner") => table_churner(),
         _ => {}
     }
     common::helper_main();
@@ -875,6 +877,114 @@ fn offers_made_while_natives_wait_in_the_table_leave_their_waits_there() {
         0,
         "waits moved to the broker's queue: {line}"
     );
+}
+
+/// Four native processes contend in the shared table at `-j3` while the
+/// bridge's offers, which nobody reads, come and go, and one of them is
+/// killed with `SIGKILL` every few milliseconds (holding a word, waiting,
+/// being handed one by the broker while an offer is out: wherever it is)
+/// and started again, 60 times. Every process left alive is served to
+/// its end, no token is lost or over `-j`, and the offers kept coming.
+#[cfg(target_os = "linux")]
+#[test]
+fn natives_killed_while_offers_come_and_go_lose_nothing() {
+    let out = Command::new(BIN)
+        .args(["run", "-j", "3", "--stats", "--"])
+        .arg(std::env::current_exe().unwrap())
+        .args(["--exact", "helper_process", "--nocapture"])
+        .env("HERDLESS_TEST_ROLE", "table-kill-driver")
+        .env_remove("MAKEFLAGS")
+        .env_remove("HERDLESS_SOCKET")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stdout}{stderr}");
+    let line = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("role: "))
+        .unwrap_or_else(|| panic!("{stdout}{stderr}"));
+    eprintln!("{line}");
+    let figure = |name: &str| -> u64 {
+        let rest = line.split(&format!("{name} ")).nth(1).unwrap();
+        rest.split_whitespace().next().unwrap().parse().unwrap()
+    };
+    assert_eq!(figure("kills"), 60, "{line}");
+    assert_eq!(figure("finished"), 4, "{line}");
+    assert!(figure("offered") >= 10, "too few offers to tell: {line}");
+    // The two shared tokens of `-j3` (the third is the command's own).
+    assert!(figure("use") <= 2, "{line}");
+    assert_eq!(figure("lost"), 0, "{line}");
+    assert!(stderr.contains("tokens lost   0"), "{stderr}");
+}
+
+/// The command of the test above.
+fn table_kill_driver() -> ! {
+    use herdless::client::Client;
+    let socket = std::env::var("HERDLESS_SOCKET").unwrap();
+    let spawn = |rounds: &str| {
+        Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "helper_process", "--nocapture"])
+            .env("HERDLESS_TEST_ROLE", "table-churner")
+            .env("HERDLESS_TEST_ROUNDS", rounds)
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap()
+    };
+    // Churners that run without end until killed, then four that finish.
+    let mut victims: Vec<_> = (0..4).map(|_| spawn("0")).collect();
+    let mut rng = common::Rng(0x7ab1e);
+    let mut kills = 0;
+    while kills < 60 {
+        std::thread::sleep(std::time::Duration::from_micros(500 + rng.below(5000)));
+        let k = rng.below(victims.len() as u64) as usize;
+        victims[k].kill().unwrap();
+        victims[k].wait().unwrap();
+        kills += 1;
+        victims[k] = spawn("0");
+    }
+    let finishers: Vec<_> = (0..4).map(|_| spawn("2000")).collect();
+    for mut v in victims {
+        v.kill().unwrap();
+        v.wait().unwrap();
+    }
+    let mut finished = 0;
+    for mut f in finishers {
+        if f.wait().unwrap().success() {
+            finished += 1;
+        }
+    }
+    let s: herdless::status::Status =
+        serde_json::from_str(&Client::observe(&socket).unwrap().json().unwrap()).unwrap();
+    let classic = s.classic.expect("a bridge");
+    println!(
+        "role: kills {kills} finished {finished} offered {} taken back {} max in use {} lost {}",
+        classic.offered, classic.taken_back, s.max_in_use, s.lost
+    );
+    std::process::exit(0);
+}
+
+/// A native client that takes a token in the shared table, holds it
+/// 50 µs and gives it back, `HERDLESS_TEST_ROUNDS` times (0: until
+/// killed); a round that gets no token within PATIENCE fails it.
+fn table_churner() -> ! {
+    use herdless::client::{Client, Options};
+    let rounds: u64 = std::env::var("HERDLESS_TEST_ROUNDS")
+        .unwrap()
+        .parse()
+        .unwrap();
+    let c = Client::from_env_with(Options::default().implicit_token(false)).unwrap();
+    let mut n = 0;
+    while rounds == 0 || n < rounds {
+        let t = c
+            .acquire_timeout(PATIENCE)
+            .unwrap()
+            .unwrap_or_else(|| panic!("round {n}: no token within {PATIENCE:?}"));
+        std::thread::sleep(std::time::Duration::from_micros(50));
+        drop(t);
+        n += 1;
+    }
+    std::process::exit(0);
 }
 
 #[test]
