@@ -736,10 +736,10 @@ impl Broker {
     /// they do there. Returns whether a wait is already in the open table
     /// that the standing offer must be taken back for (or, in the table
     /// half-open around an offer for waiting natives, one that the last
-    /// balance did not see, or that a free token can go to): the word is written
-    /// before the waits are read, and a client starts its wait before it
-    /// reads the word (both sequentially consistent), so a wait either
-    /// sees the word or is seen here.
+    /// balance did not see, or that a free token can go to): the word is
+    /// written before the waits are read, and a client starts its wait
+    /// before it reads the word (both sequentially consistent), so a wait
+    /// either sees the word or is seen here.
     ///
     /// Likewise for a give-back the word asks to hear of
     /// (`Notify::AfterOrFree`): a word freed with nobody waiting before

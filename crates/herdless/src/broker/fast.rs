@@ -300,9 +300,10 @@ impl Broker {
     /// (under a classic bridge, the bridge's ask for an offer among them),
     /// and clients may wait in it. Never with the queue empty: the table's
     /// waiters would then wait for nobody (but while the broker serves
-    /// them itself, [`fast_may_serve`](Self::fast_may_serve)). New waits then start in the table
-    /// rather than at the broker, so the broker's queue drains and the
-    /// table opens again, however hard clients contend.
+    /// them itself, [`fast_may_serve`](Self::fast_may_serve)). New waits
+    /// then start in the table rather than at the broker, so the broker's
+    /// queue drains and the table opens again, however hard clients
+    /// contend.
     fn fast_may_half_open(&self) -> bool {
         let Some(fast) = self.fast.as_ref() else {
             return false;
@@ -827,8 +828,8 @@ impl Broker {
     /// (the table half-opens, so that the next token given back reaches
     /// the broker, and the broker serves them itself while the offer is
     /// out: `fast_may_serve`). A free word, when the table has one, is
-    /// taken back for it at once, with the table left open: a take and
-    /// the taking back are each one compare-and-swap of that word.
+    /// taken back for it at once, without closing the table first: a take
+    /// and the taking back are each one compare-and-swap of that word.
     pub(super) fn fast_ask_for_offer(&mut self) {
         if self.pool.free() > 0 {
             return;
