@@ -357,28 +357,13 @@ fn storm(socket: &std::path::Path, seed: u64) -> (usize, usize, u32, u64) {
 #[test]
 fn chaos_under_a_classic_bridge_nobody_reads() {
     let seed = chaos_seed();
-    let out = std::process::Command::new(common::BIN)
-        .args(["run", "-j", &JOBS.to_string(), "--stats", "--"])
-        .arg(std::env::current_exe().unwrap())
-        .args(["--exact", "helper_process", "--nocapture"])
-        .env("HERDLESS_TEST_ROLE", "chaos-driver")
-        .env("HERDLESS_CHAOS_SEED", seed.to_string())
-        .env_remove("MAKEFLAGS")
-        .env_remove("HERDLESS_SOCKET")
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "seed {seed}: {stdout}{stderr}");
-    let line = stdout
-        .lines()
-        .find_map(|l| l.strip_prefix("chaos-driver: "))
-        .unwrap_or_else(|| panic!("seed {seed}: {stdout}{stderr}"));
-    eprintln!("chaos seed {seed} under a bridge: {line}");
-    let figure = |name: &str| -> u64 {
-        let rest = line.split(&format!("{name} ")).nth(1).unwrap();
-        rest.split_whitespace().next().unwrap().parse().unwrap()
-    };
+    let (line, stderr) = common::run_role(
+        JOBS,
+        "chaos-driver",
+        &[("HERDLESS_CHAOS_SEED", &seed.to_string())],
+        "chaos-driver: ",
+    );
+    let figure = |name| common::number_after(&line, name);
     assert_eq!(figure("lost"), 0, "seed {seed}: {line}");
     // The bridge made offers while the natives contended, and the table
     // served them: the storm ran through the code it is meant to attack.

@@ -845,29 +845,17 @@ fn a_classic_client_is_not_starved_by_natives_contending_in_the_shared_table() {
 #[cfg(target_os = "linux")]
 #[test]
 fn offers_made_while_natives_wait_in_the_table_leave_their_waits_there() {
-    let mut cmd = Command::new(BIN);
-    cmd.args(["run", "-j", "3", "--"])
-        .arg(std::env::current_exe().unwrap())
-        .args(["--exact", "helper_process", "--nocapture"])
-        .env("HERDLESS_TEST_ROLE", "starve-driver")
-        .env("HERDLESS_TEST_HOLD_US", "50")
-        .env("HERDLESS_TEST_ROUNDS", "3000")
-        .env("HERDLESS_TEST_NO_READ", "1")
-        .env_remove("MAKEFLAGS")
-        .env_remove("HERDLESS_SOCKET");
-    let out = cmd.output().unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{stdout}{stderr}");
-    let line = stdout
-        .lines()
-        .find_map(|l| l.strip_prefix("role: "))
-        .unwrap_or_else(|| panic!("{stdout}{stderr}"));
-    eprintln!("{line}");
-    let figure = |name: &str| -> u64 {
-        let rest = line.split(&format!("{name} ")).nth(1).unwrap();
-        rest.split_whitespace().next().unwrap().parse().unwrap()
-    };
+    let (line, _) = common::run_role(
+        3,
+        "starve-driver",
+        &[
+            ("HERDLESS_TEST_HOLD_US", "50"),
+            ("HERDLESS_TEST_ROUNDS", "3000"),
+            ("HERDLESS_TEST_NO_READ", "1"),
+        ],
+        "role: ",
+    );
+    let figure = |name| common::number_after(&line, name);
     assert_eq!(figure("natives"), 4 * 3000, "{line}");
     assert!(figure("offered") >= 10, "too few offers to tell: {line}");
     assert!(figure("back") >= 10, "{line}");
@@ -888,27 +876,8 @@ fn offers_made_while_natives_wait_in_the_table_leave_their_waits_there() {
 #[cfg(target_os = "linux")]
 #[test]
 fn natives_killed_while_offers_come_and_go_lose_nothing() {
-    let out = Command::new(BIN)
-        .args(["run", "-j", "3", "--stats", "--"])
-        .arg(std::env::current_exe().unwrap())
-        .args(["--exact", "helper_process", "--nocapture"])
-        .env("HERDLESS_TEST_ROLE", "table-kill-driver")
-        .env_remove("MAKEFLAGS")
-        .env_remove("HERDLESS_SOCKET")
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{stdout}{stderr}");
-    let line = stdout
-        .lines()
-        .find_map(|l| l.strip_prefix("role: "))
-        .unwrap_or_else(|| panic!("{stdout}{stderr}"));
-    eprintln!("{line}");
-    let figure = |name: &str| -> u64 {
-        let rest = line.split(&format!("{name} ")).nth(1).unwrap();
-        rest.split_whitespace().next().unwrap().parse().unwrap()
-    };
+    let (line, stderr) = common::run_role(3, "table-kill-driver", &[], "role: ");
+    let figure = |name| common::number_after(&line, name);
     assert_eq!(figure("kills"), 60, "{line}");
     assert_eq!(figure("finished"), 4, "{line}");
     assert!(figure("offered") >= 10, "too few offers to tell: {line}");

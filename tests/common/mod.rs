@@ -780,3 +780,44 @@ impl Rng {
         from[self.below(from.len() as u64) as usize]
     }
 }
+
+/// Runs this test binary's `helper_process`, in role `role` (with `env`),
+/// as the command of `herdless run -j JOBS --stats`, checks that the run
+/// succeeded, and returns the line the role printed after `prefix`, and
+/// the run's standard error.
+#[allow(dead_code)]
+pub fn run_role(jobs: u32, role: &str, env: &[(&str, &str)], prefix: &str) -> (String, String) {
+    let out = Command::new(BIN)
+        .args(["run", "-j", &jobs.to_string(), "--stats", "--"])
+        .arg(std::env::current_exe().unwrap())
+        .args(["--exact", "helper_process", "--nocapture"])
+        .env("HERDLESS_TEST_ROLE", role)
+        .envs(env.iter().copied())
+        .env_remove("MAKEFLAGS")
+        .env_remove("HERDLESS_SOCKET")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(out.status.success(), "{role}: {stdout}{stderr}");
+    let line = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix(prefix))
+        .unwrap_or_else(|| panic!("{role}: no line `{prefix}`: {stdout}{stderr}"))
+        .to_owned();
+    eprintln!("{role}: {line}");
+    (line, stderr)
+}
+
+/// The number after `name ` in a line of figures such as `run_role`'s.
+#[allow(dead_code)]
+pub fn number_after(line: &str, name: &str) -> u64 {
+    let rest = line
+        .split(&format!("{name} "))
+        .nth(1)
+        .unwrap_or_else(|| panic!("no `{name}` in: {line}"));
+    rest.split_whitespace()
+        .next()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no number after `{name}` in: {line}"))
+}
