@@ -283,3 +283,80 @@ fn replies_a_client_is_slow_to_read_all_arrive() {
     }
     assert_eq!(statuses, N);
 }
+
+/// A broker killed with `SIGKILL` removes nothing: its directory (socket,
+/// a classic bridge's FIFOs) stays in `TMPDIR`, as stock GNU make's FIFO
+/// does. The next broker made in the same place clears it, as the lock
+/// file the killed one held is free, and leaves alone the directory of a
+/// broker that lives, which goes on serving.
+#[test]
+fn a_killed_brokers_directory_is_cleared_by_the_next_one_made_beside_it() {
+    use std::process::{Command, Stdio};
+    let base = std::env::temp_dir().join(format!("herdless-test-sweep-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&base);
+    std::fs::create_dir_all(&base).unwrap();
+    let here = |c: &mut Command| {
+        c.env("TMPDIR", &base).env_remove("XDG_RUNTIME_DIR");
+    };
+    let dirs = || -> Vec<std::path::PathBuf> {
+        let mut d: Vec<_> = std::fs::read_dir(&base)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .collect();
+        d.sort();
+        d
+    };
+    let live = Serve::start_with(2, here);
+    let live_dir = live.socket.parent().unwrap().to_path_buf();
+
+    // `herdless run` with a classic bridge, killed while its command runs.
+    let mut run = Command::new(common::BIN);
+    run.args(["run", "-j", "2", "--", "sh", "-c", "echo $$; exec sleep 60"])
+        .stdout(Stdio::piped())
+        .env_remove("MAKEFLAGS")
+        .env_remove("HERDLESS_SOCKET");
+    here(&mut run);
+    let mut run = run.spawn().unwrap();
+    let mut out = std::io::BufReader::new(run.stdout.take().unwrap());
+    let mut line = String::new();
+    std::io::BufRead::read_line(&mut out, &mut line).unwrap();
+    let command: i32 = line.trim().parse().expect("the command's pid");
+    let dead_dir = dirs()
+        .into_iter()
+        .find(|d| *d != live_dir)
+        .expect("the run's directory");
+    let fifos = std::fs::read_dir(&dead_dir).unwrap().count();
+    assert!(
+        fifos >= 3,
+        "socket, lock and FIFOs expected in {dead_dir:?}"
+    );
+    common::signal(run.id() as i32, libc::SIGKILL);
+    run.wait().unwrap();
+    // Its command lives on (nothing killed it).
+    common::signal(command, libc::SIGKILL);
+    assert!(
+        dead_dir.exists(),
+        "a broker killed with SIGKILL removed its directory"
+    );
+
+    let next = Serve::start_with(2, here);
+    let next_dir = next.socket.parent().unwrap().to_path_buf();
+    assert_eq!(
+        dirs(),
+        {
+            let mut d = vec![live_dir.clone(), next_dir.clone()];
+            d.sort();
+            d
+        },
+        "the killed broker's directory was not cleared, or another was"
+    );
+    let c = Client::connect_with(&live.socket, Options::default().implicit_token(false)).unwrap();
+    drop(c.acquire().expect("the live broker serves on"));
+    drop(c);
+    for s in [live, next] {
+        let (status, err) = s.stop();
+        assert!(status.success(), "{err}");
+    }
+    assert!(dirs().is_empty(), "{:?}", dirs());
+    std::fs::remove_dir(&base).unwrap();
+}
