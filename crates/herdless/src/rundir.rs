@@ -3,20 +3,6 @@
 //! Connecting to a Unix socket needs search permission on its directory, so
 //! a mode-0700 directory keeps other users out before any credential check;
 //! the broker also refuses peers of another uid (see `broker`).
-//!
-//! # Left behind
-//!
-//! A process killed with `SIGKILL` removes nothing: its directory (the
-//! socket, a classic bridge's FIFOs) stays where it was made. So the
-//! process that makes a directory here locks it (`flock(LOCK_EX)` on the
-//! descriptor it keeps of it) for as long as it lives; the kernel drops
-//! the lock when that descriptor closes, however the process ends.
-//! Making a new directory first clears those of this user in the same
-//! place whose lock nobody holds ([`sweep`]): the lock is taken before
-//! anything is removed, so no two processes clear one at once, and a
-//! directory that is empty (one being made) or holds anything but sockets
-//! and FIFOs is left as it is. Where a file system does not lock
-//! directories (NFS), nothing is locked, and nothing cleared.
 
 use std::ffi::OsString;
 use std::fs::{self, File};
@@ -24,8 +10,7 @@ use std::io;
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
-use nix::errno::Errno;
-use nix::fcntl::{AtFlags, Flock, FlockArg};
+use nix::fcntl::AtFlags;
 use nix::sys::stat::{fstatat, SFlag};
 use nix::unistd::UnlinkatFlags;
 
@@ -40,9 +25,8 @@ use nix::unistd::UnlinkatFlags;
 pub struct RunDir {
     dir: PathBuf,
     socket: PathBuf,
-    /// The directory itself, as checked; locked when this process made it
-    /// (see the module documentation).
-    handle: Handle,
+    /// The directory itself, as checked.
+    handle: File,
     /// The socket's name inside `handle`.
     name: OsString,
     owned: bool,
@@ -50,27 +34,8 @@ pub struct RunDir {
     bound: Option<(u64, u64)>,
 }
 
-/// A directory's descriptor, locked or not.
-#[derive(Debug)]
-enum Handle {
-    Plain(File),
-    Locked(Flock<File>),
-}
-
-impl Handle {
-    fn file(&self) -> &File {
-        match self {
-            Handle::Plain(f) => f,
-            Handle::Locked(l) => l,
-        }
-    }
-}
-
 /// The file name of the socket inside a directory made by [`RunDir::create`].
 pub const SOCKET_NAME: &str = "broker.sock";
-
-/// The prefix of a directory made by [`RunDir::create_in`].
-const DIR_PREFIX: &str = "herdless-";
 
 /// Where this user's private directories go: `$XDG_RUNTIME_DIR`, `$TMPDIR`
 /// and `/tmp`, those set and existing, in that order, as absolute paths (a
@@ -312,8 +277,7 @@ impl RunDir {
     /// The paths kept have `base`'s form, relative if it is (a make's own
     /// FIFO keeps the form of its `TMPDIR`, as stock GNU make's does).
     pub fn create_in(base: &Path) -> io::Result<RunDir> {
-        sweep(base);
-        let template = base.join(format!("{DIR_PREFIX}{}-XXXXXX", std::process::id()));
+        let template = base.join(format!("herdless-{}-XXXXXX", std::process::id()));
         // mkdtemp creates the directory with mode 0700.
         let dir = nix::unistd::mkdtemp(&template).map_err(|e| {
             io::Error::new(
@@ -335,7 +299,7 @@ impl RunDir {
         Ok(RunDir {
             dir,
             socket,
-            handle: lock_new(handle),
+            handle,
             name: SOCKET_NAME.into(),
             owned: true,
             bound: None,
@@ -391,7 +355,7 @@ impl RunDir {
         Ok(RunDir {
             dir,
             socket: socket.to_path_buf(),
-            handle: Handle::Plain(handle),
+            handle,
             name,
             owned,
             bound: None,
@@ -401,7 +365,7 @@ impl RunDir {
     /// The socket entry in the checked directory, if it is a socket.
     fn socket_id(&self) -> Option<(u64, u64)> {
         let st = fstatat(
-            self.handle.file(),
+            &self.handle,
             self.name.as_os_str(),
             AtFlags::AT_SYMLINK_NOFOLLOW,
         )
@@ -429,93 +393,11 @@ impl RunDir {
     }
 }
 
-/// Locks a directory this process just made. A process clearing
-/// abandoned directories ([`sweep`]) may hold the lock of an empty one for
-/// a moment: a few tries. Left unlocked where that fails (a file system
-/// that does not lock directories): it is then never cleared.
-fn lock_new(dir: File) -> Handle {
-    let mut dir = dir;
-    for _ in 0..5 {
-        match Flock::lock(dir, FlockArg::LockExclusiveNonblock) {
-            Ok(locked) => return Handle::Locked(locked),
-            Err((f, Errno::EWOULDBLOCK | Errno::EINTR)) => {
-                dir = f;
-                std::thread::sleep(std::time::Duration::from_millis(1));
-            }
-            Err((f, _)) => return Handle::Plain(f),
-        }
-    }
-    Handle::Plain(dir)
-}
-
-/// Clears the directories of this user in `base` that [`RunDir::create_in`]
-/// made and whose maker is gone (see the module documentation); returns
-/// how many. Never fails: what cannot be read or removed is left.
-pub fn sweep(base: &Path) -> usize {
-    let Ok(entries) = fs::read_dir(base) else {
-        return 0;
-    };
-    // Never this process's own: where the file system makes `flock` a
-    // lock of the whole process (NFS), a second description of a lock this
-    // process holds would be granted it too, and release it on closing.
-    let own = format!("{DIR_PREFIX}{}-", std::process::id());
-    entries
-        .filter_map(Result::ok)
-        .filter(|e| {
-            let name = e.file_name();
-            let name = name.to_string_lossy();
-            name.starts_with(DIR_PREFIX) && !name.starts_with(&own)
-        })
-        .filter(|e| clear_if_abandoned(&e.path()))
-        .count()
-}
-
-/// Removes `dir` if it is this user's private directory, nobody holds
-/// its lock, and it holds sockets and FIFOs alone, at least one.
-fn clear_if_abandoned(dir: &Path) -> bool {
-    let Ok(handle) = open_private_dir(dir, SOCKET_DIR) else {
-        return false;
-    };
-    // Held while the directory is cleared: its maker lives, or another
-    // process clears it.
-    let Ok(handle) = Flock::lock(handle, FlockArg::LockExclusiveNonblock) else {
-        return false;
-    };
-    let Ok(entries) = fs::read_dir(dir) else {
-        return false;
-    };
-    let mut names = Vec::new();
-    for e in entries {
-        let Ok(e) = e else {
-            return false;
-        };
-        let name = e.file_name();
-        let Ok(st) = fstatat(&*handle, name.as_os_str(), AtFlags::AT_SYMLINK_NOFOLLOW) else {
-            return false;
-        };
-        let kind = SFlag::from_bits_truncate(st.st_mode) & SFlag::S_IFMT;
-        if kind != SFlag::S_IFSOCK && kind != SFlag::S_IFIFO {
-            return false;
-        }
-        names.push(name);
-    }
-    // Empty: one being made, not yet locked by its maker.
-    if names.is_empty() {
-        return false;
-    }
-    for name in &names {
-        if nix::unistd::unlinkat(&*handle, name.as_os_str(), UnlinkatFlags::NoRemoveDir).is_err() {
-            return false;
-        }
-    }
-    fs::remove_dir(dir).is_ok()
-}
-
 impl Drop for RunDir {
     fn drop(&mut self) {
         if self.bound.is_some() && self.socket_id() == self.bound {
             let _ = nix::unistd::unlinkat(
-                self.handle.file(),
+                &self.handle,
                 self.name.as_os_str(),
                 UnlinkatFlags::NoRemoveDir,
             );
@@ -523,7 +405,6 @@ impl Drop for RunDir {
         if self.owned {
             // rmdir never follows a final symbolic link and removes only an
             // empty directory.
-            // Still locked here: no other process clears it meanwhile.
             let _ = fs::remove_dir(&self.dir);
         }
     }
@@ -736,77 +617,5 @@ mod tests {
         for p in [&moved, &other] {
             fs::remove_dir(p).unwrap();
         }
-    }
-
-    /// A directory as [`RunDir::create_in`] makes one, for a maker that
-    /// is not this process, with a file of each kind in `extra`
-    /// (`"fifo"`, `"socket"`, `"file"`).
-    fn fake_dir(base: &Path, name: &str, extra: &[&str]) -> PathBuf {
-        let dir = base.join(name);
-        fs::DirBuilder::new().mode(0o700).create(&dir).unwrap();
-        for (i, kind) in extra.iter().enumerate() {
-            let path = dir.join(format!("{kind}{i}"));
-            match *kind {
-                "fifo" => {
-                    nix::unistd::mkfifo(&path, nix::sys::stat::Mode::from_bits_truncate(0o600))
-                        .unwrap()
-                }
-                "socket" => drop(std::os::unix::net::UnixListener::bind(&path).unwrap()),
-                _ => fs::write(&path, b"x").unwrap(),
-            }
-        }
-        dir
-    }
-
-    fn scratch(what: &str) -> PathBuf {
-        let base = std::env::temp_dir().join(format!("herdless-t-{what}-{}", std::process::id()));
-        let _ = fs::remove_dir_all(&base);
-        fs::create_dir_all(&base).unwrap();
-        base
-    }
-
-    #[test]
-    fn a_directory_whose_maker_is_gone_is_cleared_and_no_other() {
-        let base = scratch("sweep");
-        let gone = fake_dir(&base, "herdless-1-gone00", &["fifo", "fifo", "socket"]);
-        // Its maker lives: another description holds its lock.
-        let live = fake_dir(&base, "herdless-2-live00", &["fifo", "socket"]);
-        let held = Flock::lock(
-            open_private_dir(&live, "test").unwrap(),
-            FlockArg::LockExclusiveNonblock,
-        )
-        .unwrap();
-        // Empty: being made.
-        let empty = fake_dir(&base, "herdless-3-empty0", &[]);
-        // Something besides sockets and FIFOs: not only a broker's.
-        let other = fake_dir(&base, "herdless-4-other0", &["fifo", "file"]);
-        // Another name altogether.
-        let foreign = fake_dir(&base, "somebody-5-else00", &["fifo"]);
-        // This process's own, whatever its lock says.
-        let own = fake_dir(
-            &base,
-            &format!("herdless-{}-mine00", std::process::id()),
-            &["fifo"],
-        );
-
-        assert_eq!(sweep(&base), 1);
-        assert!(!gone.exists());
-        for kept in [&live, &empty, &other, &foreign, &own] {
-            assert!(kept.exists(), "{kept:?} removed");
-        }
-        // Nothing of a directory left was removed.
-        assert_eq!(fs::read_dir(&other).unwrap().count(), 2);
-        assert_eq!(fs::read_dir(&live).unwrap().count(), 2);
-
-        // Once its maker is gone, the live one goes too, when the next
-        // directory is made.
-        drop(held);
-        let made = RunDir::create_in(&base).unwrap();
-        assert!(!live.exists());
-        assert!(matches!(made.handle, Handle::Locked(_)), "{made:?}");
-        let made_dir = made.dir().to_path_buf();
-        drop(made);
-        assert!(!made_dir.exists());
-        fs::remove_dir_all(&base).unwrap();
     }
 }
