@@ -395,13 +395,7 @@ impl Broker {
                 continue;
             }
             // Its waiter withdrew meanwhile: the word goes back.
-            if fast.table.take_back(i as u32) {
-                fast.lent[i] = false;
-                fast.lent_count -= 1;
-                let now = self.now();
-                let _ = self.pool.release(client, now);
-                self.apply_effects();
-            }
+            self.fast_take_back_word(i as u32);
             return;
         }
     }
@@ -834,19 +828,25 @@ impl Broker {
         if self.pool.free() > 0 {
             return;
         }
+        let words = self.fast.as_ref().map_or(0, |f| f.table.words());
+        let _ = (0..words).any(|i| self.fast_take_back_word(i));
+    }
+
+    /// Takes lent word `i` back into the pool if it is free (one
+    /// compare-and-swap, whatever the gate says): whether it was.
+    fn fast_take_back_word(&mut self, i: u32) -> bool {
         let Some(fast) = self.fast.as_mut() else {
-            return;
+            return false;
         };
-        let Some(i) =
-            (0..fast.table.words()).find(|&i| fast.lent[i as usize] && fast.table.take_back(i))
-        else {
-            return;
-        };
+        if !fast.lent[i as usize] || !fast.table.take_back(i) {
+            return false;
+        }
         fast.lent[i as usize] = false;
         fast.lent_count -= 1;
         let (client, now) = (fast.client, self.now());
         let _ = self.pool.release(client, now);
         self.apply_effects();
+        true
     }
 }
 
