@@ -59,6 +59,23 @@
 //! 2. the heir's state goes from *waiting* to *woken*, then one
 //!    `FUTEX_WAKE` of that word wakes that process alone.
 //!
+//! The giver finds the oldest waiter without looking at every slot: a
+//! waiter that stored its ticket `t` also writes its slot, with `t`'s low
+//! bits, in entry `t mod R` of a ring of R ≥ 2 × slots words, and the
+//! ring's head word names the oldest ticket that may still wait. The
+//! giver walks the ring from the head: an entry written for its ticket
+//! whose slot holds that ticket and waits is the heir; one whose slot
+//! holds another ticket is a wait that ended, and the giver moves the head
+//! past it. The ring is only a guide, checked at every step against the
+//! slots themselves: an entry not written yet (its waiter between its
+//! ticket and its entry), overwritten, or written by a hostile client
+//! sends the giver to look at every slot, as does a walk that finds
+//! nobody (before it frees the word). That look moves the head to the
+//! oldest ticket it found, or to the next ticket if nobody waits, unless a
+//! waiter was between its state and its ticket then (that wait could
+//! have an older ticket than the ones seen). So a hand-off reads a few
+//! words, whatever the number of waiters.
+//!
 //! When step 2 fails (the heir withdrew, or another giver woke it first)
 //! the giver takes its gift back (`gift → me`) and looks again. A woken
 //! client turns every gift addressed to it into its own id and keeps one
@@ -174,7 +191,7 @@ const X_COUNTS: u32 = 4;
 /// "HRDT" as a little-endian word.
 const MAGIC: u32 = u32::from_le_bytes(*b"HRDT");
 /// The layout of this module.
-const LAYOUT: u32 = 5;
+const LAYOUT: u32 = 6;
 
 /// A slot's state: not waiting.
 const IDLE: u32 = 0;
@@ -332,9 +349,45 @@ fn extra_base(words: u32, slots: u32) -> u32 {
     (wake_base(words, slots) + slots + 2) & !1
 }
 
+/// Where the ring of waits starts: after the wait figures, 8-aligned. Its
+/// first word is the ring's head, the rest its entries.
+fn ring_base(words: u32, slots: u32) -> u32 {
+    (extra_base(words, slots) + X_COUNTS + crate::stats::BUCKETS as u32 + 1) & !1
+}
+
+/// The entries of the ring of waits of a table of `slots` slots: a power
+/// of two, twice the slots or more, so a wait's entry outlives the waits
+/// that start after it while every slot waits once.
+fn ring_len(slots: u32) -> u32 {
+    (2 * slots).max(64).next_power_of_two()
+}
+
 /// The segment words of a table of `words` token words and `slots` slots.
 pub fn segment_words(words: u32, slots: u32) -> u32 {
-    extra_base(words, slots) + X_COUNTS + crate::stats::BUCKETS as u32
+    ring_base(words, slots) + 1 + ring_len(slots)
+}
+
+/// The bits of a ring entry that name its slot; the rest hold the low
+/// bits of its ticket.
+const RING_SLOT_BITS: u32 = 11;
+const RING_SLOT_MASK: u32 = (1 << RING_SLOT_BITS) - 1;
+const _: () = assert!(MAX_SLOTS <= RING_SLOT_MASK);
+
+/// The ring entry of the wait of slot `k` with ticket `t`.
+fn ring_entry(t: u32, k: u32) -> u32 {
+    t << RING_SLOT_BITS | k
+}
+
+/// Whether ring entry `e` was written for ticket `t`: its slot, if so.
+fn ring_slot(e: u32, t: u32) -> Option<u32> {
+    let k = e & RING_SLOT_MASK;
+    (k != 0 && e >> RING_SLOT_BITS == t & (u32::MAX >> RING_SLOT_BITS)).then_some(k)
+}
+
+/// Whether ticket `a` was drawn after ticket `b`.
+fn ticket_after(a: u32, b: u32) -> bool {
+    let d = a.wrapping_sub(b) & TICKET_MASK;
+    d != 0 && d <= TICKET_MASK / 2
 }
 
 /// When clients of the table tell the broker of what they do there
@@ -508,6 +561,18 @@ impl Table {
         self.seg.header(i)
     }
 
+    /// The ring's head: the oldest ticket that may still wait.
+    fn ring_head(&self) -> &AtomicU32 {
+        self.seg.word(ring_base(self.words, self.slots))
+    }
+
+    /// The ring entry of ticket `t`.
+    fn ring_at(&self, t: u32) -> &AtomicU32 {
+        let r = ring_len(self.slots);
+        self.seg
+            .word(ring_base(self.words, self.slots) + 1 + (t & (r - 1)))
+    }
+
     /// Grants made from the table.
     fn grants(&self) -> &AtomicU64 {
         self.seg.counter64()
@@ -607,10 +672,55 @@ impl Table {
         seen.into_iter().map(|(k, t, _)| (k, t)).collect()
     }
 
-    /// The waiting slot with the oldest ticket, and its ticket.
+    /// The waiting slot with the oldest ticket, and its ticket: from the
+    /// ring when it says, otherwise by looking at every slot.
     fn heir(&self, tid: u32) -> Option<(u32, u32)> {
+        let head = self.ring_head().load(SeqCst) & TICKET_MASK;
         let next = self.ticket(0).load(SeqCst) & TICKET_MASK;
-        self.claimable(tid, next)
+        self.ring_heir(tid, head, next)
+            .or_else(|| self.scan_heir(tid, head, next))
+    }
+
+    /// Walks the ring from `head` to `next`, moving the head past the
+    /// waits that ended before the first one that goes on: that one (the
+    /// oldest), or `None` when an entry does not say (not written yet,
+    /// overwritten, the head far behind) or nobody waits.
+    fn ring_heir(&self, tid: u32, head: u32, next: u32) -> Option<(u32, u32)> {
+        if next.wrapping_sub(head) & TICKET_MASK > ring_len(self.slots) {
+            return None;
+        }
+        let waiting = tid | FUTEX_WAITERS;
+        let hi = self.header(H_HI).load(SeqCst).min(self.slots);
+        let mut t = head;
+        while t != next {
+            let k = ring_slot(self.ring_at(t).load(SeqCst), t).filter(|&k| k <= hi)?;
+            // The waiter wrote the entry after its ticket: a slot that holds
+            // another ticket now ended this wait (claimed, withdrawn, moved,
+            // or reset by the broker, and maybe waits again since); one
+            // that holds it and does not wait was scribbled on.
+            if self.ticket(k).load(SeqCst) == t && self.state(k).load(SeqCst) == waiting {
+                return Some((k, t));
+            }
+            let after = (t + 1) & TICKET_MASK;
+            // Only from the front: every entry before this one ended too.
+            let _ = self.ring_head().compare_exchange(t, after, SeqCst, SeqCst);
+            t = after;
+        }
+        None
+    }
+
+    /// The oldest waiting slot, looking at every slot; moves the ring's
+    /// head (read as `head`) to its ticket, or to `next` when nobody
+    /// waits, unless a waiter was between its state and its ticket (its
+    /// ticket may be older than any seen) or a claim was under way.
+    fn scan_heir(&self, tid: u32, head: u32, next: u32) -> Option<(u32, u32)> {
+        let waiting = tid | FUTEX_WAITERS;
+        let hi = self.header(H_HI).load(SeqCst).min(self.slots);
+        let in_flight = (1..=hi).any(|k| {
+            self.state(k).load(SeqCst) == waiting && self.ticket(k).load(SeqCst) & CLAIMED != 0
+        });
+        let oldest = self
+            .claimable(tid, next)
             .fold(None, |best: Option<(u32, u32, u32)>, c| {
                 if best.map_or(true, |(_, _, a)| c.2 > a) {
                     Some(c)
@@ -618,7 +728,14 @@ impl Table {
                     best
                 }
             })
-            .map(|(k, t, _)| (k, t))
+            .map(|(k, t, _)| (k, t));
+        if !in_flight {
+            let to = oldest.map_or(next, |(_, t)| t);
+            if ticket_after(to, head) {
+                let _ = self.ring_head().compare_exchange(head, to, SeqCst, SeqCst);
+            }
+        }
+        oldest
     }
 
     /// The slots waiting with an unclaimed ticket, each with its ticket and
@@ -929,9 +1046,23 @@ impl Table {
             // A slot the broker closed, or marked at its death.
             return Err(WaitEnd::Gone);
         }
+        let t = self.draw_ticket(me);
+        self.note_wait(me, t);
+        Ok(t)
+    }
+
+    /// Draws the next ticket for the wait of `me` (its state already
+    /// *waiting*) and stores it.
+    fn draw_ticket(&self, me: u32) -> u32 {
         let t = self.ticket(0).fetch_add(1, SeqCst) & TICKET_MASK;
         self.ticket(me).store(t, SeqCst);
-        Ok(t)
+        t
+    }
+
+    /// Notes the wait of `me` with ticket `t` in the ring, after its
+    /// ticket.
+    fn note_wait(&self, me: u32, t: u32) {
+        self.ring_at(t).store(ring_entry(t, me), SeqCst);
     }
 
     /// Calls `nudge` if the broker wants to hear of this take or wait

@@ -691,3 +691,142 @@ fn a_dead_givers_heir_is_woken_once_however_often_the_broker_looks_again() {
     assert_eq!(t.give_back(2, None), Some(false));
     all_free(&t);
 }
+
+/// Slot `me` starts a wait without sleeping (a poll loop's registration):
+/// its ticket.
+fn start_wait(t: &Table, me: u32) -> u32 {
+    t.register(me, t.tid().expect("a guard"), 0)
+        .unwrap_or_else(|e| panic!("slot {me} could not wait: {e:?}, {}", dump(t)))
+}
+
+/// The heir the ring names by itself, without the look at every slot.
+fn ring_says(t: &Table) -> Option<(u32, u32)> {
+    let head = t.ring_head().load(SeqCst) & TICKET_MASK;
+    let next = t.ticket(0).load(SeqCst) & TICKET_MASK;
+    t.ring_heir(t.tid().expect("a guard"), head, next)
+}
+
+#[test]
+fn the_ring_names_the_oldest_waiter_past_ended_waits_and_round_its_end() {
+    let (t, _guard) = guarded(1, 8);
+    let tid = t.tid().expect("a guard");
+    let r = ring_len(t.slots());
+    // Slot 2 waits first and stays; slots 3 to 8 start and withdraw waits,
+    // many times round the ring.
+    let first = start_wait(&t, 2);
+    for round in 0..3 * r {
+        let me = 3 + round % 6;
+        let tk = start_wait(&t, me);
+        assert_eq!(t.heir(tid), Some((2, first)), "round {round}: {}", dump(&t));
+        assert!(matches!(t.leave(me, tid, tk, true), Leave::Withdrawn));
+    }
+    // The oldest waiter's entry was overwritten: the look at every slot
+    // found it, and moved the head to it.
+    assert_eq!(t.ring_head().load(SeqCst) & TICKET_MASK, first);
+    // Waits that start now are in the ring, in their order, once the ones
+    // before them end.
+    let tickets: Vec<(u32, u32)> = (3..=8).map(|me| (me, start_wait(&t, me))).collect();
+    assert_eq!(t.heir(tid), Some((2, first)));
+    t.ticket(2)
+        .compare_exchange(first, CLAIMED | 1, SeqCst, SeqCst)
+        .expect("slot 2's wait");
+    assert!(wake_step(&t, 2, false));
+    for (n, &(me, tk)) in tickets.iter().enumerate() {
+        assert_eq!(t.waiters()[0], (me, tk));
+        if n == 0 {
+            // The head is further behind than the ring is long: the ring
+            // cannot say, and the look at every slot moves the head.
+            assert_eq!(ring_says(&t), None);
+        } else {
+            // The walk moves the head past the claimed wait to this one.
+            assert_eq!(ring_says(&t), Some((me, tk)), "{}", dump(&t));
+        }
+        assert_eq!(t.heir(tid), Some((me, tk)));
+        assert_eq!(t.ring_head().load(SeqCst) & TICKET_MASK, tk);
+        t.ticket(me)
+            .compare_exchange(tk, CLAIMED | 1, SeqCst, SeqCst)
+            .expect("the heir's wait");
+        assert!(wake_step(&t, me, false));
+    }
+    assert_eq!(t.heir(tid), None, "{}", dump(&t));
+}
+
+#[test]
+fn a_wait_whose_ring_entry_is_not_written_keeps_its_place() {
+    let (t, _guard) = guarded(1, 8);
+    let tid = t.tid().expect("a guard");
+    assert_eq!(t.take(1, 0), Some(0));
+    // Slot 2 between its ticket and its ring entry (stopped there, or
+    // killed), slot 3 behind it.
+    assert!(t
+        .state(2)
+        .compare_exchange(IDLE, tid | FUTEX_WAITERS, SeqCst, SeqCst)
+        .is_ok());
+    let t2 = t.draw_ticket(2);
+    let t3 = start_wait(&t, 3);
+    // The ring cannot say; the look at every slot finds slot 2.
+    assert_eq!(ring_says(&t), None);
+    assert_eq!(t.heir(tid), Some((2, t2)));
+    // Slot 2 between its state and its ticket: nobody knows its ticket yet,
+    // so the head stays where it is.
+    let (t4, stay) = {
+        assert!(t
+            .state(4)
+            .compare_exchange(IDLE, tid | FUTEX_WAITERS, SeqCst, SeqCst)
+            .is_ok());
+        let head = t.ring_head().load(SeqCst);
+        t.clear_slot(2, false);
+        assert_eq!(t.heir(tid), Some((3, t3)));
+        (t.draw_ticket(4), head)
+    };
+    assert_eq!(t.ring_head().load(SeqCst), stay, "{}", dump(&t));
+    t.note_wait(4, t4);
+    // Slot 2 died and the broker reset its slot: the head moves to slot
+    // 3, and the ring names it, then slot 4.
+    assert_eq!(t.heir(tid), Some((3, t3)));
+    assert_eq!(ring_says(&t), Some((3, t3)));
+    assert_eq!(t.give_back(1, Some(0)), Some(false));
+    assert_eq!(t.word(0).load(SeqCst), gift(1, 3));
+    assert_eq!(ring_says(&t), Some((4, t4)));
+}
+
+#[test]
+fn a_hostile_ring_neither_hides_a_waiter_nor_crashes_a_giver() {
+    let (t, _guard) = guarded(1, 8);
+    let tid = t.tid().expect("a guard");
+    let base = ring_base(t.words(), t.slots());
+    let len = ring_len(t.slots());
+    let values = [
+        0,
+        u32::MAX,
+        TICKET_MASK,
+        ring_entry(0, 9),
+        ring_entry(0, RING_SLOT_MASK),
+        ring_entry(1, 2),
+        CLAIMED,
+    ];
+    for (round, &v) in values.iter().enumerate() {
+        let round = round as u32;
+        assert_eq!(t.take(1, 0), Some(0));
+        let tk = start_wait(&t, 2);
+        let other = start_wait(&t, 3);
+        // Every ring word and the head scribbled over.
+        for i in 0..=len {
+            t.raw_word(base + i)
+                .expect("a ring word")
+                .store(v.rotate_left(i + round), SeqCst);
+        }
+        assert_eq!(t.heir(tid), Some((2, tk)), "value {v:#x}: {}", dump(&t));
+        assert_eq!(t.give_back(1, Some(0)), Some(false));
+        assert_eq!(t.word(0).load(SeqCst), gift(1, 2));
+        // The heir takes its gift, the other waiter gets it next.
+        assert!(t.claim_gift(2, 1));
+        assert!(matches!(t.ended(2, tid), Ended::Got) || t.word(0).load(SeqCst) == 2);
+        assert_eq!(t.heir(tid), Some((3, other)), "value {v:#x}: {}", dump(&t));
+        assert!(matches!(t.leave(3, tid, other, true), Leave::Withdrawn));
+        t.state(2).store(IDLE, SeqCst);
+        t.ticket(2).store(WITHDRAWN, SeqCst);
+        assert_eq!(t.give_back(2, Some(0)), Some(false));
+        all_free(&t);
+    }
+}

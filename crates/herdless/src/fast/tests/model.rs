@@ -94,6 +94,9 @@ struct Cl {
     /// A give-back stopped between its steps: (word, heir, whether the
     /// gift is written).
     pending: Option<(u32, u32, bool)>,
+    /// Its wait's ring entry is written (a waiter writes it after its
+    /// ticket, before it looks).
+    noted: bool,
 }
 
 struct World {
@@ -138,6 +141,7 @@ impl World {
             inbox: 0,
             spare: 0,
             pending: None,
+            noted: true,
         };
         let mut w = World {
             t,
@@ -412,14 +416,17 @@ impl World {
                 match c.phase {
                     Phase::Idle => self.register(k, false),
                     Phase::Registering => self.draw(k),
-                    _ => {}
+                    _ => {
+                        self.note(k);
+                    }
                 }
             }
             Op::Look(k) => {
                 let c = &self.cl[k as usize];
-                if !c.alive {
+                if !c.alive || self.note(k) {
                     return;
                 }
+                let c = &self.cl[k as usize];
                 let tk = match c.phase {
                     Phase::Registering => return self.draw(k),
                     Phase::Waiting(tk) => tk,
@@ -462,9 +469,10 @@ impl World {
             }
             Op::Timeout(k) => {
                 let c = &self.cl[k as usize];
-                if !c.alive {
+                if !c.alive || self.note(k) {
                     return;
                 }
+                let c = &self.cl[k as usize];
                 match c.phase {
                     // Between the state and the ticket a waiter makes no
                     // call that sleeps: it draws its ticket first.
@@ -627,11 +635,25 @@ impl World {
         }
     }
 
-    /// `wait_from`'s registration, its second half: the ticket.
+    /// `wait_from`'s registration, its second step: the ticket.
     fn draw(&mut self, k: u32) {
-        let tk = self.t.ticket(0).fetch_add(1, SeqCst) & TICKET_MASK;
-        self.t.ticket(k).store(tk, SeqCst);
+        let tk = self.t.draw_ticket(k);
         self.c(k).phase = Phase::Waiting(tk);
+        self.c(k).noted = false;
+    }
+
+    /// The registration's last step, the wait's ring entry, if it is still
+    /// to do: whether it was.
+    fn note(&mut self, k: u32) -> bool {
+        let c = &self.cl[k as usize];
+        match c.phase {
+            Phase::Waiting(tk) if !c.noted => {
+                self.t.note_wait(k, tk);
+                self.c(k).noted = true;
+                true
+            }
+            _ => false,
+        }
     }
 
     /// Tokens everywhere: lent words not free are held or gifts; with the
