@@ -47,11 +47,12 @@
 //!
 //! Where the broker can put the table under a [`DeathGuard`] (Linux), a
 //! client that finds no free word while the table is open waits in the
-//! table itself: each client has a slot of two words, a state and a
-//! ticket. It draws a ticket from a counter (slot 0's ticket word), stores
-//! it, sets its state to *waiting* and sleeps on its state word (a futex).
-//! A client giving a token back hands it straight to the waiter with the
-//! oldest ticket, in two steps, each one compare-and-swap:
+//! table itself: each client has a slot of four words on one cache
+//! line: a state, a ticket, a wake word (how a giver wakes it) and one
+//! unused. It sets its state to *waiting*, then draws a ticket from a
+//! counter (slot 0's ticket word), stores it, and sleeps on its state
+//! word (a futex). A client giving a token back hands it straight to the
+//! waiter with the oldest ticket, in two steps, each one compare-and-swap:
 //!
 //! 1. the token's word goes from `me` to a *gift* `(me → heir)`: the token
 //!    is the heir's from this instruction on (reclaimed with the heir if it
@@ -59,22 +60,24 @@
 //! 2. the heir's state goes from *waiting* to *woken*, then one
 //!    `FUTEX_WAKE` of that word wakes that process alone.
 //!
-//! The giver finds the oldest waiter without looking at every slot: a
-//! waiter that stored its ticket `t` also writes its slot, with `t`'s low
-//! bits, in entry `t mod R` of a ring of R ≥ 2 × slots words, and the
-//! ring's head word names the oldest ticket that may still wait. The
-//! giver walks the ring from the head: an entry written for its ticket
-//! whose slot holds that ticket and waits is the heir; one whose slot
-//! holds another ticket is a wait that ended, and the giver moves the head
-//! past it. The ring is only a guide, checked at every step against the
-//! slots themselves: an entry not written yet (its waiter between its
-//! ticket and its entry), overwritten, or written by a hostile client
-//! sends the giver to look at every slot, as does a walk that finds
-//! nobody (before it frees the word). That look moves the head to the
-//! oldest ticket it found, or to the next ticket if nobody waits, unless a
-//! waiter was between its state and its ticket then (that wait could
-//! have an older ticket than the ones seen). So a hand-off reads a few
-//! words, whatever the number of waiters.
+//! A contended giver finds the oldest waiter without looking at every
+//! slot: a waiter that stored its ticket `t` also writes its slot, with
+//! `t`'s low bits, in entry `t mod R` of a ring of R ≥ 2 × slots words,
+//! and the ring's head word names the oldest ticket that may still wait.
+//! The giver walks the ring from the head: an entry written for its
+//! ticket whose slot holds that ticket and waits is the heir; one whose
+//! slot holds another ticket, or does not wait, is a wait that ended, and
+//! the giver moves the head past it. The ring is only a guide, checked at
+//! every step against the slots themselves: an entry not written yet (its
+//! waiter between its ticket and its entry), an overwritten one, a head
+//! further behind than the ring is long, or a walk that finds nobody
+//! (before the giver frees the word) sends the giver to look at every
+//! slot. That look moves the head to the oldest ticket it found if that
+//! was drawn before the look began, otherwise to the counter as the look
+//! read it; not at all while a slot is between its state and its ticket
+//! (that wait's ticket may be older than any seen). A hostile client that
+//! writes the ring can hide a waiter from it, which then waits until a
+//! walk finds nobody else: it costs order, never a token.
 //!
 //! When step 2 fails (the heir withdrew, or another giver woke it first)
 //! the giver takes its gift back (`gift → me`) and looks again. A woken
@@ -332,21 +335,19 @@ pub enum HandOn {
     Lost,
 }
 
+/// The words of a slot: its state, its ticket, its wake word and one
+/// unused, so that a giver finds all three on one cache line.
+const SLOT_WORDS: u32 = 4;
+
 /// Where the slot area starts, in the segment's words: after the token
-/// words, 8-aligned.
+/// words, 16-aligned (no slot straddles a cache line).
 fn slot_base(words: u32) -> u32 {
-    (words + 1) & !1
+    (words + 3) & !3
 }
 
-/// Where the wake words start (one per slot: how to wake its waiter):
-/// after the slots.
-fn wake_base(words: u32, slots: u32) -> u32 {
-    slot_base(words) + 2 * (slots + 1)
-}
-
-/// Where the wait figures start: after the wake words, 8-aligned.
+/// Where the wait figures start: after the slots.
 fn extra_base(words: u32, slots: u32) -> u32 {
-    (wake_base(words, slots) + slots + 2) & !1
+    slot_base(words) + SLOT_WORDS * (slots + 1)
 }
 
 /// Where the ring of waits starts: after the wait figures, 8-aligned. Its
@@ -382,12 +383,6 @@ fn ring_entry(t: u32, k: u32) -> u32 {
 fn ring_slot(e: u32, t: u32) -> Option<u32> {
     let k = e & RING_SLOT_MASK;
     (k != 0 && e >> RING_SLOT_BITS == t & (u32::MAX >> RING_SLOT_BITS)).then_some(k)
-}
-
-/// Whether ticket `a` was drawn after ticket `b`.
-fn ticket_after(a: u32, b: u32) -> bool {
-    let d = a.wrapping_sub(b) & TICKET_MASK;
-    d != 0 && d <= TICKET_MASK / 2
 }
 
 /// When clients of the table tell the broker of what they do there
@@ -514,7 +509,7 @@ impl Table {
 
     fn state_index(&self, k: u32) -> u32 {
         assert!(k <= self.slots, "slot {k} out of range");
-        slot_base(self.words) + 2 * k
+        slot_base(self.words) + SLOT_WORDS * k
     }
 
     /// Slot `k`'s state word (slot 0: the broker's life).
@@ -531,8 +526,7 @@ impl Table {
     /// the waiter's process id while it waits in its own poll loop (woken
     /// by [`send_wake`]).
     fn wake_word(&self, k: u32) -> &AtomicU32 {
-        assert!(k <= self.slots, "slot {k} out of range");
-        self.seg.word(wake_base(self.words, self.slots) + k)
+        self.seg.word(self.state_index(k) + 2)
     }
 
     /// Wakes the waiter of slot `k` the way its wake word says: a signal
@@ -675,9 +669,9 @@ impl Table {
     /// The waiting slot with the oldest ticket, and its ticket: from the
     /// ring when it says, otherwise by looking at every slot.
     fn heir(&self, tid: u32) -> Option<(u32, u32)> {
-        let head = self.ring_head().load(SeqCst) & TICKET_MASK;
+        let head = self.ring_head().load(SeqCst);
         let next = self.ticket(0).load(SeqCst) & TICKET_MASK;
-        self.ring_heir(tid, head, next)
+        self.ring_heir(tid, head & TICKET_MASK, next)
             .or_else(|| self.scan_heir(tid, head, next))
     }
 
@@ -709,33 +703,47 @@ impl Table {
         None
     }
 
-    /// The oldest waiting slot, looking at every slot; moves the ring's
-    /// head (read as `head`) to its ticket, or to `next` when nobody
-    /// waits, unless a waiter was between its state and its ticket (its
-    /// ticket may be older than any seen) or a claim was under way.
+    /// The oldest waiting slot, looking at every slot. Moves the ring's
+    /// head (read as `head`, raw) to that slot's ticket if it was drawn
+    /// before `next` was read, otherwise to `next`: no live wait has an
+    /// older ticket, as every ticket drawn before that read belongs to a
+    /// slot whose state said waiting before this look, which saw its
+    /// ticket unless the slot was between its state and its ticket
+    /// ([`WITHDRAWN`] still in its ticket word). With such a slot the head
+    /// stays.
     fn scan_heir(&self, tid: u32, head: u32, next: u32) -> Option<(u32, u32)> {
         let waiting = tid | FUTEX_WAITERS;
         let hi = self.header(H_HI).load(SeqCst).min(self.slots);
-        let in_flight = (1..=hi).any(|k| {
-            self.state(k).load(SeqCst) == waiting && self.ticket(k).load(SeqCst) & CLAIMED != 0
-        });
-        let oldest = self
-            .claimable(tid, next)
-            .fold(None, |best: Option<(u32, u32, u32)>, c| {
-                if best.map_or(true, |(_, _, a)| c.2 > a) {
-                    Some(c)
-                } else {
-                    best
-                }
-            })
-            .map(|(k, t, _)| (k, t));
-        if !in_flight {
-            let to = oldest.map_or(next, |(_, t)| t);
-            if ticket_after(to, head) {
+        let mut registering = false;
+        // (slot, ticket, age from `next`; a ticket drawn after it: 0).
+        let mut oldest: Option<(u32, u32, u32)> = None;
+        for k in 1..=hi {
+            if self.state(k).load(SeqCst) != waiting {
+                continue;
+            }
+            let t = self.ticket(k).load(SeqCst);
+            if t == WITHDRAWN {
+                registering = true;
+            }
+            if t & CLAIMED != 0 {
+                continue;
+            }
+            let age = next.wrapping_sub(t) & TICKET_MASK;
+            let age = if age > TICKET_MASK / 2 { 0 } else { age };
+            if oldest.map_or(true, |(_, _, a)| age > a) {
+                oldest = Some((k, t, age));
+            }
+        }
+        if !registering {
+            let to = match oldest {
+                Some((_, t, age)) if age > 0 => t,
+                _ => next,
+            };
+            if to != head {
                 let _ = self.ring_head().compare_exchange(head, to, SeqCst, SeqCst);
             }
         }
-        oldest
+        oldest.map(|(k, t, _)| (k, t))
     }
 
     /// The slots waiting with an unclaimed ticket, each with its ticket and
@@ -1116,6 +1124,12 @@ impl Table {
     /// giver freed unseen, not claimed. Without `block` it never sleeps: a
     /// wait claimed and not yet woken goes on ([`Step::Wait`]).
     fn check(&self, me: u32, tid: u32, t: u32, block: bool) -> Step {
+        // Woken by its claimer (the guard's id still in the state: the
+        // broker had not died when this was read): whatever the checks
+        // below found, they would end it so.
+        if self.state(me).load(SeqCst) == tid | FUTEX_WAITERS | FUTEX_OWNER_DIED {
+            return Step::from(self.ended(me, tid));
+        }
         let gone = self.state(0).load(SeqCst) != tid;
         let closed = !self.accepts_waits();
         // Only an open table has words to take (a half-open one's free

@@ -791,7 +791,7 @@ fn a_wait_whose_ring_entry_is_not_written_keeps_its_place() {
 }
 
 #[test]
-fn a_hostile_ring_neither_hides_a_waiter_nor_crashes_a_giver() {
+fn a_scribbled_ring_crashes_no_giver_and_the_look_at_every_slot_still_finds_the_waiter() {
     let (t, _guard) = guarded(1, 8);
     let tid = t.tid().expect("a guard");
     let base = ring_base(t.words(), t.slots());
@@ -829,4 +829,31 @@ fn a_hostile_ring_neither_hides_a_waiter_nor_crashes_a_giver() {
         assert_eq!(t.give_back(2, Some(0)), Some(false));
         all_free(&t);
     }
+}
+
+#[test]
+fn the_look_at_every_slot_never_moves_the_head_past_a_wait_it_saw_drawn_late() {
+    let (t, _guard) = guarded(1, 8);
+    let tid = t.tid().expect("a guard");
+    // Nobody waits: the head is at the counter.
+    let head = t.ring_head().load(SeqCst);
+    let next = t.ticket(0).load(SeqCst) & TICKET_MASK;
+    assert_eq!(head & TICKET_MASK, next);
+    // Two waits start after a giver read the counter, the higher slot
+    // first: to the look both are younger than its read, and it names the
+    // lower slot.
+    let t7 = start_wait(&t, 7);
+    let t2 = start_wait(&t, 2);
+    assert_eq!(t.scan_heir(tid, head, next), Some((2, t2)));
+    // The head stays at the counter it read, so the ring still names the
+    // older wait first.
+    assert_eq!(t.ring_head().load(SeqCst) & TICKET_MASK, next);
+    assert_eq!(ring_says(&t), Some((7, t7)), "{}", dump(&t));
+    // A head scribbled on (a bit above the ticket's) is put back by the
+    // next look.
+    t.ring_head().store(CLAIMED | 12345, SeqCst);
+    assert_eq!(ring_says(&t), None);
+    assert_eq!(t.heir(tid), Some((7, t7)));
+    assert_eq!(t.ring_head().load(SeqCst), t7);
+    assert_eq!(ring_says(&t), Some((7, t7)));
 }
