@@ -71,11 +71,13 @@
 //! every step against the slots themselves: an entry not written yet (its
 //! waiter between its ticket and its entry), an overwritten one, a head
 //! further behind than the ring is long, or a walk that finds nobody
-//! (before the giver frees the word) sends the giver to look at every
-//! slot. That look moves the head to the oldest ticket it found if that
-//! was drawn before the look began, otherwise to the counter as the look
-//! read it; not at all while a slot is between its state and its ticket
-//! (that wait's ticket may be older than any seen). A hostile client that
+//! (before the giver frees the word, and again after) sends the giver to
+//! look at every slot. That look moves the head to the oldest ticket it
+//! found if that was drawn before the giver read the ticket counter,
+//! otherwise to the counter as read; not at all while a slot reads
+//! waiting with a claimed ticket word (a waiter between its state and
+//! its ticket, whose ticket may be older than any seen, or a claim not
+//! woken yet). A hostile client that
 //! writes the ring can hide a waiter from it, which then waits until a
 //! walk finds nobody else: it costs order, never a token.
 //!
@@ -194,7 +196,7 @@ const X_COUNTS: u32 = 4;
 /// "HRDT" as a little-endian word.
 const MAGIC: u32 = u32::from_le_bytes(*b"HRDT");
 /// The layout of this module.
-const LAYOUT: u32 = 6;
+const LAYOUT: u32 = 7;
 
 /// A slot's state: not waiting.
 const IDLE: u32 = 0;
@@ -428,6 +430,10 @@ impl Table {
         let t = Table { seg, words, slots };
         for i in 0..words {
             t.word(i).store(OUT, SeqCst);
+        }
+        // Between waits a ticket word holds a claimed value.
+        for k in 1..=slots {
+            t.ticket(k).store(WITHDRAWN, SeqCst);
         }
         t.seg.header(H_LAYOUT).store(LAYOUT, SeqCst);
         t.seg.header(H_WORDS).store(words, SeqCst);
@@ -708,13 +714,13 @@ impl Table {
     /// before `next` was read, otherwise to `next`: no live wait has an
     /// older ticket, as every ticket drawn before that read belongs to a
     /// slot whose state said waiting before this look, which saw its
-    /// ticket unless the slot was between its state and its ticket
-    /// ([`WITHDRAWN`] still in its ticket word). With such a slot the head
-    /// stays.
+    /// ticket unless the slot was between its state and its ticket (a
+    /// claimed value still in its ticket word). With a slot that reads
+    /// waiting and claimed the head stays.
     fn scan_heir(&self, tid: u32, head: u32, next: u32) -> Option<(u32, u32)> {
         let waiting = tid | FUTEX_WAITERS;
         let hi = self.header(H_HI).load(SeqCst).min(self.slots);
-        let mut registering = false;
+        let mut unsure = false;
         // (slot, ticket, age from `next`; a ticket drawn after it: 0).
         let mut oldest: Option<(u32, u32, u32)> = None;
         for k in 1..=hi {
@@ -722,10 +728,11 @@ impl Table {
                 continue;
             }
             let t = self.ticket(k).load(SeqCst);
-            if t == WITHDRAWN {
-                registering = true;
-            }
             if t & CLAIMED != 0 {
+                // Between its state and its ticket (what the ticket word
+                // holds between waits is any claimed value, as far as
+                // a client is told), or a claim not woken yet.
+                unsure = true;
                 continue;
             }
             let age = next.wrapping_sub(t) & TICKET_MASK;
@@ -734,7 +741,7 @@ impl Table {
                 oldest = Some((k, t, age));
             }
         }
-        if !registering {
+        if !unsure {
             let to = match oldest {
                 Some((_, t, age)) if age > 0 => t,
                 _ => next,
