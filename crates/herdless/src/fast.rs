@@ -1131,9 +1131,11 @@ impl Table {
     /// giver freed unseen, not claimed. Without `block` it never sleeps: a
     /// wait claimed and not yet woken goes on ([`Step::Wait`]).
     fn check(&self, me: u32, tid: u32, t: u32, block: bool) -> Step {
-        // Woken by its claimer (the guard's id still in the state: the
-        // broker had not died when this was read): whatever the checks
-        // below found, they would end it so.
+        // Woken (the guard's id still in the state: the broker had not
+        // died when this was read): the checks below would end the wait
+        // in `ended` too, whatever they found, or, woken by a giver of
+        // this slot's previous client with its own ticket unclaimed, in
+        // the same end one ticket later.
         if self.state(me).load(SeqCst) == tid | FUTEX_WAITERS | FUTEX_OWNER_DIED {
             return Step::from(self.ended(me, tid));
         }
