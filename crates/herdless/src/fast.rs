@@ -77,9 +77,9 @@
 //! otherwise to the counter as read; not at all while a slot reads
 //! waiting with a claimed ticket word (a waiter between its state and
 //! its ticket, whose ticket may be older than any seen, or a claim not
-//! woken yet). A hostile client that
-//! writes the ring can hide a waiter from it, which then waits until a
-//! walk finds nobody else: it costs order, never a token.
+//! woken yet). A hostile client that writes the ring can hide a waiter
+//! from it, which then waits until a walk finds nobody else: it costs
+//! order, never a token.
 //!
 //! When step 2 fails (the heir withdrew, or another giver woke it first)
 //! the giver takes its gift back (`gift → me`) and looks again. A woken

@@ -721,7 +721,7 @@ fn the_ring_names_the_oldest_waiter_past_ended_waits_and_round_its_end() {
         assert!(matches!(t.leave(me, tid, tk, true), Leave::Withdrawn));
     }
     // The oldest waiter's entry was overwritten: the look at every slot
-    // found it, and moved the head to it.
+    // found it each time, and the head stayed at its ticket.
     assert_eq!(t.ring_head().load(SeqCst) & TICKET_MASK, first);
     // Waits that start now are in the ring, in their order, once the ones
     // before them end.
