@@ -387,6 +387,17 @@ fn ring_slot(e: u32, t: u32) -> Option<u32> {
     (k != 0 && e >> RING_SLOT_BITS == t & (u32::MAX >> RING_SLOT_BITS)).then_some(k)
 }
 
+/// How many tickets before `next` (the counter as read) ticket `t` was
+/// drawn; 0 for one drawn at or after that read (tickets wrap).
+fn ticket_age(t: u32, next: u32) -> u32 {
+    let age = next.wrapping_sub(t) & TICKET_MASK;
+    if age > TICKET_MASK / 2 {
+        0
+    } else {
+        age
+    }
+}
+
 /// When clients of the table tell the broker of what they do there
 /// ([`Table::set_notify`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -735,8 +746,7 @@ impl Table {
                 unsure = true;
                 continue;
             }
-            let age = next.wrapping_sub(t) & TICKET_MASK;
-            let age = if age > TICKET_MASK / 2 { 0 } else { age };
+            let age = ticket_age(t, next);
             if oldest.map_or(true, |(_, _, a)| age > a) {
                 oldest = Some((k, t, age));
             }
@@ -767,8 +777,7 @@ impl Table {
             if t & CLAIMED != 0 {
                 return None;
             }
-            let age = next.wrapping_sub(t) & TICKET_MASK;
-            Some((k, t, if age > TICKET_MASK / 2 { 0 } else { age }))
+            Some((k, t, ticket_age(t, next)))
         })
     }
 
